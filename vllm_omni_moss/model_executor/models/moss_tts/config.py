@@ -1,0 +1,523 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decoder geometry of MOSS Audio Tokenizer v1 and v2 codecs.
+
+The official checkpoints ship a ``config.json`` whose ``decoder_kwargs`` list the
+decoder modules in execution order: projected causal transformers ("resolution
+groups") separated by weight-free ``PatchedPretransform`` upsamplers. This module
+parses that file into a frozen :class:`CodecConfig`, validates it, and holds the
+built-in presets.
+
+Sources of the facts used here:
+
+* v2 geometry (6 groups, rings 125/250/400/400/400/400 tokens, 48 kHz stereo,
+  3840 samples per channel per frame): checkpoint ``OpenMOSS-Team/MOSS-Audio-Tokenizer-v2``
+  as summarised in ``shared/docs/codec-facts.md`` §A.4.
+* v1 geometry (24 kHz mono, 1920 samples per frame, global 10 s context): the
+  default ``decoder_kwargs`` of the official configuration class in
+  ``OpenMOSS/MOSS-Audio-Tokenizer`` (four transformers, patches 2·2·2·240).
+  vLLM-Omni 0.30.0's vendored v1 defaults list five transformers with a 3840
+  product, which contradicts 1920 samples/frame; real checkpoints are always
+  read from their own ``config.json``, so only the preset depends on this.
+* ``context = int(round(stage_rate * context_duration))`` tokens, where the stage
+  rate is the frame rate times the upsampling applied before the stage
+  (vLLM-Omni 0.30.0 model construction, codec-facts §A.4).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CodecConfig",
+    "GroupSpec",
+    "PRESETS",
+    "load_config",
+    "parse_config",
+    "preset_config",
+]
+
+_SUPPORTED_QUANTIZERS = ("rlfq", "random_prefix_rlfq")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One resolution group: a projected causal transformer of the decoder.
+
+    Attributes:
+        index: position of the transformer in ``decoder_kwargs`` (the checkpoint prefix
+            is ``decoder.{index}.``).
+        input_dim / output_dim: channels entering / leaving the group.
+        d_model, num_heads, num_layers, dim_feedforward: transformer shape.
+        context: attention window and ring capacity in tokens of this group.
+        tokens_per_frame: tokens of this group per code frame (product of the
+            upsampling factors applied before it).
+        upsample: factor of the ``PatchedPretransform`` that follows (1 if none).
+        layer_scale: initial LayerScale value, or ``None`` when the layers have none.
+        max_period: RoPE period.
+        input_proj / output_proj: whether the group has a projection matrix. v2
+            always has both; v1 omits a projection whose dims match (it may still
+            be present in a checkpoint, see ``checkpoint.py``).
+    """
+
+    index: int
+    input_dim: int
+    output_dim: int
+    d_model: int
+    num_heads: int
+    num_layers: int
+    dim_feedforward: int
+    context: int
+    tokens_per_frame: int
+    upsample: int
+    layer_scale: float | None
+    max_period: float
+    input_proj: bool
+    output_proj: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def ring_bytes(self, element_size: int) -> int:
+        """Bytes of one slot's K+V ring for all layers of the group."""
+        return 2 * self.num_layers * self.num_heads * self.context * self.head_dim * element_size
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Validated decoder geometry.
+
+    Attributes:
+        version: ``"v1"`` or ``"v2"``: selects ring semantics and checkpoint naming.
+        sampling_rate: output rate per channel in Hz.
+        downsample_rate: samples per channel per code frame.
+        number_channels: output channels (2 for v2 stereo).
+        channel_interleave: whether channels are interleaved in time inside the
+            model (v2 stereo: L0, R0, L1, R1, ...).
+        num_quantizers / codebook_size / codebook_dim / rvq_dim / latent_dim:
+            residual-LFQ geometry; ``latent_dim`` is the decoder input width.
+        groups: resolution groups in execution order.
+        raw: the parsed ``config.json`` dict (normalised copy).
+    """
+
+    version: str
+    sampling_rate: int
+    downsample_rate: int
+    number_channels: int
+    channel_interleave: bool
+    num_quantizers: int
+    codebook_size: int
+    codebook_dim: int
+    rvq_dim: int
+    latent_dim: int
+    groups: tuple[GroupSpec, ...]
+    raw: dict
+
+    @property
+    def interleave_factor(self) -> int:
+        return self.number_channels if self.channel_interleave and self.number_channels > 1 else 1
+
+    @property
+    def frame_rate(self) -> float:
+        """Code frames per second (12.5 for both official codecs)."""
+        return self.sampling_rate / self.downsample_rate
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Output samples per channel per code frame."""
+        return self.downsample_rate
+
+    @property
+    def num_layers(self) -> int:
+        return sum(g.num_layers for g in self.groups)
+
+    def state_bytes_per_slot(self, element_size: int = 2) -> int:
+        """K+V ring bytes of one streaming slot (88,678,400 for v2 in bf16)."""
+        return sum(g.ring_bytes(element_size) for g in self.groups)
+
+
+def _fail(field: str, msg: str) -> ValueError:
+    return ValueError(f"invalid codec config: {field}: {msg}")
+
+
+def _int_field(d: dict, key: str, field: str, *, minimum: int = 1) -> int:
+    if key not in d:
+        raise _fail(field, "missing")
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(field, f"expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _normalise(raw: dict) -> dict:
+    """Apply the legacy key aliases of published configs to a copy of ``raw``."""
+    d = copy.deepcopy(raw)
+    d.pop("model_type", None)
+    if "sampling_rate" not in d and "sample_rate" in d:
+        d["sampling_rate"] = d.pop("sample_rate")
+    if "number_channels" not in d and "num_channels" in d:
+        d["number_channels"] = d.pop("num_channels")
+    qk = dict(d.get("quantizer_kwargs") or {})
+    if "quantizer_type" not in qk and "quantizer_type" in d:
+        qk["quantizer_type"] = d["quantizer_type"]
+    d["quantizer_kwargs"] = qk
+    if not d.get("decoder_kwargs") and d.get("reversed_decoder_kwargs"):
+        d["decoder_kwargs"] = _mirror_encoder(d)
+    return d
+
+
+def _mirror_encoder(d: dict) -> list[dict]:
+    """Decoder modules as the mirror image of ``encoder_kwargs`` (dims swapped)."""
+    enc = d.get("encoder_kwargs")
+    if not isinstance(enc, list) or not enc:
+        raise _fail("reversed_decoder_kwargs", "needs a non-empty encoder_kwargs list to mirror")
+    out = []
+    for spec in reversed(enc):
+        spec = dict(spec)
+        if spec.get("module_type") == "Transformer":
+            spec["input_dimension"], spec["output_dimension"] = spec["output_dimension"], spec["input_dimension"]
+        out.append(spec)
+    return out
+
+
+def _detect_version(d: dict) -> str:
+    # vLLM-Omni 0.30.0 picks its v2 class for codecs with two or more channels.
+    return "v2" if int(d.get("number_channels", 1)) >= 2 else "v1"
+
+
+def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
+    """Parse an official ``config.json`` dict.
+
+    Args:
+        raw: the JSON object of the checkpoint's ``config.json``.
+        version: ``"v1"`` or ``"v2"``; detected from ``number_channels`` when ``None``
+            (two or more channels means v2, as vLLM-Omni 0.30.0 decides).
+
+    Raises:
+        ValueError: naming the field, for missing or inconsistent geometry or
+            unsupported module options.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"invalid codec config: expected a JSON object, got {type(raw).__name__}")
+    d = _normalise(raw)
+    version = version or d.get("codec_version") or _detect_version(d)
+    if version not in ("v1", "v2"):
+        raise _fail("version", f"expected 'v1' or 'v2', got {version!r}")
+    sampling_rate = _int_field(d, "sampling_rate", "sampling_rate")
+    downsample_rate = _int_field(d, "downsample_rate", "downsample_rate")
+    channels = int(d.get("number_channels", 1))
+    if channels < 1:
+        raise _fail("number_channels", f"expected >= 1, got {channels}")
+    interleave = bool(d.get("enable_channel_interleave", True))
+    if channels > 1 and not interleave:
+        raise _fail("enable_channel_interleave", "multi-channel codecs without interleave are not supported")
+    interleave_factor = channels if channels > 1 else 1
+    default_duration = float(d.get("causal_transformer_context_duration", 10.0))
+
+    qk = d["quantizer_kwargs"]
+    qtype = qk.get("quantizer_type", "rlfq")
+    if qtype not in _SUPPORTED_QUANTIZERS:
+        raise _fail("quantizer_kwargs.quantizer_type", f"expected one of {_SUPPORTED_QUANTIZERS}, got {qtype!r}")
+    num_quantizers = _int_field(qk, "num_quantizers", "quantizer_kwargs.num_quantizers")
+    codebook_size = _int_field(qk, "codebook_size", "quantizer_kwargs.codebook_size")
+    codebook_dim = _int_field(qk, "codebook_dim", "quantizer_kwargs.codebook_dim")
+    rvq_dim = _int_field(qk, "rvq_dim", "quantizer_kwargs.rvq_dim")
+    latent_dim = _int_field(qk, "output_dim", "quantizer_kwargs.output_dim")
+
+    modules = d.get("decoder_kwargs")
+    if not isinstance(modules, list) or not modules:
+        raise _fail("decoder_kwargs", "expected a non-empty list of module dicts")
+    patches = []
+    for i, spec in enumerate(modules):
+        mtype = spec.get("module_type") if isinstance(spec, dict) else None
+        if mtype == "PatchedPretransform":
+            patches.append(_int_field(spec, "patch_size", f"decoder_kwargs[{i}].patch_size"))
+        elif mtype != "Transformer":
+            raise _fail(f"decoder_kwargs[{i}].module_type", f"expected 'Transformer' or 'PatchedPretransform', got {mtype!r}")
+    hop = downsample_rate * interleave_factor
+    if math.prod(patches) != hop:
+        raise _fail(
+            "decoder_kwargs",
+            f"upsampling product {math.prod(patches)} != downsample_rate x interleaved channels = {hop}",
+        )
+    # Start from the interleaved sample rate and undo the upsamplers in reverse, as
+    # the encoder does, so the float rate matches the reference bit for bit.
+    rate = float(sampling_rate * interleave_factor)
+    for p in reversed(patches):
+        rate /= p
+
+    groups: list[GroupSpec] = []
+    tokens_per_frame = 1
+    width = latent_dim
+    for i, spec in enumerate(modules):
+        f = f"decoder_kwargs[{i}]"
+        if spec["module_type"] == "PatchedPretransform":
+            p = spec["patch_size"]
+            if width % p:
+                raise _fail(f"{f}.patch_size", f"{p} does not divide the {width} incoming channels")
+            if groups and groups[-1].upsample == 1 and groups[-1].index == i - 1:
+                groups[-1] = _replace(groups[-1], upsample=p)
+            width //= p
+            tokens_per_frame *= p
+            rate *= p
+            continue
+        for key, expected in (("norm", "layer_norm"), ("positional_embedding", "rope"), ("gating", "none")):
+            if spec.get(key, expected) != expected:
+                raise _fail(f"{f}.{key}", f"only {expected!r} is supported, got {spec[key]!r}")
+        if not spec.get("causal", True):
+            raise _fail(f"{f}.causal", "the streaming decoder needs causal transformers")
+        in_dim = _int_field(spec, "input_dimension", f"{f}.input_dimension")
+        out_dim = _int_field(spec, "output_dimension", f"{f}.output_dimension")
+        d_model = _int_field(spec, "d_model", f"{f}.d_model")
+        heads = _int_field(spec, "num_heads", f"{f}.num_heads")
+        if d_model % heads or (d_model // heads) % 2:
+            raise _fail(f"{f}.num_heads", f"d_model {d_model} must split into {heads} heads of even size")
+        if in_dim != width:
+            raise _fail(f"{f}.input_dimension", f"expected {width} (channels reaching this module), got {in_dim}")
+        duration = float(spec.get("context_duration", default_duration))
+        context = int(round(rate * duration))
+        if context < 1:
+            raise _fail(f"{f}.context_duration", f"{duration} s at {rate} tokens/s gives a context of {context} tokens")
+        layer_scale = spec.get("layer_scale")
+        groups.append(
+            GroupSpec(
+                index=i,
+                input_dim=in_dim,
+                output_dim=out_dim,
+                d_model=d_model,
+                num_heads=heads,
+                num_layers=_int_field(spec, "num_layers", f"{f}.num_layers"),
+                dim_feedforward=_int_field(spec, "dim_feedforward", f"{f}.dim_feedforward"),
+                context=context,
+                tokens_per_frame=tokens_per_frame,
+                upsample=1,
+                layer_scale=None if layer_scale is None else float(layer_scale),
+                max_period=float(spec.get("max_period", 10000)),
+                input_proj=version == "v2" or in_dim != d_model,
+                output_proj=version == "v2" or out_dim != d_model,
+            )
+        )
+        width = out_dim
+    if not groups:
+        raise _fail("decoder_kwargs", "no Transformer module")
+    if width != 1:
+        raise _fail("decoder_kwargs", f"the last module must leave 1 channel per interleaved sample, leaves {width}")
+    return CodecConfig(
+        version=version,
+        sampling_rate=sampling_rate,
+        downsample_rate=downsample_rate,
+        number_channels=channels,
+        channel_interleave=interleave and channels > 1,
+        num_quantizers=num_quantizers,
+        codebook_size=codebook_size,
+        codebook_dim=codebook_dim,
+        rvq_dim=rvq_dim,
+        latent_dim=latent_dim,
+        groups=tuple(groups),
+        raw=d,
+    )
+
+
+def _replace(spec: GroupSpec, **kw: Any) -> GroupSpec:
+    from dataclasses import replace
+
+    return replace(spec, **kw)
+
+
+def load_config(path: str | Path, version: str | None = None) -> CodecConfig:
+    """Read ``config.json`` (a file, or a checkpoint directory holding one).
+
+    Raises:
+        FileNotFoundError: no config file at ``path``.
+        ValueError: the file is not valid JSON or the geometry is invalid.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"codec config not found: {p}")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid codec config: {p} is not valid JSON ({exc})") from exc
+    return parse_config(raw, version)
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def _transformer(
+    in_dim: int, out_dim: int, d_model: int, heads: int, layers: int, ffn: int, duration: float | None
+) -> dict:
+    spec = {
+        "module_type": "Transformer",
+        "input_dimension": in_dim,
+        "output_dimension": out_dim,
+        "d_model": d_model,
+        "num_heads": heads,
+        "num_layers": layers,
+        "dim_feedforward": ffn,
+        "causal": True,
+        "norm": "layer_norm",
+        "positional_embedding": "rope",
+        "max_period": 10000,
+        "gating": "none",
+        "layer_scale": 0.01,
+        "conv_layout": True,
+    }
+    if duration is not None:
+        spec["context_duration"] = duration
+    return spec
+
+
+def _patch(size: int) -> dict:
+    return {"module_type": "PatchedPretransform", "patch_size": size}
+
+
+def _mirror(decoder: list[dict]) -> list[dict]:
+    enc = []
+    for spec in reversed(decoder):
+        spec = dict(spec)
+        if spec["module_type"] == "Transformer":
+            spec["input_dimension"], spec["output_dimension"] = spec["output_dimension"], spec["input_dimension"]
+        enc.append(spec)
+    return enc
+
+
+def _codec(
+    *,
+    sampling_rate: int,
+    downsample_rate: int,
+    channels: int,
+    decoder: list[dict],
+    latent: int,
+    rvq: int,
+    quantizers: int,
+    codebook: int,
+    codebook_dim: int,
+    duration: float,
+) -> dict:
+    return {
+        "model_type": "moss-audio-tokenizer",
+        "sampling_rate": sampling_rate,
+        "downsample_rate": downsample_rate,
+        "number_channels": channels,
+        "enable_channel_interleave": True,
+        "causal_transformer_context_duration": duration,
+        "encoder_kwargs": _mirror(decoder),
+        "decoder_kwargs": decoder,
+        "quantizer_type": "rlfq",
+        "quantizer_kwargs": {
+            "input_dim": latent,
+            "rvq_dim": rvq,
+            "output_dim": latent,
+            "num_quantizers": quantizers,
+            "codebook_size": codebook,
+            "codebook_dim": codebook_dim,
+            "quantizer_type": "rlfq",
+        },
+    }
+
+
+def _v2(d1: int, d: int, heads1: int, heads: int, layers1: int, layers: int, latent: int, durations) -> list[dict]:
+    half1, half = d1 // 2, d // 2
+    return [
+        _transformer(latent, d1, d1, heads1, layers1, 4 * d1, durations[0]),
+        _patch(2),
+        _transformer(half1, d, d, heads, layers, 4 * d, durations[1]),
+        _patch(2),
+        _transformer(half, d, d, heads, layers, 4 * d, durations[2]),
+        _patch(2),
+        _transformer(half, d, d, heads, layers, 4 * d, durations[3]),
+        _patch(2),
+        _transformer(half, d, d, heads, layers, 4 * d, durations[4]),
+        _patch(2),
+        _transformer(half, 240, d, heads, layers, 4 * d, durations[5]),
+        _patch(240),
+    ]
+
+
+def _v1(d1: int, d: int, heads1: int, heads: int, layers1: int, layers: int, latent: int) -> list[dict]:
+    half1, half = d1 // 2, d // 2
+    return [
+        _transformer(latent, d1, d1, heads1, layers1, 4 * d1, None),
+        _patch(2),
+        _transformer(half1, d, d, heads, layers, 4 * d, None),
+        _patch(2),
+        _transformer(half, d, d, heads, layers, 4 * d, None),
+        _patch(2),
+        _transformer(half, 240, d, heads, layers, 4 * d, None),
+        _patch(240),
+    ]
+
+
+PRESETS: dict[str, dict] = {
+    # MOSS-Audio-Tokenizer-v2: 92 layers, rings 125/250/400/400/400/400 (codec-facts §A.4).
+    "v2": _codec(
+        sampling_rate=48000,
+        downsample_rate=3840,
+        channels=2,
+        decoder=_v2(1280, 768, 20, 12, 32, 12, 768, (10.0, 10.0, 8.0, 4.0, 2.0, 1.0)),
+        latent=768,
+        rvq=512,
+        quantizers=32,
+        codebook=1024,
+        codebook_dim=8,
+        duration=10.0,
+    ),
+    # MOSS-Audio-Tokenizer (v1): official configuration-class defaults.
+    "v1": _codec(
+        sampling_rate=24000,
+        downsample_rate=1920,
+        channels=1,
+        decoder=_v1(1280, 768, 20, 12, 32, 12, 768),
+        latent=768,
+        rvq=512,
+        quantizers=32,
+        codebook=1024,
+        codebook_dim=8,
+        duration=10.0,
+    ),
+    # Same structure, small widths and one or two layers per group; context
+    # durations a tenth of v2's so rings (10 and 20 tokens) wrap within seconds.
+    "tiny-v2": _codec(
+        sampling_rate=48000,
+        downsample_rate=3840,
+        channels=2,
+        decoder=_v2(64, 32, 4, 2, 2, 1, 16, (0.8, 0.8, 0.4, 0.2, 0.1, 0.05)),
+        latent=16,
+        rvq=16,
+        quantizers=12,
+        codebook=1024,
+        codebook_dim=8,
+        duration=0.8,
+    ),
+    "tiny-v1": _codec(
+        sampling_rate=24000,
+        downsample_rate=1920,
+        channels=1,
+        decoder=_v1(64, 32, 4, 2, 2, 1, 16),
+        latent=16,
+        rvq=16,
+        quantizers=12,
+        codebook=1024,
+        codebook_dim=8,
+        duration=0.8,
+    ),
+}
+
+
+def preset_config(name: str) -> CodecConfig:
+    """The :class:`CodecConfig` of a built-in preset (``v2``, ``v1``, ``tiny-v2``, ``tiny-v1``).
+
+    Raises:
+        ValueError: unknown preset name (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown codec preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return parse_config(copy.deepcopy(PRESETS[name]))
