@@ -1,0 +1,451 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Masked write-back of the codec decoder's ring KV state.
+
+Two operations commit one decoder step into the persistent state pool:
+
+* ``commit_cache`` copies, for valid rows only, the ring positions this chunk touched from the gathered
+  rows ``(2, B, H, C, Dh)`` back into the pool ``(2, S, H, C, Dh)``.
+* ``commit_offsets`` stores the advanced token offsets of valid rows into an offset bank ``(S,)``.
+
+Both exist because the pool has one shared null slot: every padding row points at it, so a dense
+``index_copy_`` would be a duplicate-destination write and would also mutate the null slot, which must
+stay all-zero. Here invalid rows write nothing at all.
+
+Each operation has four parts that sit together below: a Triton kernel, a ``torch.library.custom_op``
+(namespace ``vllm_omni_moss``) with its ``register_fake``, a plain PyTorch reference, and a public
+function that validates shapes and calls the op.
+
+Dispatch inside the ops: CUDA tensors launch the Triton kernel. CPU tensors run the PyTorch reference,
+unless ``TRITON_INTERPRET=1`` was set when this module was imported (Triton decides at ``@triton.jit``
+time whether a kernel is compiled or interpreted) and ``ALLOW_CPU_TRITON_INTERPRETER`` is true; then CPU
+tensors run the Triton kernel in Triton's interpreter, which is how CPU tests check the real kernel.
+Triton is imported under a guard: without it the module still imports and CPU uses the reference.
+
+Both ops are safe inside ``torch.compile(fullgraph=True, dynamic=True)`` (fake impls, shape-only
+validation) and inside CUDA-graph capture on CUDA (no host syncs, no data-dependent allocation).
+"""
+
+import contextlib
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # Triton is optional on CPU-only installs.
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Snapshot at import: whether Triton turned the kernels below into interpreted functions is fixed by the
+# environment at decoration time, so a later change of the variable cannot change how they run.
+TRITON_INTERPRET_AT_IMPORT: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Tests may set this to False to force the reference on CPU even in an interpreting process.
+ALLOW_CPU_TRITON_INTERPRETER: bool = True
+
+# Elements per (time x head_dim) tile of commit_cache; 1024 keeps a bf16 tile at 2 KiB per plane.
+_COMMIT_CACHE_TILE_ELEMENTS = 1024
+# Rows handled by one program of commit_offsets.
+_COMMIT_OFFSETS_BLOCK = 128
+
+
+def cpu_uses_triton_interpreter() -> bool:
+    """True when the ops run the Triton kernels (interpreted) on CPU tensors instead of the reference."""
+    return HAS_TRITON and TRITON_INTERPRET_AT_IMPORT and ALLOW_CPU_TRITON_INTERPRETER
+
+
+def _device_guard(tensor: torch.Tensor):
+    # Triton launches on the current CUDA device; make it the tensors' device.
+    if tensor.is_cuda:
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (shape/dtype/device only: no data reads, so no device sync and no graph break)
+# --------------------------------------------------------------------------------------------------
+
+
+# Messages are plain f-strings over tuples: Dynamo can trace those (not ``str()`` of a SymInt), so a bad
+# call inside torch.compile still reports this text, wrapped in Dynamo's "observed exception".
+
+
+def _check_tensor(op: str, name: str, value, label: str, expected_shape, expected_dtype, device) -> None:
+    """Raise unless ``value`` is a tensor of ``expected_shape``/``expected_dtype`` on ``device``.
+
+    ``label`` names the dims, e.g. ``"(2, B, H, C, Dh)"``. ``expected_shape`` entries may be ints, SymInts,
+    or None (any size); ``expected_dtype``/``device`` None skip that check. Raises TypeError for a
+    non-tensor and ValueError naming ``name`` for a wrong rank, size, dtype or device.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
+    mismatch = value.dim() != len(expected_shape)
+    if not mismatch:
+        for actual, expected in zip(value.shape, expected_shape):
+            if expected is not None and actual != expected:
+                mismatch = True
+                break
+    if mismatch:
+        raise ValueError(f"{op}: `{name}` must have shape {label} = {tuple(expected_shape)}, got {tuple(value.shape)}")
+    if expected_dtype is not None and value.dtype != expected_dtype:
+        raise ValueError(f"{op}: `{name}` must have dtype {expected_dtype}, got {value.dtype}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{op}: `{name}` must be on device {device}, got {value.device}")
+
+
+def _check_num_tokens(op: str, num_tokens) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)):
+        raise TypeError(f"{op}: `num_tokens` must be an int, got {type(num_tokens).__name__}")
+    if num_tokens < 0:
+        raise ValueError(f"{op}: `num_tokens` must be >= 0, got {num_tokens}")
+
+
+# --------------------------------------------------------------------------------------------------
+# commit_cache
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _commit_cache_kernel(
+        rows_ptr,
+        cache_ptr,
+        slot_ids_ptr,
+        valid_rows_ptr,
+        offsets_ptr,
+        num_touched,  # min(T, C): every ring index is touched at most once per step.
+        capacity,  # C
+        head_dim,  # Dh
+        rows_stride_p,
+        rows_stride_b,
+        rows_stride_h,
+        rows_stride_c,
+        rows_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        slot_ids_stride,
+        valid_rows_stride,
+        offsets_stride,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Program (row, head, tile) copies chunk tokens t in [tile * BLOCK_T, tile * BLOCK_T + BLOCK_T)
+        # of one (row, head) ring, both planes. All addresses are int64: the pool can exceed 2**31
+        # elements, so row/head/slot/ring indices are widened before they meet a stride.
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        tile = tl.program_id(2)
+        valid = tl.load(valid_rows_ptr + row * valid_rows_stride)
+        # Invalid rows write nothing, not even to their (typically null) slot; slot_ids of invalid rows
+        # may be anything, so they are not even read.
+        if valid:
+            slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
+            offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
+            # Integer % truncates toward zero in Triton (and in its interpreter); fold into [0, C).
+            start = offset % capacity
+            start = tl.where(start < 0, start + capacity, start)
+            t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            d = tl.arange(0, BLOCK_D)
+            # Token t of the chunk lands at ring index (offset + t) mod C. For t < min(T, C) these indices
+            # are distinct and are exactly the set {r : (r - offset) mod C < T}, so enumerating them
+            # writes every touched index once and nothing else. For T >= C that is the whole ring,
+            # holding whatever the (possibly duplicate-destination) reference scatter left.
+            ring = start + t
+            ring = tl.where(ring >= capacity, ring - capacity, ring)
+            mask = (t < num_touched)[:, None] & (d < head_dim)[None, :]
+            src = (
+                rows_ptr
+                + row * rows_stride_b
+                + head * rows_stride_h
+                + ring[:, None] * rows_stride_c
+                + d[None, :] * rows_stride_d
+            )
+            dst = (
+                cache_ptr
+                + slot * cache_stride_s
+                + head * cache_stride_h
+                + ring[:, None] * cache_stride_c
+                + d[None, :] * cache_stride_d
+            )
+            keys = tl.load(src, mask=mask)
+            tl.store(dst, keys, mask=mask)
+            values = tl.load(src + rows_stride_p, mask=mask)
+            tl.store(dst + cache_stride_p, values, mask=mask)
+
+
+def _launch_commit_cache_triton(
+    rows: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Launch the commit_cache Triton kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+
+    Arguments as in :func:`commit_cache`; not validated here. Uses the tensors' strides, so views work.
+    Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``. Raises RuntimeError when Triton is not installed.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("commit_cache: the Triton kernel needs the `triton` package")
+    _, num_rows, num_heads, capacity, head_dim = rows.shape
+    num_touched = min(int(num_tokens), capacity)
+    if num_rows == 0 or num_heads == 0 or head_dim == 0 or num_touched == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(triton.next_power_of_2(num_touched), _COMMIT_CACHE_TILE_ELEMENTS // block_d))
+    grid = (num_rows, num_heads, triton.cdiv(num_touched, block_t))
+    with _device_guard(cache):
+        _commit_cache_kernel[grid](
+            rows,
+            cache,
+            slot_ids,
+            valid_rows,
+            offsets,
+            num_touched,
+            capacity,
+            head_dim,
+            *rows.stride(),
+            *cache.stride(),
+            slot_ids.stride(0),
+            valid_rows.stride(0),
+            offsets.stride(0),
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+        )
+
+
+def touched_ring_mask(offsets: torch.Tensor, num_tokens: int, capacity: int) -> torch.Tensor:
+    """Ring indices a chunk of ``num_tokens`` tokens writes, per row.
+
+    offsets: ``(B,)`` int64 pre-step token offsets. Returns ``(B, C)`` bool, True at ring index r iff
+    ``(r - offsets[b]) mod C < num_tokens``; all True when ``num_tokens >= C``.
+    """
+    ring = torch.arange(capacity, device=offsets.device, dtype=offsets.dtype)
+    distance = torch.remainder(ring[None, :] - offsets[:, None], capacity)  # in [0, C)
+    return distance < num_tokens
+
+
+def commit_cache_reference(
+    rows: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """PyTorch oracle for :func:`commit_cache`; same arguments and effect.
+
+    Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
+    """
+    touched = touched_ring_mask(offsets, num_tokens, rows.shape[3]) & valid_rows[:, None]  # (B, C)
+    row_idx, ring_idx = touched.nonzero(as_tuple=True)  # (N,), (N,)
+    # Only valid rows' slot ids are looked up: invalid rows may carry out-of-range ids.
+    slot_idx = slot_ids[row_idx]
+    # Advanced indices split by a slice move to the front: both sides are (N, 2, H, Dh).
+    cache[:, slot_idx, :, ring_idx] = rows[:, row_idx, :, ring_idx]
+
+
+@torch.library.custom_op("vllm_omni_moss::commit_cache", mutates_args=("cache",))
+def _commit_cache_op(
+    rows: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
+        _launch_commit_cache_triton(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    else:
+        commit_cache_reference(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+
+
+@_commit_cache_op.register_fake
+def _commit_cache_fake(rows, cache, slot_ids, valid_rows, offsets, num_tokens) -> None:
+    return None
+
+
+def commit_cache(
+    rows: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Write the ring positions this chunk touched, for valid rows only, from ``rows`` into ``cache``.
+
+    Args:
+        rows: ``(2, B, H, C, Dh)`` gathered rings after the step's reference scatter (plane 0 keys,
+            plane 1 values).
+        cache: ``(2, S, H, C, Dh)`` persistent pool, same dtype and device as ``rows``; mutated.
+        slot_ids: ``(B,)`` int64 pool slot of each row. Among valid rows they must be distinct and in
+            ``[0, S)``; invalid rows' ids are never read.
+        valid_rows: ``(B,)`` bool; rows that are False write nothing (the null slot stays untouched).
+        offsets: ``(B,)`` int64 pre-step token offsets (tokens written before this chunk, not mod C).
+        num_tokens: T, tokens in this chunk (>= 0).
+
+    For a valid row b, ring index r is touched iff ``(r - offsets[b]) mod C < T`` (every r when
+    ``T >= C``); ``rows[p, b, h, r, :]`` is copied to ``cache[p, slot_ids[b], h, r, :]`` for both planes and
+    all heads. Values are committed verbatim, including whatever a duplicate-destination scatter left.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor, or ``num_tokens`` is not an int.
+        ValueError: a shape, dtype or device is inconsistent (message names the argument), or
+            ``num_tokens < 0``. Data (slot ranges, uniqueness) is not checked: that would need a sync.
+        RuntimeError: CUDA tensors without Triton installed.
+    """
+    op = "commit_cache"
+    _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+    _, _, num_heads, capacity, head_dim = cache.shape
+    _check_tensor(op, "rows", rows, "(2, B, H, C, Dh)", (2, None, num_heads, capacity, head_dim), None, None)
+    if rows.dtype != cache.dtype:
+        raise ValueError(f"{op}: `rows` must have the dtype of `cache` ({cache.dtype}), got {rows.dtype}")
+    if rows.device != cache.device:
+        raise ValueError(f"{op}: `rows` must be on the device of `cache` ({cache.device}), got {rows.device}")
+    num_rows = rows.shape[1]
+    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, cache.device)
+    _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_num_tokens(op, num_tokens)
+    torch.ops.vllm_omni_moss.commit_cache(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# commit_offsets
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _commit_offsets_kernel(
+        values_ptr,
+        bank_ptr,
+        slot_ids_ptr,
+        valid_rows_ptr,
+        num_rows,
+        values_stride,
+        bank_stride,
+        slot_ids_stride,
+        valid_rows_stride,
+        BLOCK: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = rows < num_rows
+        valid = tl.load(valid_rows_ptr + rows * valid_rows_stride, mask=in_range, other=0) != 0
+        # Invalid rows neither read their slot id nor write: many of them share the null slot.
+        write = in_range & valid
+        slot = tl.load(slot_ids_ptr + rows * slot_ids_stride, mask=write, other=0).to(tl.int64)
+        value = tl.load(values_ptr + rows * values_stride, mask=write)
+        tl.store(bank_ptr + slot * bank_stride, value, mask=write)
+
+
+def _launch_commit_offsets_triton(
+    values: torch.Tensor,
+    bank: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+) -> None:
+    """Launch the commit_offsets Triton kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+
+    Arguments as in :func:`commit_offsets`; not validated here. Grid ``(ceil(B / 128),)``.
+    Raises RuntimeError when Triton is not installed.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("commit_offsets: the Triton kernel needs the `triton` package")
+    num_rows = values.shape[0]
+    if num_rows == 0:
+        return
+    grid = (triton.cdiv(num_rows, _COMMIT_OFFSETS_BLOCK),)
+    with _device_guard(bank):
+        _commit_offsets_kernel[grid](
+            values,
+            bank,
+            slot_ids,
+            valid_rows,
+            num_rows,
+            values.stride(0),
+            bank.stride(0),
+            slot_ids.stride(0),
+            valid_rows.stride(0),
+            BLOCK=_COMMIT_OFFSETS_BLOCK,
+        )
+
+
+def commit_offsets_reference(
+    values: torch.Tensor,
+    bank: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+) -> None:
+    """PyTorch oracle for :func:`commit_offsets`; same arguments and effect (host sync on CUDA)."""
+    (row_idx,) = valid_rows.nonzero(as_tuple=True)
+    bank[slot_ids[row_idx]] = values[row_idx]
+
+
+@torch.library.custom_op("vllm_omni_moss::commit_offsets", mutates_args=("bank",))
+def _commit_offsets_op(
+    values: torch.Tensor,
+    bank: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+) -> None:
+    if bank.is_cuda or (bank.device.type == "cpu" and cpu_uses_triton_interpreter()):
+        _launch_commit_offsets_triton(values, bank, slot_ids, valid_rows)
+    else:
+        commit_offsets_reference(values, bank, slot_ids, valid_rows)
+
+
+@_commit_offsets_op.register_fake
+def _commit_offsets_fake(values, bank, slot_ids, valid_rows) -> None:
+    return None
+
+
+def commit_offsets(
+    values: torch.Tensor,
+    bank: torch.Tensor,
+    slot_ids: torch.Tensor,
+    valid_rows: torch.Tensor,
+) -> None:
+    """Store ``bank[slot_ids[b]] = values[b]`` for every valid row b.
+
+    Args:
+        values: ``(B,)`` int64 new offsets (typically the step's ``next_offsets``).
+        bank: ``(S,)`` int64 per-slot offsets (e.g. one group's row of the offset table); mutated.
+        slot_ids: ``(B,)`` int64; among valid rows distinct and in ``[0, S)``; invalid rows' ids are
+            never read.
+        valid_rows: ``(B,)`` bool; rows that are False write nothing.
+
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: a shape, dtype or device is inconsistent (message names the argument).
+        RuntimeError: CUDA tensors without Triton installed.
+    """
+    op = "commit_offsets"
+    _check_tensor(op, "bank", bank, "(S,)", (None,), torch.int64, None)
+    _check_tensor(op, "values", values, "(B,)", (None,), torch.int64, bank.device)
+    num_rows = values.shape[0]
+    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, bank.device)
+    _check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, bank.device)
+    torch.ops.vllm_omni_moss.commit_offsets(values, bank, slot_ids, valid_rows)
+
+
+__all__ = [
+    "ALLOW_CPU_TRITON_INTERPRETER",
+    "HAS_TRITON",
+    "TRITON_INTERPRET_AT_IMPORT",
+    "commit_cache",
+    "commit_cache_reference",
+    "commit_offsets",
+    "commit_offsets_reference",
+    "cpu_uses_triton_interpreter",
+    "touched_ring_mask",
+]
