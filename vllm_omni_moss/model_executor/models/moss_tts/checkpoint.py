@@ -178,7 +178,9 @@ def _fold_weight_norm(src: _TensorSource, prefix: str, problems: list[str]) -> t
     if g_name in names and v_name in names:
         g, v = src.get(g_name).double(), src.get(v_name).double()
         if v.dim() != 3 or v.shape[-1] != 1 or g.shape != (v.shape[0], 1, 1):
-            problems.append(f"{prefix}: weight-norm g {tuple(g.shape)} / v {tuple(v.shape)} are not [out,1,1] / [out,in,1]")
+            problems.append(
+                f"{prefix}: weight-norm g {tuple(g.shape)} / v {tuple(v.shape)} are not [out,1,1] / [out,in,1]"
+            )
             return torch.zeros(0), torch.zeros(0)
         weight = g * v / v.norm(dim=(1, 2), keepdim=True)
     elif f"{prefix}.weight" in names:

@@ -238,7 +238,9 @@ def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
         if mtype == "PatchedPretransform":
             patches.append(_int_field(spec, "patch_size", f"decoder_kwargs[{i}].patch_size"))
         elif mtype != "Transformer":
-            raise _fail(f"decoder_kwargs[{i}].module_type", f"expected 'Transformer' or 'PatchedPretransform', got {mtype!r}")
+            raise _fail(
+                f"decoder_kwargs[{i}].module_type", f"expected 'Transformer' or 'PatchedPretransform', got {mtype!r}"
+            )
     hop = downsample_rate * interleave_factor
     if math.prod(patches) != hop:
         raise _fail(
@@ -483,14 +485,16 @@ PRESETS: dict[str, dict] = {
         codebook_dim=8,
         duration=10.0,
     ),
-    # Same structure, small widths and one or two layers per group; context
-    # durations a tenth of v2's so rings (10 and 20 tokens) wrap within seconds.
+    # Same structure, small widths, one or two layers per group. Rings of 10, 20,
+    # 32, 32, 32 and 40 tokens (10 down to 1.25 frames) wrap within a
+    # second of audio; as in v2, a 1-frame chunk fits every ring and the latent
+    # width differs from the RVQ width, so the quantizer's output projection exists.
     "tiny-v2": _codec(
         sampling_rate=48000,
         downsample_rate=3840,
         channels=2,
-        decoder=_v2(64, 32, 4, 2, 2, 1, 16, (0.8, 0.8, 0.4, 0.2, 0.1, 0.05)),
-        latent=16,
+        decoder=_v2(64, 32, 4, 2, 2, 1, 24, (0.8, 0.8, 0.64, 0.32, 0.16, 0.1)),
+        latent=24,
         rvq=16,
         quantizers=12,
         codebook=1024,
@@ -501,8 +505,8 @@ PRESETS: dict[str, dict] = {
         sampling_rate=24000,
         downsample_rate=1920,
         channels=1,
-        decoder=_v1(64, 32, 4, 2, 2, 1, 16),
-        latent=16,
+        decoder=_v1(64, 32, 4, 2, 2, 1, 24),
+        latent=24,
         rvq=16,
         quantizers=12,
         codebook=1024,

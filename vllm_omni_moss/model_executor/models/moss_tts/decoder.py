@@ -20,6 +20,7 @@ the pools in ``state_pool.py``. Architecture facts: codec-facts §A.3-§A.8.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -27,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import step_metadata
 from .config import CodecConfig, GroupSpec
-from .step_metadata import RingMetadata, build_ring_metadata, rope_tables
+from .step_metadata import RingMetadata, rope_tables
 
 __all__ = [
     "CodecDecoder",
@@ -239,7 +241,7 @@ def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan) -> torch.Tenso
         if group.input_proj is not None:
             x = group.input_proj(x)
         for i, layer in enumerate(group.layers):
-            x = _layer_forward(layer, x, spec.num_heads, lambda q, k, v, i=i: attend(i, q, k, v))
+            x = _layer_forward(layer, x, spec.num_heads, functools.partial(attend, i))
         if group.output_proj is not None:
             x = group.output_proj(x)
         x = _upsample(x, spec.upsample)
@@ -351,8 +353,13 @@ class FixedWidthState:
             for _ in range(spec.num_layers):
                 rings.append(
                     torch.zeros(
-                        2, batch_size, spec.num_heads, spec.context, spec.head_dim,
-                        device=decoder.device, dtype=decoder.state_dtype,
+                        2,
+                        batch_size,
+                        spec.num_heads,
+                        spec.context,
+                        spec.head_dim,
+                        device=decoder.device,
+                        dtype=decoder.state_dtype,
                     )
                 )
                 offsets.append(torch.zeros(batch_size, dtype=torch.long, device=decoder.device))
@@ -376,9 +383,15 @@ class FixedWidthPlan:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             li = self.layer_base[g] + i
             ring, offsets = self.state.rings[li], self.state.offsets[li]
-            meta = build_ring_metadata(
-                offsets, self.valid, n_tokens, spec.context, spec.context,
-                self.config.version, spec.head_dim, spec.max_period,
+            meta = step_metadata.build_ring_metadata(
+                offsets,
+                self.valid,
+                n_tokens,
+                spec.context,
+                spec.context,
+                self.config.version,
+                spec.head_dim,
+                spec.max_period,
             )
             out = ring_attend(self.config.version, ring, meta, q, k, v)
             offsets.copy_(meta.next_offsets)

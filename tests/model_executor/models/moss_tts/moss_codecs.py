@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiny codecs built through the official checkpoint path, shared by the moss_tts tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint, save_random_checkpoint
+from vllm_omni_moss.model_executor.models.moss_tts.config import parse_config
+
+
+def _transformer(i: int, o: int, d: int = 128, heads: int = 2, layers: int = 3, ffn: int = 128) -> dict:
+    return {
+        "module_type": "Transformer",
+        "input_dimension": i,
+        "output_dimension": o,
+        "d_model": d,
+        "num_heads": heads,
+        "num_layers": layers,
+        "dim_feedforward": ffn,
+        "causal": True,
+        "norm": "layer_norm",
+        "positional_embedding": "rope",
+        "max_period": 10000,
+        "gating": "none",
+        # 1.0 instead of the checkpoints' 0.01 so attention dominates the residual
+        # stream and every ring cell visibly moves the output.
+        "layer_scale": 1.0,
+        "conv_layout": True,
+    }
+
+
+def ring_codec_raw() -> dict:
+    """Two groups at 1 and 2 tokens per frame with rings of 5 and 10 tokens (context 5 s).
+
+    1 frame per second, mono, 8 samples per frame, head_dim 64, 3 layers per group:
+    small enough for exhaustive state checks, shaped like the real decoder.
+    """
+    decoder = [
+        _transformer(8, 16),
+        {"module_type": "PatchedPretransform", "patch_size": 2},
+        _transformer(8, 4),
+        {"module_type": "PatchedPretransform", "patch_size": 4},
+    ]
+    return {
+        "sampling_rate": 8,
+        "downsample_rate": 8,
+        "number_channels": 1,
+        "causal_transformer_context_duration": 5.0,
+        "decoder_kwargs": decoder,
+        "quantizer_kwargs": {
+            "input_dim": 8,
+            "rvq_dim": 8,
+            "output_dim": 8,
+            "num_quantizers": 2,
+            "codebook_size": 16,
+            "codebook_dim": 4,
+            "quantizer_type": "rlfq",
+        },
+    }
+
+
+def build_decoder(raw: dict, tmp_path, *, version: str | None = None, seed: int = 17, device: str = "cpu"):
+    """Write a random official-format checkpoint for ``raw`` and load it back."""
+    config = parse_config(copy.deepcopy(raw), version)
+    raw = dict(config.raw)
+    raw["codec_version"] = config.version
+    path = save_random_checkpoint(parse_config(raw), tmp_path / f"ckpt-{seed}", seed=seed)
+    return load_checkpoint(path, device=device)
+
+
+def random_codes(decoder, batch: int, frames: int, seed: int, n_vq: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    cfg = decoder.config
+    n_vq = n_vq or cfg.num_quantizers
+    return torch.randint(0, cfg.codebook_size, (n_vq, batch, frames), generator=gen)
