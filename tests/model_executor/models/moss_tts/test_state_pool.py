@@ -1,0 +1,383 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Legacy and V2 decoder state pools: parity, sharing, lifecycle, bad input, bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moss_codecs import random_codes
+
+from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
+from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (
+    LegacyDecoderStatePool,
+    V2DecoderStatePool,
+    make_state_pool,
+    state_bytes_for,
+)
+
+pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
+
+SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (codec-facts §B.6)
+
+
+def _pair(decoder, live=4, scratch=4):
+    legacy = LegacyDecoderStatePool(decoder)
+    legacy.initialize(live, scratch)
+    v2 = make_state_pool(decoder)
+    v2.initialize(live, scratch)
+    return legacy, v2
+
+
+def _assert_state_equal(legacy, v2, slots):
+    for s in slots:
+        a, b = legacy.slot_state(s), v2.slot_state(s)
+        assert torch.equal(a["layer_offsets"], b["layer_offsets"]), f"slot {s} offsets differ"
+        for li, (ra, rb) in enumerate(zip(a["rings"], b["rings"])):
+            assert torch.equal(ra, rb), f"slot {s} layer {li} ring differs"
+
+
+def _assert_null_slot_zero(v2):
+    null = v2.null_slot
+    assert int(v2.frames[null]) == 0
+    for ring in v2.rings:
+        assert torch.count_nonzero(ring[:, null]) == 0
+
+
+# ----------------------------------------------------------------------------- default and sharing
+
+
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_v2_pool_is_default_whatever_the_old_variable(env, monkeypatch, ring_decoder):
+    if env is None:
+        monkeypatch.delenv("VLLM_OMNI_MOSS_CODEC_SHARED_KV", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_OMNI_MOSS_CODEC_SHARED_KV", env)
+    pool = make_state_pool(ring_decoder)
+    assert isinstance(pool, V2DecoderStatePool)
+    pool.initialize(4, 128)
+    assert pool.num_slots == 5 and pool.null_slot == 4
+    assert tuple(pool.frames.shape) == (5,)
+    assert [tuple(r.shape) for r in pool.rings[:1]] == [(2, 5, 2, 5, 64)]
+    pool.close()
+
+
+def test_v1_codec_keeps_the_legacy_pool(ring_decoder_v1):
+    assert isinstance(make_state_pool(ring_decoder_v1), LegacyDecoderStatePool)
+    with pytest.raises(ValueError, match="V2 pool serves v2 codecs; this codec is v1"):
+        make_state_pool(ring_decoder_v1, "v2")
+    with pytest.raises(ValueError, match="unknown state pool kind 'shared'"):
+        make_state_pool(ring_decoder_v1, "shared")
+
+
+def _count_builds(monkeypatch):
+    calls = []
+    real = step_metadata.build_ring_metadata
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_metadata, "build_ring_metadata", spy)
+    return calls
+
+
+def test_metadata_built_once_per_group_per_step(monkeypatch, ring_decoder):
+    calls = _count_builds(monkeypatch)
+    legacy, v2 = _pair(ring_decoder)
+    codes = random_codes(ring_decoder, 2, 3, seed=1)
+    args = (torch.tensor([3, 3]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    v2.decode_streaming_batch(codes, *args)
+    assert calls == [3, 6]  # one build per group, with its token count
+    calls.clear()
+    legacy.decode_streaming_batch(codes, *args)
+    assert calls == [3, 3, 3, 6, 6, 6]  # the legacy pool rebuilds per layer, as upstream
+
+
+def test_fixed_width_streaming_keeps_independent_per_layer_state(monkeypatch, ring_decoder):
+    calls = _count_builds(monkeypatch)
+    with ring_decoder.streaming(1) as stream:
+        stream.decode(random_codes(ring_decoder, 1, 2, seed=2))
+        state = stream.state
+        assert len(state.offsets) == 6 and len({id(t) for t in state.offsets}) == 6
+        assert [int(t) for t in state.offsets] == [2, 2, 2, 4, 4, 4]
+    assert calls == [2, 2, 2, 4, 4, 4]
+
+
+def test_close_and_reinitialise_with_another_capacity(ring_decoder):
+    pool = make_state_pool(ring_decoder)
+    pool.initialize(4, 128)
+    with pytest.raises(RuntimeError, match="already initialised; close"):
+        pool.initialize(2, 0)
+    pool.close()
+    assert pool.state_bytes() == 0
+    with pytest.raises(RuntimeError, match="not initialised"):
+        pool.reset([0])
+    pool.initialize(2, 128)
+    assert pool.num_slots == 3 and pool.null_slot == 2
+
+
+def test_legacy_lifecycle_and_offset_bank(ring_decoder):
+    legacy = LegacyDecoderStatePool(ring_decoder)
+    legacy.initialize(4, 4)
+    assert legacy.num_slots == 8
+    assert tuple(legacy.bank.shape) == (14, 8)  # 2 groups x (3 layers x 2 + 1)
+    codes = random_codes(ring_decoder, 2, 2, seed=3)
+    legacy.decode_streaming_batch(codes, torch.tensor([2, 2]), torch.tensor([1, 5]), torch.tensor([True, False]))
+    assert legacy.bank[:, 1].tolist() == [2] * 7 + [4] * 7
+    assert legacy.bank[:, 5].tolist() == [0] * 14
+    legacy.reset(torch.tensor([1]))
+    assert int(legacy.bank.abs().sum()) == 0
+    legacy.close()
+    legacy.initialize(2, 1)
+    assert legacy.num_slots == 3 and tuple(legacy.bank.shape) == (14, 3)
+
+
+# ----------------------------------------------------------------------------- full script
+
+SCRIPT_T = [1, 3, 3, 7, 1, 3, 7, 3]
+
+
+def test_full_codec_script_bit_identical_to_legacy(ring_decoder):
+    """Wraparound (rings 5 and 10), oversized chunks (T=7 -> 7 and 14 tokens), padding,
+    reordering, an all-padding step and a midway reset: V2 audio and live state equal
+    the legacy pool bit for bit; the null slot stays zero."""
+    legacy, v2 = _pair(ring_decoder)
+    for step, T in enumerate(SCRIPT_T):
+        codes = random_codes(ring_decoder, 4, T, seed=100 + step)
+        live = [1, 0] if step % 2 else [0, 1]
+        if step == 4:
+            valid = torch.tensor([False] * 4)
+            legacy_ids = torch.tensor([4, 5, 6, 7])
+            v2_ids = torch.tensor([4, 5, 6, 7])
+        else:
+            valid = torch.tensor([True, True, False, False])
+            legacy_ids = torch.tensor(live + [6, 7])
+            v2_ids = torch.tensor(live + [6, 7])  # out of range for V2: redirected to the null slot
+        lengths = torch.where(valid, T, 0)
+        a_audio, a_len = legacy.decode_streaming_batch(codes, lengths, legacy_ids, valid)
+        b_audio, b_len = v2.decode_streaming_batch(codes, lengths, v2_ids, valid)
+        assert torch.equal(a_audio, b_audio), f"step {step}: audio differs"
+        assert torch.equal(a_len, b_len)
+        assert a_len.tolist() == [T * 8 if v else 0 for v in valid.tolist()]
+        if step != 4:
+            assert torch.isfinite(a_audio[:2]).all() and a_audio[:2].abs().sum() > 0
+        assert torch.count_nonzero(b_audio[~valid]) == 0
+        _assert_state_equal(legacy, v2, range(4))
+        _assert_null_slot_zero(v2)
+        if step == 2:
+            legacy.reset(torch.tensor([0]))
+            v2.reset(torch.tensor([0]))
+            _assert_state_equal(legacy, v2, range(4))
+    expected_frames = sum(SCRIPT_T[3:]) - SCRIPT_T[4]  # slot 0: reset after step 2, idle at step 4
+    assert int(v2.frames[0]) == expected_frames
+    assert int(v2.frames[1]) == sum(SCRIPT_T) - SCRIPT_T[4]
+
+
+def test_v1_legacy_pool_matches_fixed_width_reference(ring_decoder_v1):
+    pool = make_state_pool(ring_decoder_v1)
+    pool.initialize(3, 2)
+    codes = random_codes(ring_decoder_v1, 1, sum(SCRIPT_T), seed=5)
+    ref = ring_decoder_v1.decode(codes, chunk_frames=SCRIPT_T)
+    out, start = [], 0
+    for T in SCRIPT_T:
+        chunk = codes[:, :, start : start + T].expand(-1, 2, -1).contiguous()
+        audio, _ = pool.decode_streaming_batch(
+            chunk, torch.tensor([T, 0]), torch.tensor([2, 4]), torch.tensor([True, False])
+        )
+        out.append(audio[:1])
+        start += T
+    got = torch.cat(out, dim=-1)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+# ----------------------------------------------------------------------------- reuse and bad input
+
+
+@pytest.mark.parametrize("kind", ["legacy", "v2"])
+def test_released_slot_with_nan_garbage_decodes_like_a_fresh_pool(kind, ring_decoder):
+    used, fresh = make_state_pool(ring_decoder, kind), make_state_pool(ring_decoder, kind)
+    used.initialize(3, 2)
+    fresh.initialize(3, 2)
+    pad = used.padding_slot_ids(1)
+    used.decode_streaming_batch(
+        random_codes(ring_decoder, 2, 7, seed=9),
+        torch.tensor([7, 0]),
+        torch.cat([torch.tensor([1]), pad]),
+        torch.tensor([True, False]),
+    )
+    for ring in used.rings:
+        ring[:, 1] = float("nan")
+        ring[0, 1, 0, 0, 0] = 1e30
+    used.reset(torch.tensor([1]))
+    for T, seed in ((1, 10), (3, 11), (7, 12)):
+        codes = random_codes(ring_decoder, 2, T, seed=seed)
+        args = (torch.tensor([T, 0]), torch.cat([torch.tensor([1]), pad]), torch.tensor([True, False]))
+        a, _ = used.decode_streaming_batch(codes, *args)
+        b, _ = fresh.decode_streaming_batch(codes, *args)
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+def _snapshot(pool):
+    return [t.clone() for t in pool.rings + pool._offset_tensors()]
+
+
+@pytest.mark.parametrize("kind", ["legacy", "v2"])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda c, l, s, v: (c.float(), l, s, v), "codes must be an integer tensor, got dtype torch.float32"),
+        (lambda c, l, s, v: (c[0], l, s, v), r"codes must have shape \(n_vq, B, T\), got shape \(2, 3\)"),
+        (lambda c, l, s, v: (c.clone().fill_(16), l, s, v), r"code 16 is outside the codebook range \[0, 15\]"),
+        (lambda c, l, s, v: (c.clone().fill_(-1), l, s, v), r"code -1 is outside the codebook range \[0, 15\]"),
+        (lambda c, l, s, v: (c, l, torch.tensor([0, 0]), v), r"duplicate slot ids among valid rows: \[0\]"),
+        (
+            lambda c, l, s, v: (c, l, torch.tensor([3, 1]), v),
+            r"slot id 3 of a valid row is outside the live slots 0..2",
+        ),
+        (
+            lambda c, l, s, v: (c, l, torch.tensor([-1, 1]), v),
+            r"slot id -1 of a valid row is outside the live slots 0..2",
+        ),
+        (lambda c, l, s, v: (c, l[:1], s, v), r"lengths must be a tensor of shape \(2,\), got \(1,\)"),
+        (lambda c, l, s, v: (c, torch.tensor([4, 0]), s, v), r"lengths\[0\] = 4 is outside 0..3"),
+        (lambda c, l, s, v: (c, l, s.float(), v), "state_slot_ids must be int32/int64, got torch.float32"),
+        (lambda c, l, s, v: (c, l, s, v.long()), "valid_rows must be bool, got torch.int64"),
+        (lambda c, l, s, v: (torch.cat([c, c[:1]]), l, s, v), "codes have n_vq=3 codebooks; this codec has 1..2"),
+    ],
+)
+def test_bad_input_raises_and_changes_no_slot(kind, mutate, message, ring_decoder):
+    pool = make_state_pool(ring_decoder, kind)
+    pool.initialize(3, 2)
+    ok = (
+        random_codes(ring_decoder, 2, 3, seed=1),
+        torch.tensor([3, 3]),
+        torch.tensor([0, 1]),
+        torch.tensor([True, True]),
+    )
+    pool.decode_streaming_batch(*ok)
+    before = _snapshot(pool)
+    with pytest.raises(ValueError, match=message):
+        pool.decode_streaming_batch(*mutate(*ok))
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool)))
+
+
+def test_legacy_padding_rows_must_use_distinct_scratch_slots(ring_decoder):
+    pool = LegacyDecoderStatePool(ring_decoder)
+    pool.initialize(3, 2)
+    codes = random_codes(ring_decoder, 2, 1, seed=1)
+    with pytest.raises(ValueError, match=r"padding row slot id 1 is not a scratch slot \(3..4\)"):
+        pool.decode_streaming_batch(codes, torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([True, False]))
+    codes = random_codes(ring_decoder, 3, 1, seed=1)
+    with pytest.raises(ValueError, match=r"duplicate scratch slot ids among padding rows: \[3\]"):
+        pool.decode_streaming_batch(
+            codes, torch.tensor([1, 0, 0]), torch.tensor([0, 3, 3]), torch.tensor([True, False, False])
+        )
+    with pytest.raises(ValueError, match="3 padding rows need 3 scratch slots; this pool has 2"):
+        pool.padding_slot_ids(3)
+
+
+def test_reset_rejects_unknown_slots_and_the_null_slot(ring_decoder):
+    pool = make_state_pool(ring_decoder)
+    pool.initialize(3, 8)
+    with pytest.raises(ValueError, match="slot id 3 cannot be reset; resettable slot ids are 0..2"):
+        pool.reset([3])
+    with pytest.raises(ValueError, match="slot id -2 cannot be reset"):
+        pool.reset(torch.tensor([-2, 0]))
+    with pytest.raises(ValueError, match="slot_ids must be a 1-D integer tensor"):
+        pool.reset(torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="state_capacity must be an integer >= 1, got 0"):
+        make_state_pool(ring_decoder).initialize(0)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+@pytest.mark.parametrize("live", [64, 128])
+def test_state_bytes_real_v2_geometry(live):
+    config = preset_config("v2")
+    assert config.state_bytes_per_slot(2) == SLOT_BYTES_V2
+    with torch.device("meta"):
+        decoder = CodecDecoder(config)
+    legacy = LegacyDecoderStatePool(decoder, dtype=torch.bfloat16)
+    legacy.initialize(live, live)
+    v2 = V2DecoderStatePool(decoder, dtype=torch.bfloat16)
+    v2.initialize(live, live)
+    legacy_expected = 2 * live * SLOT_BYTES_V2 + 190 * 2 * live * 8
+    v2_expected = (live + 1) * SLOT_BYTES_V2 + (live + 1) * 8
+    assert legacy.state_bytes() == legacy_expected == state_bytes_for(config, 2 * live, "legacy")
+    assert v2.state_bytes() == v2_expected == state_bytes_for(config, live + 1, "v2")
+    # 21.14 GiB vs 10.65 GiB of rings at 128 live streams (codec-facts §D.3).
+    if live == 128:
+        assert round(256 * SLOT_BYTES_V2 / 2**30, 2) == 21.14
+        assert round(129 * SLOT_BYTES_V2 / 2**30, 2) == 10.65
+
+
+# ----------------------------------------------------------------------------- property
+
+
+@st.composite
+def _scripts(draw):
+    n_streams = draw(st.integers(2, 5))
+    sizes = st.sampled_from([1, 2, 3, 7, 12])  # 7 and 12 frames overflow the 5- and 10-token rings
+    streams = [draw(st.lists(sizes, min_size=1, max_size=4)) for _ in range(n_streams)]
+    aborts = [draw(st.booleans()) for _ in range(n_streams)]
+    pads = draw(st.lists(st.integers(0, 2), min_size=40, max_size=40))
+    orders = draw(st.lists(st.randoms(use_true_random=False), min_size=1, max_size=1))
+    return streams, aborts, pads, orders[0]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=_scripts())
+def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder):
+    streams, aborts, pads, rng = script
+    capacity, scratch = 3, 2
+    legacy, v2 = _pair(ring_decoder, capacity, scratch)
+    free = list(range(capacity))
+    pending = list(range(len(streams)))
+    active: dict[int, dict] = {}
+    outputs: dict[int, list] = {i: [] for i in range(len(streams))}
+    fed: dict[int, list] = {i: [] for i in range(len(streams))}
+    step = 0
+    while pending or active:
+        while pending and free:  # arrivals take the most recently freed slot
+            sid = pending.pop(0)
+            active[sid] = {"slot": free.pop(), "next": 0}
+        sizes = sorted({streams[s][st_["next"]] for s, st_ in active.items()})
+        T = sizes[rng.randrange(len(sizes))]
+        rows = [s for s, st_ in active.items() if streams[s][st_["next"]] == T]
+        rng.shuffle(rows)
+        n_pad = min(pads[step % len(pads)], scratch)
+        B = len(rows) + n_pad
+        codes = random_codes(ring_decoder, B, T, seed=1000 + step)
+        valid = torch.tensor([True] * len(rows) + [False] * n_pad)
+        live = [active[s]["slot"] for s in rows]
+        legacy_ids = torch.tensor(live + legacy.padding_slot_ids(n_pad).tolist(), dtype=torch.long)
+        v2_ids = torch.tensor(live + [-1] * n_pad, dtype=torch.long)
+        lengths = torch.where(valid, T, 0)
+        a, _ = legacy.decode_streaming_batch(codes, lengths, legacy_ids, valid)
+        b, _ = v2.decode_streaming_batch(codes, lengths, v2_ids, valid)
+        assert torch.equal(a, b)
+        _assert_null_slot_zero(v2)
+        for r, s in enumerate(rows):
+            outputs[s].append(a[r : r + 1])
+            fed[s].append(codes[:, r : r + 1])
+            active[s]["next"] += 1
+            done = active[s]["next"] == len(streams[s])
+            if done or (aborts[s] and active[s]["next"] == 1 and len(streams[s]) > 1):
+                slot = active.pop(s)["slot"]
+                legacy.reset([slot])
+                v2.reset([slot])
+                free.append(slot)
+        _assert_state_equal(legacy, v2, range(capacity))
+        step += 1
+    for s in range(len(streams)):
+        codes = torch.cat(fed[s], dim=-1)
+        ref = ring_decoder.decode(codes, chunk_frames=[c.shape[-1] for c in fed[s]])
+        got = torch.cat(outputs[s], dim=-1)
+        err = (got - ref).abs().max() / ref.abs().max()
+        assert err <= 1e-5, f"stream {s}: relative max error {err:.2e}"
