@@ -1,0 +1,426 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Streaming decode-step latency: legacy pool vs V2 pool vs upstream vLLM-Omni 0.30.0, in one process.
+
+One step = one ``decode_streaming_tensors`` call on ``B`` live rows (slots ``0..B-1``, all valid, no
+padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
+
+* ``legacy``   - our legacy pool (``initialize(maxB, maxB)``), per-layer metadata, whole-ring write-back.
+* ``v2``       - our V2 pool (``initialize(maxB, maxB)`` = maxB live + 1 null slot).
+* ``upstream`` - upstream 0.30.0's v2 codec model with ``initialize_decoder_state_pool(maxB, maxB)``, its
+  own ``decode_streaming_tensors``; skipped (reason in the JSON) when its files are not available.
+
+Our two arms share one decoder (same weights); upstream has its own randomly initialised model. Weights
+and pools are built once, sized to the largest ``--batch``. Modes:
+
+* ``eager``    - the call itself.
+* ``graph``    - one plain ``torch.cuda.CUDAGraph`` per (arm, B, T) capturing the call; replays are timed.
+* ``compiled`` - ``torch.compile(dynamic=False)`` of the call, then captured like ``graph``; the compile
+  seconds are reported (minutes per shape on the real codec, so only when asked for).
+
+Timing is interleaved: for each (B, T) and mode, each repeat round times every arm in turn (order rotated
+per round), ``--steps-per-round`` steps each, rotating among ``--code-sets`` random non-zero code sets. On
+CUDA each step is bracketed by CUDA events after a synchronize (per-step latency, host launch time
+included); on CPU by ``time.perf_counter``. Per arm: median, p10/p25/p75/p90 in ms; per (B, T, mode):
+``v2/legacy`` and ``v2/upstream`` median ratios from the same run. Peak transient memory of one eager step
+(``max_memory_allocated`` above the allocation before it) is reported per arm on CUDA.
+
+Usage::
+
+    python benchmarks/tts/bench_codec_step.py --preset v2 --batch 1,8,64,128 --frames 1,15 \
+        --modes eager,graph --arms legacy,v2,upstream --repeats 5 --json out/step.json
+
+CPU with a tiny preset runs the eager mode only (graph/compiled are skipped with a reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
+
+ARMS = ("legacy", "v2", "upstream")
+MODES = ("eager", "graph", "compiled")
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="v2", choices=sorted(PRESETS))
+    parser.add_argument("--batch", default="1,8,64,128", help="comma-separated live rows B per step")
+    parser.add_argument("--frames", default="1,15", help="comma-separated code frames T per step")
+    parser.add_argument("--modes", default="eager,graph", help="subset of eager,graph,compiled")
+    parser.add_argument("--arms", default=",".join(ARMS), help="subset of legacy,v2,upstream")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds per (B, T, mode)")
+    parser.add_argument("--steps-per-round", type=int, default=2, help="timed steps per arm per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per arm before timing/capture")
+    parser.add_argument("--code-sets", type=int, default=3, help="random code sets rotated between steps")
+    parser.add_argument("--n-vq", type=int, default=12, help="codebooks per frame (serving uses 12)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results here (rewritten after each shape)")
+    args = parser.parse_args(argv)
+    for name in ("repeats", "steps_per_round", "code_sets"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------- arms
+
+
+class Arm:
+    """One benchmarked implementation: a step function over its own persistent state."""
+
+    def __init__(self, name: str, step: StepFn, state_bytes: int, close: Callable[[], None]):
+        self.name = name
+        self.step = step
+        self.state_bytes = int(state_bytes)
+        self._close = close
+
+    def close(self) -> None:
+        self._close()
+
+
+def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
+    pool = make_state_pool(decoder, kind)
+    pool.initialize(max_batch, max_batch)
+    return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
+
+
+def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int) -> Arm:
+    codec.open_pool(max_batch, max_batch)
+    return Arm("upstream", codec.step, common.upstream_state_bytes(codec.model), codec.close_pool)
+
+
+# ----------------------------------------------------------------------------------------- runners
+
+
+class Runner:
+    """Executes timed steps of one arm at one (B, T) in one mode.
+
+    ``time_step(k)`` runs one step on code set ``k`` and returns its latency in ms.
+    """
+
+    def __init__(self, arm: Arm, inputs: dict[str, Any], device: torch.device):
+        self.arm = arm
+        self.inputs = inputs
+        self.device = device
+        self.info: dict[str, Any] = {}
+
+    def _call(self, codes: torch.Tensor):
+        i = self.inputs
+        return self.arm.step(codes, i["lengths"], i["slots"], i["valid"])
+
+    def _launch(self, k: int) -> None:
+        self._call(self.inputs["codes"][k])
+
+    def time_step(self, k: int) -> float:
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            self._launch(k)
+            return (time.perf_counter() - t0) * 1e3
+        self._prepare(k)
+        torch.cuda.synchronize(self.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._run_prepared(k)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    # Split so graph replays can stage their inputs outside the timed region.
+    def _prepare(self, k: int) -> None:
+        pass
+
+    def _run_prepared(self, k: int) -> None:
+        self._launch(k)
+
+    def close(self) -> None:
+        pass
+
+
+class EagerRunner(Runner):
+    def setup(self, warmup: int) -> None:
+        for w in range(warmup):
+            self._launch(w % len(self.inputs["codes"]))
+
+
+class GraphRunner(Runner):
+    """One CUDA graph of the step (optionally of its ``torch.compile`` version) on static inputs."""
+
+    def __init__(self, arm: Arm, inputs: dict[str, Any], device: torch.device, compiled: bool):
+        super().__init__(arm, inputs, device)
+        self.compiled = compiled
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_codes = inputs["codes"][0].clone()
+        self.fn: StepFn = arm.step
+
+    def setup(self, warmup: int) -> None:
+        i = self.inputs
+        reserved0 = torch.cuda.memory_reserved(self.device)
+        if self.compiled:
+            self.fn = torch.compile(self.arm.step, dynamic=False)
+            t0 = time.perf_counter()
+            self.fn(self.static_codes, i["lengths"], i["slots"], i["valid"])
+            torch.cuda.synchronize(self.device)
+            self.info["compile_s"] = round(time.perf_counter() - t0, 3)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmup)):
+                self.fn(self.static_codes, i["lengths"], i["slots"], i["valid"])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(graph):
+            self.outputs = self.fn(self.static_codes, i["lengths"], i["slots"], i["valid"])
+        torch.cuda.synchronize(self.device)
+        self.info["capture_s"] = round(time.perf_counter() - t0, 3)
+        self.info["capture_reserved_delta_bytes"] = int(torch.cuda.memory_reserved(self.device) - reserved0)
+        self.graph = graph
+
+    def _prepare(self, k: int) -> None:
+        self.static_codes.copy_(self.inputs["codes"][k])
+
+    def _run_prepared(self, k: int) -> None:
+        self.graph.replay()
+
+    def _launch(self, k: int) -> None:
+        self._prepare(k)
+        self.graph.replay()
+
+    def close(self) -> None:
+        self.graph = None
+        self.outputs = None
+
+
+# ----------------------------------------------------------------------------------------- measurement
+
+
+def _peak_transient_bytes(arm: Arm, inputs: dict[str, Any], device: torch.device) -> int:
+    """Peak bytes allocated during one eager step above what was allocated before it (CUDA only)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = arm.step(inputs["codes"][0], inputs["lengths"], inputs["slots"], inputs["valid"])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return int(peak)
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    if not a or not b or "median_ms" not in a or "median_ms" not in b or b["median_ms"] <= 0:
+        return None
+    return round(a["median_ms"] / b["median_ms"], 4)
+
+
+def _bench_shape(
+    arms: list[Arm], modes: list[str], batch: int, frames: int, args, config, device: torch.device
+) -> dict[str, Any]:
+    n_vq = min(args.n_vq, config.num_quantizers)
+    inputs = {
+        "codes": common.random_codes(
+            args.code_sets, n_vq, batch, frames, config.codebook_size, device, args.seed + 1000 * batch + frames
+        ),
+        "lengths": torch.full((batch,), frames, dtype=torch.long, device=device),
+        "slots": torch.arange(batch, dtype=torch.long, device=device),
+        "valid": torch.ones(batch, dtype=torch.bool, device=device),
+    }
+    record: dict[str, Any] = {"batch": batch, "frames": frames, "modes": {}}
+    if device.type == "cuda":
+        record["peak_transient_bytes"] = {arm.name: _peak_transient_bytes(arm, inputs, device) for arm in arms}
+    for mode in modes:
+        runners: dict[str, Runner] = {}
+        entry: dict[str, Any] = {"arms": {}, "errors": {}}
+        for arm in arms:
+            runner = (
+                EagerRunner(arm, inputs, device)
+                if mode == "eager"
+                else GraphRunner(arm, inputs, device, compiled=mode == "compiled")
+            )
+            try:
+                runner.setup(args.warmup)
+            except Exception as exc:  # noqa: BLE001 - one arm failing to capture/compile must not sink the run
+                entry["errors"][arm.name] = f"{type(exc).__name__}: {exc}"[:2000]
+                runner.close()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                continue
+            runners[arm.name] = runner
+        samples: dict[str, list[float]] = {name: [] for name in runners}
+        names = list(runners)
+        for r in range(args.repeats):
+            order = names[r % len(names) :] + names[: r % len(names)] if names else []
+            for name in order:
+                for s in range(args.steps_per_round):
+                    k = (r * args.steps_per_round + s) % args.code_sets
+                    samples[name].append(runners[name].time_step(k))
+        for name, runner in runners.items():
+            entry["arms"][name] = {**common.summarize_ms(samples[name]), **runner.info}
+            runner.close()
+        runners.clear()
+        a = entry["arms"]
+        entry["ratios"] = {
+            "v2/legacy": _ratio(a.get("v2"), a.get("legacy")),
+            "v2/upstream": _ratio(a.get("v2"), a.get("upstream")),
+            "legacy/upstream": _ratio(a.get("legacy"), a.get("upstream")),
+        }
+        if not entry["errors"]:
+            del entry["errors"]
+        record["modes"][mode] = entry
+        common.free_memory(device)
+    return record
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    arms = result["arms"]
+    headers = ["B", "T", "mode"] + [f"{a} ms (p10-p90)" for a in arms] + ["v2/legacy", "v2/upstream"]
+    rows = []
+    for rec in result["results"]:
+        for mode, entry in rec["modes"].items():
+            row = [rec["batch"], rec["frames"], mode]
+            for a in arms:
+                s = entry["arms"].get(a)
+                row.append("-" if s is None else f"{s['median_ms']:.2f} ({s['p10_ms']:.2f}-{s['p90_ms']:.2f})")
+            for key in ("v2/legacy", "v2/upstream"):
+                v = entry["ratios"].get(key)
+                row.append("-" if v is None else f"{v:.3f}")
+            rows.append(row)
+    print(f"\n### decode step latency, preset {result['preset']}, n_vq {result['n_vq']}, {result['device']}\n")
+    print(common.markdown_table(headers, rows))
+    peak_rows = [
+        [rec["batch"], rec["frames"]] + [f"{common.gib(rec['peak_transient_bytes'].get(a, 0)):.3f}" for a in arms]
+        for rec in result["results"]
+        if "peak_transient_bytes" in rec
+    ]
+    if peak_rows:
+        print("\n### peak transient memory of one eager step (GiB)\n")
+        print(common.markdown_table(["B", "T"] + arms, peak_rows))
+    compile_rows = [
+        [rec["batch"], rec["frames"]]
+        + [rec["modes"]["compiled"]["arms"].get(a, {}).get("compile_s", "-") for a in arms]
+        for rec in result["results"]
+        if "compiled" in rec["modes"]
+    ]
+    if compile_rows:
+        print("\n### torch.compile seconds per shape\n")
+        print(common.markdown_table(["B", "T"] + arms, compile_rows))
+    for key, reason in result["skipped"].items():
+        print(f"\nskipped {key}: {reason}")
+    for rec in result["results"]:
+        for mode, entry in rec["modes"].items():
+            for arm, err in entry.get("errors", {}).items():
+                print(f"\nerror B={rec['batch']} T={rec['frames']} {mode} {arm}: {err.splitlines()[0][:300]}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    batches = common.parse_int_list(args.batch)
+    frames_list = common.parse_int_list(args.frames)
+    modes = common.parse_str_list(args.modes, MODES)
+    arm_names = common.parse_str_list(args.arms, ARMS)
+    device = common.resolve_device(args.device)
+    config = preset_config(args.preset)
+    max_batch = max(batches)
+    skipped: dict[str, str] = {}
+
+    if device.type != "cuda":
+        for mode in [m for m in modes if m != "eager"]:
+            skipped[mode] = "needs CUDA (CUDA graphs)"
+        modes = [m for m in modes if m == "eager"]
+    if "v2" in arm_names and config.version != "v2":
+        skipped["v2"] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
+        arm_names.remove("v2")
+    if "upstream" in arm_names:
+        ok, reason = common.upstream_status(args.preset, device)
+        if not ok:
+            skipped["upstream"] = reason
+            arm_names.remove("upstream")
+    if device.type == "cuda":
+        # Each (arm, B, T) is a separate static-shape compile of the same function.
+        for key in (
+            "recompile_limit",
+            "cache_size_limit",
+            "accumulated_recompile_limit",
+            "accumulated_cache_size_limit",
+        ):
+            if hasattr(torch._dynamo.config, key):
+                setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 1024))
+
+    result: dict[str, Any] = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "n_vq": min(args.n_vq, config.num_quantizers),
+        "batches": batches,
+        "frames": frames_list,
+        "modes": modes,
+        "arms": arm_names,
+        "repeats": args.repeats,
+        "steps_per_round": args.steps_per_round,
+        "pool_capacity": max_batch,
+        "skipped": skipped,
+        "weights_bytes": {},
+        "build_s": {},
+        "state_bytes": {},
+        "results": [],
+    }
+
+    arms: list[Arm] = []
+    decoder = codec = None
+    try:
+        if any(a in arm_names for a in ("legacy", "v2")):
+            t0 = time.perf_counter()
+            decoder = common.random_decoder(args.preset, device, args.seed)
+            result["build_s"]["ours"] = round(time.perf_counter() - t0, 3)
+            result["weights_bytes"]["ours"] = common.module_bytes(decoder)
+        if "upstream" in arm_names:
+            t0 = time.perf_counter()
+            codec = common.build_upstream_codec(args.preset, device, args.seed, result["n_vq"])
+            result["build_s"]["upstream"] = round(time.perf_counter() - t0, 3)
+            result["weights_bytes"]["upstream"] = codec.total_bytes
+        for name in arm_names:
+            arm = _upstream_arm(codec, max_batch) if name == "upstream" else _our_arm(decoder, name, max_batch)
+            arms.append(arm)
+            result["state_bytes"][name] = arm.state_bytes
+        if device.type == "cuda":
+            result["allocated_after_setup_bytes"] = int(torch.cuda.memory_allocated(device))
+
+        for batch in batches:
+            for frames in frames_list:
+                t0 = time.perf_counter()
+                record = _bench_shape(arms, modes, batch, frames, args, config, device)
+                record["wall_s"] = round(time.perf_counter() - t0, 3)
+                result["results"].append(record)
+                common.write_json(args.json, result)
+                print(f"B={batch} T={frames}: {record['wall_s']:.1f} s", flush=True)
+    finally:
+        for arm in arms:
+            arm.close()
+        del arms, decoder, codec
+        common.free_memory(device)
+
+    common.write_json(args.json, result)
+    _print_tables(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers shared by the codec benchmarks: devices, random weights, the upstream arm, stats, output.
+
+Units used throughout: bytes are exact integers (``*_bytes``), times are milliseconds (``*_ms``) unless a
+name says seconds (``*_s``); GiB = 2**30 bytes and appears only in printed tables.
+
+The upstream arm is vLLM-Omni 0.30.0's own v2 codec module, loaded by file path through the test oracle
+(``tests/model_executor/models/moss_tts/upstream_oracle.py``) so that vLLM itself is never imported. Set
+``MOSS_UPSTREAM_MOSS_TTS_DIR`` to an unzipped copy of the wheel's ``moss_tts`` directory where vllm-omni is
+not installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import types
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ORACLE_PATH = REPO_ROOT / "tests" / "model_executor" / "models" / "moss_tts" / "upstream_oracle.py"
+GIB = 1 << 30
+
+if str(REPO_ROOT) not in sys.path:  # scripts run as files: make the package importable without installing
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
+
+__all__ = [
+    "GIB",
+    "UpstreamCodecArm",
+    "build_upstream_codec",
+    "cuda_memory",
+    "free_memory",
+    "gib",
+    "load_oracle",
+    "markdown_table",
+    "module_bytes",
+    "parse_int_list",
+    "parse_str_list",
+    "random_codes",
+    "random_decoder",
+    "resolve_device",
+    "summarize_ms",
+    "upstream_state_bytes",
+    "upstream_status",
+    "write_json",
+]
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"1,8,64"`` -> ``[1, 8, 64]`` (positive integers, order kept, duplicates dropped)."""
+    values: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        value = int(part)
+        if value < 1:
+            raise ValueError(f"expected positive integers, got {value} in {text!r}")
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def parse_str_list(text: str, allowed: Sequence[str]) -> list[str]:
+    """``"eager,graph"`` -> ``["eager", "graph"]``, each checked against ``allowed``."""
+    values = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ValueError(f"expected a comma-separated subset of {list(allowed)}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+# ------------------------------------------------------------------------------------------ devices
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cpu`` / ``cuda`` as given (``cuda`` must exist)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch.cuda.is_available() is False")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; expected auto, cpu or cuda")
+    return device
+
+
+def free_memory(device: torch.device | None = None) -> None:
+    """Collect garbage and, on CUDA, return cached blocks to the driver (after a synchronize)."""
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def cuda_memory(device: torch.device) -> dict[str, int]:
+    """Bytes on one CUDA device now: ``allocated`` / ``reserved`` by this process's caching allocator
+    and ``device_used`` = total - free as the driver reports it (all processes and contexts)."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "allocated": int(torch.cuda.memory_allocated(device)),
+        "reserved": int(torch.cuda.memory_reserved(device)),
+        "device_used": int(total - free),
+    }
+
+
+def memory_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``{allocated,reserved,device_used}_delta_bytes`` between two :func:`cuda_memory` readings."""
+    return {f"{key}_delta_bytes": int(after[key] - before[key]) for key in before}
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (each storage counted once; works on meta)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor is None:
+            continue
+        key = id(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return int(total)
+
+
+# ------------------------------------------------------------------------------------------ our decoder
+
+
+def _serving_dtype(device: torch.device) -> torch.dtype:
+    # The serving policy of CodecDecoder.to_serving: bf16 on accelerators, fp32 elsewhere; meta stands for
+    # a GPU in byte accounting, so it gets bf16.
+    return torch.bfloat16 if device.type in ("cuda", "meta") else torch.float32
+
+
+@torch.no_grad()
+def random_decoder(preset: str, device: torch.device | str, seed: int = 0) -> CodecDecoder:
+    """A :class:`CodecDecoder` of a built-in preset with small random weights, ready to serve.
+
+    The module is built on the meta device (no initialisation work), materialised directly in the serving
+    dtype (bf16 on CUDA and meta, fp32 on CPU) and filled in place from a generator on ``device``:
+    matrices ``N(0, 1/fan_in)``, LayerNorm weights ``N(1, 0.1)``, every other vector ``N(0, 0.1)``, decode
+    table ``N(0, 1/num_quantizers)``. On ``meta`` nothing is allocated or filled (byte accounting only).
+    Values are for timing and memory only; they are not a trained codec.
+    """
+    device = torch.device(device)
+    config = preset_config(preset)
+    with torch.device("meta"):
+        decoder = CodecDecoder(config)
+    decoder = decoder.to(_serving_dtype(device))
+    if device.type == "meta":
+        return decoder.eval()
+    decoder = decoder.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    named = list(decoder.named_parameters()) + list(decoder.named_buffers())
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        if name == "lut":
+            tensor.normal_(0.0, 1.0 / math.sqrt(config.num_quantizers), generator=gen)
+        elif tensor.dim() >= 2:
+            tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
+        elif name.endswith(("norm1.weight", "norm2.weight")):
+            tensor.normal_(1.0, 0.1, generator=gen)
+        else:
+            tensor.normal_(0.0, 0.1, generator=gen)
+    return decoder.to_serving(device)
+
+
+def random_codes(
+    num_sets: int, n_vq: int, batch: int, frames: int, codebook_size: int, device: torch.device, seed: int
+) -> list[torch.Tensor]:
+    """``num_sets`` int64 code tensors ``(n_vq, batch, frames)`` drawn from ``[1, codebook_size)``.
+
+    Zero is excluded on purpose: an all-zero input can hide unwritten outputs and time differently.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    return [
+        torch.randint(1, codebook_size, (n_vq, batch, frames), generator=gen, dtype=torch.long).to(device)
+        for _ in range(num_sets)
+    ]
+
+
+# ------------------------------------------------------------------------------------------ upstream
+
+
+def load_oracle() -> types.ModuleType:
+    """The test oracle module (``upstream_oracle``), loaded by path and shared with pytest's import."""
+    existing = sys.modules.get("upstream_oracle")
+    if existing is not None:
+        return existing
+    spec = importlib.util.spec_from_file_location("upstream_oracle", ORACLE_PATH)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the upstream oracle from {ORACLE_PATH}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["upstream_oracle"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop("upstream_oracle", None)
+        raise
+    return module
+
+
+def upstream_status(preset: str, device: torch.device) -> tuple[bool, str]:
+    """Whether the upstream arm can run for ``preset`` on ``device``, and why not when it cannot."""
+    if PRESETS[preset]["number_channels"] < 2:
+        return False, f"preset {preset!r} is a v1 codec; the upstream arm drives upstream's v2 codec module"
+    try:
+        oracle = load_oracle()
+    except Exception as exc:  # noqa: BLE001 - any import failure just disables the arm
+        return False, f"upstream oracle failed to import: {type(exc).__name__}: {exc}"
+    if not oracle.upstream_available():
+        return False, (
+            f"vllm-omni {oracle.UPSTREAM_VERSION} moss_tts files or transformers not found "
+            "(install the wheel with --no-deps or set MOSS_UPSTREAM_MOSS_TTS_DIR)"
+        )
+    return True, ""
+
+
+@dataclass
+class UpstreamCodecArm:
+    """Upstream 0.30.0's whole v2 codec model (encoder, quantizer, decoder) placed as upstream serves it.
+
+    Attributes: ``model`` (``MossAudioTokenizerModel``), ``module`` (the loaded upstream file),
+    ``config`` (official config dict), ``decoder_bytes`` (decoder parameter bytes), ``total_bytes``
+    (all parameters and buffers, encoder included, decode table included).
+    """
+
+    model: torch.nn.Module
+    module: types.ModuleType
+    config: dict[str, Any]
+    decoder_bytes: int
+    total_bytes: int
+
+    def open_pool(self, state_capacity: int, scratch_capacity: int) -> None:
+        """``initialize_decoder_state_pool(state_capacity, scratch_capacity)`` (one pool per model)."""
+        with torch.no_grad():
+            self.model.initialize_decoder_state_pool(int(state_capacity), int(scratch_capacity))
+
+    def close_pool(self) -> None:
+        self.model.close_decoder_state_pool()
+
+    def step(self, codes, lengths, slot_ids, valid_rows):
+        """One ``decode_streaming_tensors`` call: codes ``(n_vq, B, T)`` -> (audio, audio_lengths)."""
+        with torch.no_grad():
+            return self.model.decode_streaming_tensors(codes, lengths, slot_ids, valid_rows)
+
+
+def build_upstream_codec(preset: str, device: torch.device, seed: int, n_vq: int) -> UpstreamCodecArm:
+    """Build upstream's v2 codec from the preset's official config dict, as upstream's stage places it.
+
+    Weights are the module's own random initialisation under ``torch.manual_seed(seed)`` (timing and
+    memory only), built directly on ``device`` in fp32. On CUDA the decoder is then cast to bf16 and the
+    decode table built in bf16 for ``n_vq`` codebooks, as vLLM-Omni 0.30.0's codec stage does; on CPU
+    everything stays fp32.
+    """
+    import copy
+
+    oracle = load_oracle()
+    module = oracle.load_upstream_module("audio_tokenizer_v2")
+    config_cls = oracle.load_upstream_module("configuration_moss_audio_tokenizer_v2").MossAudioTokenizerConfig
+    raw = copy.deepcopy(PRESETS[preset])
+    previous = torch.get_default_dtype()
+    torch.manual_seed(int(seed))
+    try:
+        torch.set_default_dtype(torch.float32)
+        with torch.device(device):
+            model = module.MossAudioTokenizerModel(config_cls(**copy.deepcopy(raw)))
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    if device.type == "cuda":
+        model.decoder.to(dtype=torch.bfloat16)
+    build_lut = getattr(model.quantizer, "build_decode_lut", None)
+    if callable(build_lut):
+        build_lut(int(n_vq), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    decoder_bytes = sum(p.numel() * p.element_size() for p in model.decoder.parameters())
+    return UpstreamCodecArm(model, module, raw, int(decoder_bytes), module_bytes(model))
+
+
+def upstream_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of upstream's persistent streaming state: every tensor reachable from a module's
+    ``_streaming_state`` (and its ring cache), the central offset bank and the shared exec mask.
+    Views of one storage (upstream's offsets are rows of one bank) are counted once."""
+    tensors: list[torch.Tensor] = []
+
+    def collect(obj: Any) -> None:
+        for value in vars(obj).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+
+    for sub in model.modules():
+        state = getattr(sub, "_streaming_state", None)
+        if state is None:
+            continue
+        collect(state)
+        kv = getattr(state, "kv_cache", None)
+        if kv is not None:
+            collect(kv)
+    for name in ("_decoder_slot_offsets", "_streaming_exec_mask"):
+        value = getattr(model, name, None)
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return int(total)
+
+
+# ------------------------------------------------------------------------------------------ stats/output
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    # Linear interpolation between closest ranks (numpy's default), on an already sorted list.
+    if len(sorted_values) == 1:
+        return float(sorted_values[0])
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+
+
+def summarize_ms(samples_ms: Iterable[float]) -> dict[str, Any]:
+    """Median, p10/p25/p75/p90, min/max of step times in ms, plus the raw samples."""
+    raw = [float(v) for v in samples_ms]
+    values = sorted(raw)
+    if not values:
+        raise ValueError("no samples")
+    return {
+        "median_ms": float(statistics.median(values)),
+        "p10_ms": _quantile(values, 0.10),
+        "p25_ms": _quantile(values, 0.25),
+        "p75_ms": _quantile(values, 0.75),
+        "p90_ms": _quantile(values, 0.90),
+        "min_ms": values[0],
+        "max_ms": values[-1],
+        "n": len(values),
+        "samples_ms": [round(v, 4) for v in raw],
+    }
+
+
+def gib(num_bytes: int | float) -> float:
+    return float(num_bytes) / GIB
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured markdown table (cells converted with ``str``)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON (atomically: a reader never sees half a file)."""
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    tmp.replace(target)

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+#
+# One command for the GPU machine: CUDA tests, then the codec memory and step benchmarks.
+#
+#   bash benchmarks/tts/run_gpu.sh [path/to/vllm_omni-0.30.0-*.whl]
+#
+# Default wheel: .whl/vllm_omni-0.30.0-*.whl (carry `.whl`). Only the wheel's moss_tts directory is
+# unzipped (to /tmp) and exposed through MOSS_UPSTREAM_MOSS_TTS_DIR for the upstream arm; without a
+# wheel that arm is skipped and the rest still runs. Results go to $OUT (default ./out/gpu), 7 files:
+#   env.txt  pytest.xml  pytest.log  memory.json  memory.log  step.json  step.log
+# Each stage has its own time limit (120 + 100 + 300 s) so the whole command fits a 10-minute slot and a
+# stage that overruns still leaves the others' files; both benchmarks rewrite their JSON as they go.
+# Measured on one H200 (2026-11-29, these settings): 204 s wall, tests 25 s, memory ~25 s, steps ~135 s.
+
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+REPO=$(pwd)
+OUT=${OUT:-$REPO/out/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+WHEEL=${1:-}
+if [ -z "$WHEEL" ]; then
+  WHEEL=$(ls "$REPO"/.whl/vllm_omni-0.30.0-*.whl 2>/dev/null | head -n 1)
+fi
+UPSTREAM_ROOT=/tmp/vllm_omni_0_30_0
+if [ -n "$WHEEL" ] && [ -f "$WHEEL" ]; then
+  rm -rf "$UPSTREAM_ROOT"
+  "$PY" - "$WHEEL" "$UPSTREAM_ROOT" <<'EOF'
+import sys
+import zipfile
+
+wheel, dest = sys.argv[1], sys.argv[2]
+prefix = "vllm_omni/model_executor/models/moss_tts/"
+with zipfile.ZipFile(wheel) as archive:
+    members = [name for name in archive.namelist() if name.startswith(prefix)]
+    archive.extractall(dest, members=members)
+print(f"unzipped {len(members)} moss_tts files from {wheel}")
+EOF
+  export MOSS_UPSTREAM_MOSS_TTS_DIR="$UPSTREAM_ROOT/vllm_omni/model_executor/models/moss_tts"
+else
+  echo "no vllm-omni 0.30.0 wheel found (argument or .whl/): the upstream arm will be skipped"
+fi
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem --format=csv
+  "$PY" - <<'EOF'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0))
+for name in ("triton", "transformers", "hypothesis", "safetensors"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as exc:  # report, never fail here
+        print(name, "missing:", exc)
+EOF
+  echo "MOSS_UPSTREAM_MOSS_TTS_DIR=${MOSS_UPSTREAM_MOSS_TTS_DIR:-<unset>}"
+  git -C "$REPO" rev-parse HEAD 2>/dev/null || true
+  git -C "$REPO" status --short 2>/dev/null | head -n 40 || true
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+status=0
+
+echo "== pytest -m cuda"
+# --continue-on-collection-errors: a test module whose import fails on this image (a package the image
+# lacks) must not stop the CUDA tests of the other modules; the error is still reported and fails status.
+timeout 120 "$PY" -m pytest tests -m cuda -q -p no:cacheprovider --continue-on-collection-errors \
+  --junitxml="$OUT/pytest.xml" >"$OUT/pytest.log" 2>&1 || status=1
+tail -n 15 "$OUT/pytest.log"
+
+echo "== codec state memory (64, 128 streams)"
+timeout 100 "$PY" benchmarks/tts/bench_codec_memory.py --preset v2 --streams 64,128 --device cuda \
+  --json "$OUT/memory.json" 2>&1 | tee "$OUT/memory.log" || status=1
+
+echo "== codec step latency"
+timeout 300 "$PY" benchmarks/tts/bench_codec_step.py --preset v2 --batch 1,8,64,128 --frames 1,15 \
+  --modes eager,graph --arms legacy,v2,upstream --repeats 6 --steps-per-round 3 --warmup 2 --device cuda \
+  --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" || status=1
+
+echo "== done (status $status); files in $OUT:"
+ls -l "$OUT"
+exit $status
