@@ -1,0 +1,249 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA graphs of streaming steps, keyed by ``(batch bucket, frames)``.
+
+One graph per key replays ``pool.decode_streaming_tensors`` (or a compiled callable
+with the same signature) on static input tensors. A batch of ``B`` rows uses the
+smallest bucket ``>= B``; rows ``B..bucket-1`` are padding: invalid, length 0, zero
+codes, slot ids from ``pool.padding_slot_ids`` - the V2 null slot, which invalid rows
+never write, or distinct legacy scratch slots, which padding rows overwrite on every
+replay (so a legacy pool needs ``scratch_capacity >= max bucket``).
+
+Invariants:
+
+* Static slot ids are ``[live ids..., padding ids...]``: every replay writes the first
+  ``B`` entries and restores the rest to the padding ids.
+* Pool tensors are never reallocated after capture (the graphs hold their addresses):
+  :meth:`StreamingGraphRunner.state_data_ptrs` lets tests check it.
+* Returned audio is a clone: a later replay rewrites the static output in place.
+* Capture leaves live state untouched: warm-up runs with every row invalid (V2 writes
+  nothing at all; legacy writes only scratch slots, which are reset afterwards).
+* Each runner captures on its own stream into its own memory pool, so its graphs
+  never share memory with another runner's (or vLLM's) graphs.
+
+This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .state_pool import DecoderStatePool
+
+__all__ = ["StreamingGraphRunner"]
+
+logger = logging.getLogger(__name__)
+
+#: Warm-up runs before capture: compiles (if a compiled callable is used), autotunes,
+#: and lets the caching allocator settle outside the graph pool.
+WARMUP_RUNS = 3
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    codes: torch.Tensor  # (n_vq, bucket, T) int64
+    lengths: torch.Tensor  # (bucket,) int64
+    slot_ids: torch.Tensor  # (bucket,) int64
+    valid: torch.Tensor  # (bucket,) bool
+    padding_ids: torch.Tensor  # (bucket,) int64, the ids padding rows carry
+    audio: torch.Tensor  # (bucket, channels, T * spf) float32, rewritten by every replay
+    audio_lengths: torch.Tensor  # (bucket,) int64
+
+
+class StreamingGraphRunner:
+    """Capture and replay streaming-step CUDA graphs for one pool.
+
+    Args:
+        pool: an initialised pool on a CUDA device.
+        batch_sizes: batch buckets (positive).
+        frames: exact frame counts ``T`` to capture.
+        n_vq: codebooks per frame of the captured codes.
+        callable: step function with the signature of ``pool.decode_streaming_tensors``
+            (e.g. :func:`~.compile.compile_decode`); default: the eager tensor step.
+            If capturing with it fails, the runner switches to the eager step for that
+            and every later key.
+
+    Attributes:
+        graphs: captured keys -> graph entries.
+        failures: keys that fell back to eager -> reason (``repr`` of the exception).
+        compiled_keys: keys captured with ``callable``.
+
+    Raises:
+        ValueError: pool not on CUDA or not initialised, empty sizes, or a legacy pool
+            with fewer scratch slots than the largest bucket.
+    """
+
+    def __init__(
+        self,
+        pool: DecoderStatePool,
+        batch_sizes: Iterable[int],
+        frames: Iterable[int],
+        n_vq: int,
+        callable: Callable | None = None,
+    ):
+        if pool.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA pool; this pool is on {pool.device}")
+        if not pool.initialized:
+            raise ValueError("initialise the pool before building its graph runner")
+        self.pool = pool
+        self.batch_sizes = sorted({int(b) for b in batch_sizes if int(b) > 0})
+        self.frames = sorted({int(t) for t in frames if int(t) > 0})
+        if not self.batch_sizes or not self.frames:
+            raise ValueError(f"need at least one batch size and one frame size, got {self.batch_sizes} / {self.frames}")
+        if pool.kind == "legacy" and pool.scratch_capacity < self.batch_sizes[-1]:
+            raise ValueError(
+                f"a legacy pool needs one scratch slot per padding row: bucket {self.batch_sizes[-1]} needs "
+                f"{self.batch_sizes[-1]} scratch slots, the pool has {pool.scratch_capacity}"
+            )
+        self.n_vq = int(n_vq)
+        self._compiled = callable
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.failures: dict[tuple[int, int], str] = {}
+        self.compiled_keys: set[tuple[int, int]] = set()
+        self._mempool = None
+        self._stream = None
+        self._captured = False
+
+    # ------------------------------------------------------------------ capture
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Warm up and capture every ``(bucket, T)`` key, largest first (smaller graphs
+        then reuse the larger ones' memory in the shared pool). Idempotent."""
+        if self._captured:
+            return
+        self._captured = True
+        device = self.pool.device
+        with torch.cuda.device(device):
+            self._mempool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device)
+            for key in sorted(((b, t) for b in self.batch_sizes for t in self.frames), reverse=True):
+                self._capture_key(*key)
+        logger.info(
+            "streaming decoder CUDA graphs: %d/%d captured (%d compiled); eager for %s",
+            len(self.graphs),
+            len(self.batch_sizes) * len(self.frames),
+            len(self.compiled_keys),
+            sorted(self.failures) or "none",
+        )
+
+    def _capture_key(self, bucket: int, frames: int) -> None:
+        key = (bucket, frames)
+        if self._compiled is not None:
+            try:
+                self.graphs[key] = self._capture_with(self._compiled, bucket, frames)
+                self.compiled_keys.add(key)
+                return
+            except Exception as exc:  # compile and capture errors come in many types
+                logger.warning("compiled capture failed for %s (%r); plain step from now on", key, exc)
+                self._compiled = None
+                self._reset_padding(bucket)
+        try:
+            self.graphs[key] = self._capture_with(self.pool.decode_streaming_tensors, bucket, frames)
+        except Exception as exc:
+            self.failures[key] = repr(exc)
+            logger.warning("CUDA graph capture failed for %s (%r); eager for this key", key, exc)
+            self._reset_padding(bucket)
+
+    def _capture_with(self, step: Callable, bucket: int, frames: int) -> _Graph:
+        device = self.pool.device
+        padding = self.pool.padding_slot_ids(bucket).to(device=device, dtype=torch.long).clone()
+        codes = torch.zeros(self.n_vq, bucket, frames, dtype=torch.long, device=device)
+        lengths = torch.zeros(bucket, dtype=torch.long, device=device)
+        slot_ids = padding.clone()
+        valid = torch.zeros(bucket, dtype=torch.bool, device=device)
+
+        # Every row invalid: the warm-up touches no live slot (V2: nothing at all).
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                step(codes, lengths, slot_ids, valid)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        self._reset_padding(bucket)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool, stream=self._stream, capture_error_mode="thread_local"):
+            audio, audio_lengths = step(codes, lengths, slot_ids, valid)
+        torch.cuda.synchronize(device)
+        return _Graph(graph, codes, lengths, slot_ids, valid, padding, audio, audio_lengths)
+
+    def _reset_padding(self, bucket: int) -> None:
+        # Legacy padding rows write their scratch slots; V2 padding rows write nothing
+        # and the null slot is not resettable.
+        if self.pool.kind == "legacy":
+            self.pool.reset(self.pool.padding_slot_ids(bucket))
+
+    # ------------------------------------------------------------------ replay
+    def select(self, batch: int, frames: int, allow_frame_padding: bool = False) -> tuple[int, int] | None:
+        """The captured key serving ``batch`` rows of ``frames`` frames, or None.
+
+        The bucket is the smallest ``>= batch``; the frame size is exact unless
+        ``allow_frame_padding`` (then the smallest captured ``>= frames``).
+        """
+        bucket = next((b for b in self.batch_sizes if b >= batch), None)
+        if bucket is None:
+            return None
+        if (bucket, frames) in self.graphs:
+            return bucket, frames
+        if not allow_frame_padding:
+            return None
+        return next(((bucket, t) for t in self.frames if t >= frames and (bucket, t) in self.graphs), None)
+
+    @torch.no_grad()
+    def decode(
+        self,
+        codes: torch.Tensor,
+        lengths: torch.Tensor,
+        slot_ids: torch.Tensor,
+        *,
+        allow_frame_padding: bool = False,
+    ) -> torch.Tensor | None:
+        """Replay the graph for a batch of valid rows, or return None (caller runs eager).
+
+        Args:
+            codes: ``(n_vq, B, T)`` int64 on the pool's CUDA device.
+            lengths: ``(B,)`` int64 frames per row.
+            slot_ids: ``(B,)`` int64 distinct leased slots.
+            allow_frame_padding: pad ``T`` with zero codes up to a captured frame size
+                (only for steps whose every row is terminal: the padded frames advance
+                the rows' state, which the caller resets right after).
+        Returns:
+            ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``),
+            or None when no graph fits, the inputs are not on CUDA, or a capture is active.
+        """
+        if not codes.is_cuda or torch.cuda.is_current_stream_capturing():
+            return None
+        n_vq, B, T = codes.shape
+        if n_vq != self.n_vq:
+            return None
+        key = self.select(B, T, allow_frame_padding)
+        if key is None:
+            return None
+        g = self.graphs[key]
+        g.codes.zero_()
+        g.codes[:, :B, :T].copy_(codes)
+        g.lengths.zero_()
+        g.lengths[:B].copy_(lengths)
+        g.slot_ids.copy_(g.padding_ids)
+        g.slot_ids[:B].copy_(slot_ids)
+        g.valid.zero_()
+        g.valid[:B].fill_(True)
+        g.graph.replay()
+        return g.audio[:B].clone()
+
+    # ------------------------------------------------------------------ inspection
+    def state_data_ptrs(self) -> list[int]:
+        """Addresses of every persistent pool tensor (rings, then offsets), in a fixed order."""
+        return [t.data_ptr() for t in self.pool.rings + self.pool._offset_tensors()]
+
+    def close(self) -> None:
+        """Drop the graphs and their memory pool."""
+        self.graphs.clear()
+        self._mempool = None
+        self._stream = None
+        self._compiled = None
