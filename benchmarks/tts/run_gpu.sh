@@ -8,7 +8,7 @@
 # Default wheel: .whl/vllm_omni-0.30.0-*.whl (carry `.whl`). Only the wheel's moss_tts directory is
 # unzipped (to /tmp) and exposed through MOSS_UPSTREAM_MOSS_TTS_DIR for the upstream arm; without a
 # wheel that arm is skipped and the rest still runs. Results go to $OUT (default ./out/gpu), 7 files:
-#   env.txt  pytest.xml  pytest.log  memory.json  memory.log  step.json  step.log
+#   env.txt  pytest.log  memory.json  memory.log  step.json  step.log  stage.json  stage.png
 # Each stage has its own time limit (120 + 100 + 300 s) so the whole command fits a 10-minute slot and a
 # stage that overruns still leaves the others' files; both benchmarks rewrite their JSON as they go.
 # Measured on one H200 (2026-11-29, these settings): 204 s wall, tests 25 s, memory ~25 s, steps ~135 s.
@@ -68,18 +68,25 @@ status=0
 echo "== pytest -m cuda"
 # --continue-on-collection-errors: a test module whose import fails on this image (a package the image
 # lacks) must not stop the CUDA tests of the other modules; the error is still reported and fails status.
-timeout 120 "$PY" -m pytest tests -m cuda -q -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml="$OUT/pytest.xml" >"$OUT/pytest.log" 2>&1 || status=1
+timeout 200 "$PY" -m pytest tests -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
+  --durations=8 >"$OUT/pytest.log" 2>&1 || status=1
 tail -n 15 "$OUT/pytest.log"
 
 echo "== codec state memory (64, 128 streams)"
-timeout 100 "$PY" benchmarks/tts/bench_codec_memory.py --preset v2 --streams 64,128 --device cuda \
+timeout 60 "$PY" benchmarks/tts/bench_codec_memory.py --preset v2 --streams 64,128 --device cuda \
   --json "$OUT/memory.json" 2>&1 | tee "$OUT/memory.log" || status=1
 
 echo "== codec step latency"
-timeout 300 "$PY" benchmarks/tts/bench_codec_step.py --preset v2 --batch 1,8,64,128 --frames 1,15 \
-  --modes eager,graph --arms legacy,v2,upstream --repeats 6 --steps-per-round 3 --warmup 2 --device cuda \
+timeout 180 "$PY" benchmarks/tts/bench_codec_step.py --preset v2 --batch 1,8,64,128 --frames 1,15 \
+  --modes eager,graph --arms legacy,v2,upstream --repeats 5 --steps-per-round 2 --warmup 2 --device cuda \
   --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" || status=1
+
+echo "== codec stage under load (main job: 1088 requests, concurrency 64, v2 geometry, CUDA graphs)"
+timeout 120 "$PY" benchmarks/tts/bench_codec_stage.py --device cuda --wavs 0 --quiet --out "$OUT/stage" \
+  2>&1 | tail -n 20 || status=1
+mv "$OUT/stage/results.json" "$OUT/stage.json" 2>/dev/null
+mv "$OUT/stage/latency.png" "$OUT/stage.png" 2>/dev/null
+rm -rf "$OUT/stage"
 
 echo "== done (status $status); files in $OUT:"
 ls -l "$OUT"
