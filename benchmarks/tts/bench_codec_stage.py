@@ -166,6 +166,9 @@ def simulate(args, device: torch.device) -> dict:
                 bar.update(1)
         admit(clock)
     bar.close()
+    cuda_graphs = sorted(session.runner.graphs) if session.runner is not None else []
+    graph_failures = dict(session.runner.failures) if session.runner is not None else {}
+    state_bytes = session.pool.state_bytes()
     session.close()
 
     out = Path(args.out)
@@ -182,7 +185,9 @@ def simulate(args, device: torch.device) -> dict:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "pool": session.pool.kind,
-        "cuda_graphs": bool(session.runner),
+        "cuda_graphs": bool(cuda_graphs),
+        "cuda_graph_keys": [list(k) for k in cuda_graphs],
+        "cuda_graph_failures": {str(k): v for k, v in graph_failures.items()},
         "requests": args.requests,
         "concurrency": args.concurrency,
         "chunks_frames": [args.first_chunk, args.chunk],
@@ -199,7 +204,7 @@ def simulate(args, device: torch.device) -> dict:
         "first_chunk_latency_ms": {k: v * 1e3 for k, v in _percentiles(first_latency).items()},
         "chunk_latency_ms": {k: v * 1e3 for k, v in _percentiles(chunk_latency).items()},
         "peak_memory": _peak_memory(device),
-        "state_bytes": session.pool.state_bytes() if session.pool.initialized else None,
+        "state_bytes": state_bytes,
         "wavs": wavs,
         "_latencies": {"chunk_ms": [v * 1e3 for v in chunk_latency], "first_ms": [v * 1e3 for v in first_latency]},
     }

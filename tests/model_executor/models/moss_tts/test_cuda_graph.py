@@ -92,11 +92,18 @@ def _padded(pool, codes, live, bucket):
     return full, lengths, ids, valid
 
 
-def _assert_close_to_peak(got, ref, rtol=0.02, atol=2e-3):
-    """Compiled bf16 vs eager bf16: rtol/atol on signals scaled to a peak of at most 1
-    (the ring codec's LayerScale of 1.0 gives peaks near 10)."""
-    scale = max(1.0, ref.abs().max().item())
-    torch.testing.assert_close(got / scale, ref / scale, rtol=rtol, atol=atol)
+def _assert_close_to_peak(got, ref, peak_tol=0.02, l2_tol=1e-2):
+    """Compiled bf16 vs eager bf16. Inductor fuses elementwise chains and keeps fp32
+    intermediates, so individual small samples move by up to ~1% of the peak through
+    six layers with LayerScale 1.0 (seen on the H200); elementwise rtol is meaningless
+    there. Bounds: max error <= 2% of the peak and relative L2 error <= 1e-2 (the bf16
+    band); a wrong offset, slot or mask moves outputs by O(peak)."""
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    ref, got = ref.float(), got.float()
+    peak = ref.abs().max().item()
+    err = (got - ref).abs().max().item()
+    l2 = ((got - ref).norm() / ref.norm()).item()
+    assert err <= peak_tol * peak and l2 <= l2_tol, f"max error {err:.4f} (peak {peak:.3f}), relative L2 {l2:.2e}"
 
 
 # ----------------------------------------------------------------------------- CUDA
