@@ -8,28 +8,16 @@ import copy
 import torch
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint, save_random_checkpoint
+from vllm_omni_moss.model_executor.models.moss_tts.config import _transformer as config_transformer
 from vllm_omni_moss.model_executor.models.moss_tts.config import parse_config
 
 
-def _transformer(i: int, o: int, d: int = 128, heads: int = 2, layers: int = 3, ffn: int = 128) -> dict:
-    return {
-        "module_type": "Transformer",
-        "input_dimension": i,
-        "output_dimension": o,
-        "d_model": d,
-        "num_heads": heads,
-        "num_layers": layers,
-        "dim_feedforward": ffn,
-        "causal": True,
-        "norm": "layer_norm",
-        "positional_embedding": "rope",
-        "max_period": 10000,
-        "gating": "none",
-        # 1.0 instead of the checkpoints' 0.01 so attention dominates the residual
-        # stream and every ring cell visibly moves the output.
-        "layer_scale": 1.0,
-        "conv_layout": True,
-    }
+def _transformer(i: int, o: int) -> dict:
+    spec = config_transformer(i, o, d_model=128, heads=2, layers=3, ffn=128, duration=None)
+    # 1.0 instead of the checkpoints' 0.01 so attention dominates the residual
+    # stream and every ring cell visibly moves the output.
+    spec["layer_scale"] = 1.0
+    return spec
 
 
 def ring_codec_raw() -> dict:
@@ -76,3 +64,12 @@ def random_codes(decoder, batch: int, frames: int, seed: int, n_vq: int | None =
     cfg = decoder.config
     n_vq = n_vq or cfg.num_quantizers
     return torch.randint(0, cfg.codebook_size, (n_vq, batch, frames), generator=gen)
+
+
+def assert_slot_state_equal(a, b, slots) -> None:
+    """Offsets and every ring of each slot in ``slots`` are bit-identical between pools ``a`` and ``b``."""
+    for s in slots:
+        x, y = a.slot_state(s), b.slot_state(s)
+        assert torch.equal(x["layer_offsets"], y["layer_offsets"]), f"slot {s} offsets differ"
+        for li, (p, q) in enumerate(zip(x["rings"], y["rings"])):
+            assert torch.equal(p, q), f"slot {s} layer {li} ring differs"

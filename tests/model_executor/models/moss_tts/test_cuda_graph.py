@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from moss_codecs import build_decoder, random_codes, ring_codec_raw
+from moss_codecs import assert_slot_state_equal, build_decoder, random_codes, ring_codec_raw
 
 from vllm_omni_moss.model_executor.models.moss_tts.compile import (
     LegacyDecodeCompileAdapter,
@@ -61,14 +61,6 @@ def _pool(decoder, kind):
     pool = make_state_pool(decoder, kind)
     pool.initialize(CAPACITY, max(BUCKETS))
     return pool
-
-
-def _assert_same_state(a, b, slots):
-    for s in slots:
-        x, y = a.slot_state(s), b.slot_state(s)
-        assert torch.equal(x["layer_offsets"], y["layer_offsets"]), f"slot {s} offsets"
-        for li, (p, q) in enumerate(zip(x["rings"], y["rings"])):
-            assert torch.equal(p, q), f"slot {s} layer {li} ring"
 
 
 def _assert_null_slot_zero(pool):
@@ -118,7 +110,7 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
     runner = StreamingGraphRunner(graphed, BUCKETS, FRAMES, n_vq=dec.config.num_quantizers)
     runner.capture()
     assert sorted(runner.graphs) == sorted((b, t) for b in BUCKETS for t in FRAMES) and not runner.failures
-    _assert_same_state(eager, graphed, range(CAPACITY))  # capture touched no live slot
+    assert_slot_state_equal(eager, graphed, range(CAPACITY))  # capture touched no live slot
     _assert_null_slot_zero(graphed)
 
     for step, (T, live) in enumerate(SCRIPT):
@@ -132,12 +124,12 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
         assert torch.equal(got, ref[:B]), f"step {step}: replay differs from eager"
         if B:
             assert torch.isfinite(got).all() and got.abs().sum() > 0
-        _assert_same_state(eager, graphed, range(CAPACITY))
+        assert_slot_state_equal(eager, graphed, range(CAPACITY))
         _assert_null_slot_zero(graphed)
         if step == RESET_AFTER_STEP:
             eager.reset([0])
             graphed.reset([0])
-            _assert_same_state(eager, graphed, range(CAPACITY))
+            assert_slot_state_equal(eager, graphed, range(CAPACITY))
 
 
 @pytest.mark.cuda

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moss_codecs import random_codes
+from moss_codecs import assert_slot_state_equal, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
@@ -30,14 +30,6 @@ def _pair(decoder, live=4, scratch=4):
     v2 = make_state_pool(decoder)
     v2.initialize(live, scratch)
     return legacy, v2
-
-
-def _assert_state_equal(legacy, v2, slots):
-    for s in slots:
-        a, b = legacy.slot_state(s), v2.slot_state(s)
-        assert torch.equal(a["layer_offsets"], b["layer_offsets"]), f"slot {s} offsets differ"
-        for li, (ra, rb) in enumerate(zip(a["rings"], b["rings"])):
-            assert torch.equal(ra, rb), f"slot {s} layer {li} ring differs"
 
 
 def _assert_null_slot_zero(v2):
@@ -166,12 +158,12 @@ def test_full_codec_script_bit_identical_to_legacy(ring_decoder):
         if step != 4:
             assert torch.isfinite(a_audio[:2]).all() and a_audio[:2].abs().sum() > 0
         assert torch.count_nonzero(b_audio[~valid]) == 0
-        _assert_state_equal(legacy, v2, range(4))
+        assert_slot_state_equal(legacy, v2, range(4))
         _assert_null_slot_zero(v2)
         if step == 2:
             legacy.reset(torch.tensor([0]))
             v2.reset(torch.tensor([0]))
-            _assert_state_equal(legacy, v2, range(4))
+            assert_slot_state_equal(legacy, v2, range(4))
     expected_frames = sum(SCRIPT_T[3:]) - SCRIPT_T[4]  # slot 0: reset after step 2, idle at step 4
     assert int(v2.frames[0]) == expected_frames
     assert int(v2.frames[1]) == sum(SCRIPT_T) - SCRIPT_T[4]
@@ -373,7 +365,7 @@ def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder
                 legacy.reset([slot])
                 v2.reset([slot])
                 free.append(slot)
-        _assert_state_equal(legacy, v2, range(capacity))
+        assert_slot_state_equal(legacy, v2, range(capacity))
         step += 1
     for s in range(len(streams)):
         codes = torch.cat(fed[s], dim=-1)

@@ -374,7 +374,6 @@ class _LegacyPlan:
     def __init__(self, pool: LegacyDecoderStatePool, slots: torch.Tensor, valid: torch.Tensor):
         self.pool, self.slots, self.valid = pool, slots, valid
         self.layer = 0
-        self.frames_seen = 0
 
     def group(self, g: int, n_tokens: int):
         pool, cfg = self.pool, self.pool.config
