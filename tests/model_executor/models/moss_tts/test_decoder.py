@@ -214,7 +214,7 @@ def test_v2_streaming_equals_offline_until_the_rings_fill(ring_decoder):
     ("codes", "message"),
     [
         (torch.zeros(2, 3, dtype=torch.long), r"codes must have shape \(n_vq, B, T\), got shape \(2, 3\)"),
-        (torch.zeros(2, 1, 3), "codes must be an integer tensor"),
+        (torch.zeros(2, 1, 3), r"codes must be a signed integer \(or uint8\) tensor"),
         (torch.full((2, 1, 3), 16), r"code 16 is outside the codebook range \[0, 15\]"),
         (torch.zeros(3, 1, 3, dtype=torch.long), "codes have n_vq=3 codebooks; this codec has 1..2"),
     ],
@@ -272,3 +272,91 @@ def test_cli_errors(tmp_path, capsys):
     assert "no model.safetensors" in capsys.readouterr().err
     assert main(["decode", str(tmp_path / "ok.npy"), "-o", "x.wav", "--chunks", "1,a"]) == 2
     assert "--chunks must be comma-separated positive integers" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- hostile input (review findings)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t["decoder.0.transformer.layers.0.norm1.weight"].fill_(float("nan")), "non-finite values"),
+        (lambda t: t["quantizer.quantizers.2.codebook.weight"].fill_(float("inf")), "decode table is not finite"),
+        (
+            lambda t: t["quantizer.quantizers.0.out_proj.parametrizations.weight.original1"][0].zero_(),
+            "decode table is not finite",
+        ),
+    ],
+)
+def test_non_finite_weights_are_rejected(edit, message, tmp_path):
+    path = save_random_checkpoint("tiny-v2", tmp_path / "ck", seed=1)
+    _rewrite(path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], None, {"decoder.0.input_proj.weight": 3}])
+def test_malformed_shard_index(weight_map, tmp_path):
+    path = save_random_checkpoint("tiny-v2", tmp_path / "ck", seed=1, max_shard_bytes=100_000)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="corrupt shard index"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d["decoder_kwargs"][0].update(max_period=0),
+            r"decoder_kwargs\[0\].max_period: expected a number > 0",
+        ),
+        (lambda d: d["decoder_kwargs"][0].update(context_duration=float("nan")), "expected a finite number, got nan"),
+        (lambda d: d.update(number_channels="abc"), "number_channels: expected an integer >= 1, got 'abc'"),
+        (lambda d: d.update(enable_channel_interleave="false"), "enable_channel_interleave: expected true or false"),
+        (lambda d: d.update(quantizer_kwargs=[1, 2]), "quantizer_kwargs: expected a JSON object, got list"),
+        (lambda d: d["decoder_kwargs"][0].update(num_layers=None), "num_layers: expected an integer >= 1"),
+    ],
+)
+def test_bad_config_values_name_the_field(edit, message):
+    raw = copy.deepcopy(PRESETS["tiny-v2"])
+    edit(raw)
+    with pytest.raises(ValueError, match=message):
+        parse_config(raw)
+
+
+def test_non_utf8_config(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\x93\xff{}")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_config(tmp_path)
+
+
+def test_empty_and_odd_codes_and_schedules(ring_decoder):
+    with pytest.raises(ValueError, match=r"T >= 1 frames, got shape \(2, 1, 0\)"):
+        ring_decoder.decode(torch.zeros(2, 1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"T >= 1 frames"):
+        ring_decoder.decode(torch.zeros(2, 1, 0, dtype=torch.long), chunk_frames=[1, 15])
+    with pytest.raises(ValueError, match="signed integer"):
+        ring_decoder.decode(torch.zeros(2, 1, 3, dtype=torch.complex64))
+    codes = random_codes(ring_decoder, 1, 6, seed=1)
+    assert torch.equal(ring_decoder.decode(codes, chunk_frames=np.int64(2)), ring_decoder.decode(codes, chunk_frames=2))
+    with pytest.raises(ValueError, match="chunk schedule must be an int or a list of ints, got 1.5"):
+        ring_decoder.decode(codes, chunk_frames=1.5)
+
+
+def test_cli_rejects_bad_output_device_and_preset_before_decoding(tmp_path, capsys):
+    np.save(tmp_path / "ok.npy", np.zeros((12, 3), dtype=np.int64))
+    codes = str(tmp_path / "ok.npy")
+    cases = [
+        (["-o", str(tmp_path / "x.mp3")], "must be a .wav file path"),
+        (["-o", str(tmp_path)], "must be a .wav file path"),
+        (["-o", "/proc/x.wav"], "cannot write /proc/x.wav"),
+        (["-o", str(tmp_path / "x.wav"), "--preset", "bogus"], "unknown preset 'bogus'"),
+        (["-o", str(tmp_path / "x.wav"), "--device", "nonsense"], "is not a torch device"),
+        (["-o", str(tmp_path / "x.wav"), "--device", "meta"], "only cpu and cuda devices decode"),
+    ]
+    for extra, message in cases:
+        assert main(["decode", codes, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    np.save(tmp_path / "c.npy", np.zeros((12, 3), dtype=np.complex64))
+    assert main(["decode", str(tmp_path / "c.npy"), "-o", str(tmp_path / "x.wav")]) == 2
+    assert "codes must be integers, got dtype torch.complex64" in capsys.readouterr().err

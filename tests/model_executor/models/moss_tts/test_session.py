@@ -250,7 +250,7 @@ def test_bad_batches_raise(ring_decoder):
         s.decode([ChunkRequest("a", c), ChunkRequest("a", c)])
     with pytest.raises(ValueError, match=r"codes must be \(2, T\)"):
         s.decode([ChunkRequest("a", c[:1])])
-    with pytest.raises(ValueError, match="must be integers"):
+    with pytest.raises(ValueError, match=r"codes must be signed integers \(or uint8\), got torch.float32"):
         s.decode([ChunkRequest("a", c.float())])
     assert not s.live_requests
     s.close()
@@ -278,7 +278,7 @@ def _coalescing_script(session, decoder, monkeypatch):
 
 
 def test_terminal_tails_coalesce_onto_graph_frames(ring_decoder, monkeypatch):
-    s = CodecStreamSession(ring_decoder, 4, graph_batch_sizes=(1, 2, 4), graph_frames=(1, 3))
+    s = CodecStreamSession(ring_decoder, 4, graph_batch_sizes=(1, 2, 4), graph_frames=(1, 3), coalesce_tails=True)
     assert s.coalesce_tails and s.runner is None  # CPU: graphs never captured, steps still merged
     assert _coalescing_script(s, ring_decoder, monkeypatch) == [(2, 3)]
     assert s.free_slots == 4
@@ -289,8 +289,8 @@ def test_terminal_tails_coalesce_onto_graph_frames(ring_decoder, monkeypatch):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"graph_batch_sizes": (1, 2), "graph_frames": (1, 3)},  # largest bucket < capacity
-        {"graph_batch_sizes": (1, 2, 4), "graph_frames": (1, 3), "coalesce_tails": False},
+        {"graph_batch_sizes": (1, 2), "graph_frames": (1, 3), "coalesce_tails": True},  # largest bucket < capacity
+        {"graph_batch_sizes": (1, 2, 4), "graph_frames": (1, 3)},  # off by default: padding changes tail audio
         {},
     ],
 )
@@ -310,3 +310,32 @@ def test_out_of_range_codes_are_clamped_and_counted(ring_decoder):
     assert s.clamped_codes == 3
     _close(out.audio, _solo(ring_decoder, raw.clamp(0, K - 1), [3]), "clamped")
     assert torch.equal(raw[0, 0], torch.tensor(K))  # the caller's tensor is not modified
+
+
+def test_request_ids_must_be_strings_and_generators_are_consumed_once(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    codes = random_codes(ring_decoder, 1, 2, seed=1)[:, 0]
+    for bad in (7, None, ""):
+        with pytest.raises(ValueError, match="request_id must be a non-empty str"):
+            s.decode([ChunkRequest(bad, codes)])
+    assert s.free_slots == 2 and not s.live_requests
+    with pytest.raises(TypeError, match="requests must be a sequence of ChunkRequest, got ChunkRequest"):
+        s.decode(ChunkRequest("a", codes))
+    got = s.decode(r for r in [ChunkRequest("a", codes), ChunkRequest("b", codes, finished=True)])
+    assert sorted(got) == ["a", "b"] and got["a"].frames == 2 and got["b"].frames == 2
+    assert set(s.live_requests) == {"a"}
+
+
+def test_default_tails_keep_their_own_length(ring_decoder, monkeypatch):
+    """Buckets cover the capacity and graph frames are (1, 3): upstream would pad the
+    2-frame tail to 3 frames. By default it is decoded at T=2 and equals its solo decode."""
+    s = CodecStreamSession(ring_decoder, 2, graph_batch_sizes=(1, 2), graph_frames=(1, 3))
+    assert not s.coalesce_tails
+    steps = _count_steps(s, monkeypatch)
+    d = _Driver(s, ring_decoder)
+    d.add("a", 6, 5)
+    d.step([("a", 1, False)])
+    d.step([("a", 3, False)])
+    d.step([("a", 2, True)])
+    assert steps[-1] == (1, 2)
+    d.check("a")

@@ -222,7 +222,10 @@ def _snapshot(pool):
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda c, l, s, v: (c.float(), l, s, v), "codes must be an integer tensor, got dtype torch.float32"),
+        (
+            lambda c, l, s, v: (c.float(), l, s, v),
+            r"codes must be a signed integer \(or uint8\) tensor, got dtype torch.float32",
+        ),
         (lambda c, l, s, v: (c[0], l, s, v), r"codes must have shape \(n_vq, B, T\), got shape \(2, 3\)"),
         (lambda c, l, s, v: (c.clone().fill_(16), l, s, v), r"code 16 is outside the codebook range \[0, 15\]"),
         (lambda c, l, s, v: (c.clone().fill_(-1), l, s, v), r"code -1 is outside the codebook range \[0, 15\]"),
@@ -373,3 +376,31 @@ def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder
         got = torch.cat(outputs[s], dim=-1)
         err = (got - ref).abs().max() / ref.abs().max()
         assert err <= 1e-5, f"stream {s}: relative max error {err:.2e}"
+
+
+def test_int32_slot_ids_and_bad_helper_arguments(ring_decoder):
+    for kind in ("legacy", "v2"):
+        pool = make_state_pool(ring_decoder, kind)
+        pool.initialize(3, 2)
+        codes = random_codes(ring_decoder, 2, 2, seed=1)
+        ids32 = torch.tensor([0, 1], dtype=torch.int32)
+        a, _ = pool.decode_streaming_batch(codes, torch.tensor([2, 2]), ids32, torch.tensor([True, True]))
+        ref = make_state_pool(ring_decoder, kind)
+        ref.initialize(3, 2)
+        b, _ = ref.decode_streaming_batch(codes, torch.tensor([2, 2]), ids32.long(), torch.tensor([True, True]))
+        assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="padding row count must be an integer >= 0, got -1"):
+            pool.padding_slot_ids(-1)
+        with pytest.raises(ValueError, match="slot_ids must be a 1-D integer tensor or list of ints, got None"):
+            pool.reset(None)
+    with pytest.raises(ValueError, match="ring dtype must be a floating-point dtype, got torch.int64"):
+        make_state_pool(ring_decoder, dtype=torch.int64)
+
+
+def test_failed_allocation_leaves_the_pool_uninitialised(ring_decoder):
+    pool = make_state_pool(ring_decoder)
+    with pytest.raises(RuntimeError, match="cannot allocate decoder state for 1000000000000 live streams"):
+        pool.initialize(10**12)
+    assert not pool.initialized and pool.state_capacity == 0 and pool.num_slots == 0 and pool.state_bytes() == 0
+    pool.initialize(2)
+    assert pool.num_slots == 3

@@ -133,8 +133,12 @@ class _TensorSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"corrupt shard index {index}: {exc}") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"corrupt shard index {index}: {exc!r}") from exc
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise CheckpointError(f"corrupt shard index {index}: weight_map must map tensor names to shard files")
             for name, shard in weight_map.items():
                 path = directory / shard
                 if not path.is_file():
@@ -273,6 +277,9 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
             proj.weight = torch.nn.Parameter(tensor.float().clone())
             setattr(decoder.groups[g], ours.split(".")[2], proj)
             continue
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            problems.append(f"{found[0]}: non-finite values (NaN or Inf)")
+            continue
         target = params[ours]
         if tuple(tensor.shape) != tuple(target.shape):
             problems.append(f"{found[0]}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
@@ -280,6 +287,11 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
         with torch.no_grad():
             target.copy_(tensor)
     lut, bias = _build_lut(config, src, problems)
+    # Catches NaN/Inf codebooks or projections and all-zero weight-norm directions (0/0).
+    if not problems and not (torch.isfinite(lut).all() and torch.isfinite(bias).all()):
+        problems.append(
+            "quantizer decode table is not finite: NaN/Inf in a codebook or projection, or a zero weight-norm v row"
+        )
     quantizer_used = {f"quantizer.quantizers.{k}.codebook.weight" for k in range(config.num_quantizers)}
     for prefix in _quantizer_names(config):
         quantizer_used.update(_weight_norm_names(prefix))

@@ -44,7 +44,7 @@ def _load_codes(path: Path):
         raise CliError(f"{path} holds a {type(codes).__name__}, expected one integer tensor of shape (n_vq, T)")
     if codes.dim() != 2:
         raise CliError(f"{path}: codes must have shape (n_vq, T), got {tuple(codes.shape)}")
-    if codes.dtype.is_floating_point or codes.dtype == torch.bool:
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise CliError(f"{path}: codes must be integers, got dtype {codes.dtype}")
     if codes.shape[1] == 0:
         raise CliError(f"{path}: codes have no frames (T = 0)")
@@ -61,37 +61,79 @@ def _parse_chunks(text: str) -> list[int]:
     return chunks
 
 
+def _check_preset(name: str, presets) -> None:
+    if name not in presets:
+        raise CliError(f"unknown preset {name!r}; choose from {', '.join(sorted(presets))}")
+
+
+def _parse_device(text: str | None):
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(f"--device {text!r} is not a torch device (use cpu, cuda or cuda:N)") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {text!r}: only cpu and cuda devices decode")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {text!r}: this torch build or machine has no CUDA device")
+    return device
+
+
+def _open_wav(path: Path, sample_rate: int, channels: int):
+    """Open the output before decoding, so a bad path fails fast instead of after the work."""
+    import soundfile
+
+    if path.suffix.lower() != ".wav":
+        raise CliError(f"output {path} must end in .wav")
+    if path.is_dir():
+        raise CliError(f"output {path} is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return soundfile.SoundFile(str(path), "w", sample_rate, channels, subtype="FLOAT", format="WAV")
+    except (OSError, RuntimeError, soundfile.LibsndfileError) as exc:
+        raise CliError(f"cannot write {path}: {exc}") from exc
+
+
 def _cmd_make_checkpoint(args) -> int:
     from .checkpoint import save_random_checkpoint
     from .config import PRESETS
 
-    if args.preset not in PRESETS:
-        raise CliError(f"unknown preset {args.preset!r}; choose from {', '.join(sorted(PRESETS))}")
-    out = save_random_checkpoint(args.preset, args.directory, seed=args.seed)
+    _check_preset(args.preset, PRESETS)
+    try:
+        out = save_random_checkpoint(args.preset, args.directory, seed=args.seed)
+    except OSError as exc:
+        raise CliError(f"cannot write a checkpoint to {args.directory}: {exc}") from exc
     size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
     print(f"wrote random {args.preset} checkpoint (seed {args.seed}, {size:.1f} MiB) to {out}")
     return 0
 
 
 def _cmd_decode(args) -> int:
-    import soundfile
     import torch
 
     from .checkpoint import CheckpointError, load_checkpoint, save_random_checkpoint
+    from .config import PRESETS
     from .decoder import chunk_schedule
 
     codes = _load_codes(Path(args.codes))
     chunks = _parse_chunks(args.chunks)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _parse_device(args.device)
+    out = Path(args.output)
+    if out.suffix.lower() != ".wav" or out.is_dir():
+        raise CliError(f"output {out} must be a .wav file path")
     if args.checkpoint:
         try:
             decoder = load_checkpoint(args.checkpoint, device=device)
-        except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        except (CheckpointError, ValueError, FileNotFoundError, OSError) as exc:
             raise CliError(str(exc)) from exc
         source = f"checkpoint {args.checkpoint}"
     else:
         import tempfile
 
+        _check_preset(args.preset, PRESETS)
         print(
             f"note: no --checkpoint given: using RANDOM weights (preset {args.preset}, seed {args.seed}); "
             "the audio is noise, useful only to exercise the pipeline",
@@ -108,20 +150,19 @@ def _cmd_decode(args) -> int:
     codes = codes[:, None].to(device)
     frames = codes.shape[-1]
     spans = chunk_schedule(frames, chunks)
-    start = time.perf_counter()
-    parts = []
-    with decoder.streaming(1) as stream:
-        for a, b in spans:
-            parts.append(stream.decode(codes[:, :, a:b]).cpu())
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    audio = torch.cat(parts, dim=-1)[0]  # (channels, samples)
+    written = 0
+    with _open_wav(out, cfg.sampling_rate, cfg.number_channels) as wav:
+        start = time.perf_counter()
+        with decoder.streaming(1) as stream:
+            for a, b in spans:
+                audio = stream.decode(codes[:, :, a:b])[0].cpu()  # (channels, samples)
+                wav.write(audio.T.numpy())
+                written += audio.shape[-1]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
     expected = frames * cfg.samples_per_frame
-    assert audio.shape == (cfg.number_channels, expected), audio.shape
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    soundfile.write(str(out), audio.T.numpy(), cfg.sampling_rate, subtype="FLOAT")
+    assert written == expected, (written, expected)
     seconds = expected / cfg.sampling_rate
     print(f"decoded {frames} frames in {len(spans)} chunks with {source} on {device}")
     print(

@@ -154,6 +154,15 @@ def _int_field(d: dict, key: str, field: str, *, minimum: int = 1) -> int:
     return value
 
 
+def _finite_field(d: dict, key: str, field: str, default: float, *, positive: bool) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(field, f"expected a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise _fail(field, f"expected a number > 0, got {value!r}")
+    return float(value)
+
+
 def _normalise(raw: dict) -> dict:
     """Apply the legacy key aliases of published configs to a copy of ``raw``."""
     d = copy.deepcopy(raw)
@@ -162,7 +171,10 @@ def _normalise(raw: dict) -> dict:
         d["sampling_rate"] = d.pop("sample_rate")
     if "number_channels" not in d and "num_channels" in d:
         d["number_channels"] = d.pop("num_channels")
-    qk = dict(d.get("quantizer_kwargs") or {})
+    qk = d.get("quantizer_kwargs") or {}
+    if not isinstance(qk, dict):
+        raise _fail("quantizer_kwargs", f"expected a JSON object, got {type(qk).__name__}")
+    qk = dict(qk)
     if "quantizer_type" not in qk and "quantizer_type" in d:
         qk["quantizer_type"] = d["quantizer_type"]
     d["quantizer_kwargs"] = qk
@@ -185,12 +197,22 @@ def _mirror_encoder(d: dict) -> list[dict]:
     return out
 
 
-def _detect_version(d: dict) -> str:
-    # vLLM-Omni 0.30.0 picks its v2 class for codecs with two or more channels.
-    return "v2" if int(d.get("number_channels", 1)) >= 2 else "v1"
-
-
 def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
+    """Parse an official ``config.json`` dict (see :func:`_parse`).
+
+    Raises:
+        ValueError: naming the field, for missing or inconsistent geometry, wrong
+            value types or unsupported module options.
+    """
+    try:
+        return _parse(raw, version)
+    except ValueError:
+        raise
+    except (TypeError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+        raise ValueError(f"invalid codec config: malformed value ({type(exc).__name__}: {exc})") from exc
+
+
+def _parse(raw: dict, version: str | None = None) -> CodecConfig:
     """Parse an official ``config.json`` dict.
 
     Args:
@@ -205,19 +227,23 @@ def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"invalid codec config: expected a JSON object, got {type(raw).__name__}")
     d = _normalise(raw)
-    version = version or d.get("codec_version") or _detect_version(d)
-    if version not in ("v1", "v2"):
-        raise _fail("version", f"expected 'v1' or 'v2', got {version!r}")
     sampling_rate = _int_field(d, "sampling_rate", "sampling_rate")
     downsample_rate = _int_field(d, "downsample_rate", "downsample_rate")
-    channels = int(d.get("number_channels", 1))
-    if channels < 1:
-        raise _fail("number_channels", f"expected >= 1, got {channels}")
-    interleave = bool(d.get("enable_channel_interleave", True))
+    d.setdefault("number_channels", 1)
+    channels = _int_field(d, "number_channels", "number_channels")
+    interleave = d.get("enable_channel_interleave", True)
+    if not isinstance(interleave, bool):
+        raise _fail("enable_channel_interleave", f"expected true or false, got {interleave!r}")
+    # vLLM-Omni 0.30.0 picks its v2 class for codecs with two or more channels.
+    version = version or d.get("codec_version") or ("v2" if channels >= 2 else "v1")
+    if version not in ("v1", "v2"):
+        raise _fail("version", f"expected 'v1' or 'v2', got {version!r}")
     if channels > 1 and not interleave:
         raise _fail("enable_channel_interleave", "multi-channel codecs without interleave are not supported")
     interleave_factor = channels if channels > 1 else 1
-    default_duration = float(d.get("causal_transformer_context_duration", 10.0))
+    default_duration = _finite_field(
+        d, "causal_transformer_context_duration", "causal_transformer_context_duration", 10.0, positive=True
+    )
 
     qk = d["quantizer_kwargs"]
     qtype = qk.get("quantizer_type", "rlfq")
@@ -281,7 +307,7 @@ def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
             raise _fail(f"{f}.num_heads", f"d_model {d_model} must split into {heads} heads of even size")
         if in_dim != width:
             raise _fail(f"{f}.input_dimension", f"expected {width} (channels reaching this module), got {in_dim}")
-        duration = float(spec.get("context_duration", default_duration))
+        duration = _finite_field(spec, "context_duration", f"{f}.context_duration", default_duration, positive=True)
         context = int(round(rate * duration))
         if context < 1:
             raise _fail(f"{f}.context_duration", f"{duration} s at {rate} tokens/s gives a context of {context} tokens")
@@ -298,8 +324,10 @@ def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
                 context=context,
                 tokens_per_frame=tokens_per_frame,
                 upsample=1,
-                layer_scale=None if layer_scale is None else float(layer_scale),
-                max_period=float(spec.get("max_period", 10000)),
+                layer_scale=None
+                if layer_scale is None
+                else _finite_field(spec, "layer_scale", f"{f}.layer_scale", 0.0, positive=False),
+                max_period=_finite_field(spec, "max_period", f"{f}.max_period", 10000.0, positive=True),
                 input_proj=version == "v2" or in_dim != d_model,
                 output_proj=version == "v2" or out_dim != d_model,
             )
@@ -344,8 +372,8 @@ def load_config(path: str | Path, version: str | None = None) -> CodecConfig:
     if not p.is_file():
         raise FileNotFoundError(f"codec config not found: {p}")
     try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"invalid codec config: {p} is not valid JSON ({exc})") from exc
     return parse_config(raw, version)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -120,8 +121,10 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"codes must be a torch.Tensor of shape (n_vq, B, T), got {type(codes).__name__}")
         if codes.dim() != 3:
             raise ValueError(f"codes must have shape (n_vq, B, T), got shape {tuple(codes.shape)}")
-        if codes.dtype.is_floating_point or codes.dtype == torch.bool or codes.dtype.is_complex:
-            raise ValueError(f"codes must be an integer tensor, got dtype {codes.dtype}")
+        if codes.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"codes must be a signed integer (or uint8) tensor, got dtype {codes.dtype}")
+        if codes.device.type == "meta":
+            raise ValueError("codes are on the meta device; they need real values")
         if not 1 <= codes.shape[0] <= cfg.num_quantizers:
             raise ValueError(f"codes have n_vq={codes.shape[0]} codebooks; this codec has 1..{cfg.num_quantizers}")
         if n_vq is not None and codes.shape[0] != n_vq:
@@ -148,6 +151,8 @@ class CodecDecoder(nn.Module):
             ValueError: invalid codes or schedule.
         """
         self.validate_codes(codes)
+        if codes.shape[1] == 0 or codes.shape[2] == 0:
+            raise ValueError(f"codes must have B >= 1 rows and T >= 1 frames, got shape {tuple(codes.shape)}")
         codes = codes.to(self.device, torch.long)
         if chunk_frames is None:
             with _autocast(self.device):
@@ -445,9 +450,13 @@ def chunk_schedule(total_frames: int, chunks: int | Sequence[int]) -> list[tuple
     Raises:
         ValueError: an empty schedule or a non-positive chunk size.
     """
-    sizes = [chunks] if isinstance(chunks, int) else list(chunks)
-    if not sizes or any((not isinstance(s, int)) or isinstance(s, bool) or s < 1 for s in sizes):
+    try:
+        sizes = [chunks] if isinstance(chunks, numbers.Integral) else list(chunks)
+    except TypeError:
+        raise ValueError(f"chunk schedule must be an int or a list of ints, got {chunks!r}") from None
+    if not sizes or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1 for s in sizes):
         raise ValueError(f"chunk schedule must be positive integers, got {chunks!r}")
+    sizes = [int(s) for s in sizes]
     steady = sizes[1:] or sizes
     out, start, k = [], 0, 0
     size = sizes[0]

@@ -12,14 +12,18 @@ steps and keeps the bookkeeping a pool does not know about:
   grouped by ``T`` and each group is one step. A chunk longer than
   ``max_step_frames`` is decoded as consecutive single-row steps of at most that
   many frames (its audio is concatenated).
-* **Tail coalescing.** A terminal chunk may be right-padded with zero codes to the
-  smallest graph frame size ``>= T`` so that it shares a step (and a CUDA graph) with
-  steady chunks; its audio is cut back to its own ``T``. Attention is causal, so the
-  padding never reaches the request's own frames unless the padded chunk evicts ring
-  cells its early queries still read (v2 ring semantics, codec-facts §B.5); the slot
-  is reset right after the step, so padding never reaches a later stream.
-  Allowed only when the largest graph batch bucket covers the whole capacity (as
-  upstream): otherwise a merged group could outgrow every bucket and lose its graph.
+* **Tail coalescing (opt-in, off by default).** With ``coalesce_tails=True`` a terminal
+  chunk may be right-padded with zero codes to the smallest graph frame size ``>= T``
+  so that it shares a step (and a CUDA graph) with steady chunks, as upstream does;
+  its audio is cut back to its own ``T``. This CHANGES the tail's audio: v2 rings
+  scatter the whole (padded) chunk before attending, so once a ring is full the
+  padding tokens evict keys that the real frames' queries still read (codec-facts
+  §B.5; measured on the H200 with v2 geometry: max error 0.019 against an RMS of
+  0.009 for a 3-frame tail padded to 15). Off by default: tails run at their own
+  ``T`` (eager when no graph has that ``T``). When on, it is allowed only if the
+  largest graph batch bucket covers the whole capacity (a merged group could
+  otherwise outgrow every bucket); the slot is reset right after the step, so
+  padding never reaches a later stream.
 * **Terminal chunks.** After the step that decodes a request's terminal chunk its
   slot is reset and returned to the free list.
 * **Ended streams.** The ids of ended streams are remembered in a bounded LRU
@@ -109,8 +113,8 @@ class CodecStreamSession:
             are ignored.
         graph_frames: CUDA-graph frame sizes (exact ``T`` per graph).
         max_step_frames: longest chunk decoded in one step; longer chunks are split.
-        coalesce_tails: allow terminal chunks to be padded onto a graph frame size (see
-            the module docstring for when it actually applies).
+        coalesce_tails: pad terminal chunks onto a graph frame size (faster tails, but
+            their audio changes; see the module docstring). Default False.
         compile: ``False`` (eager), ``True`` (:func:`compile.compile_decode`), or a
             factory ``pool -> callable`` with the signature of
             ``pool.decode_streaming_tensors`` (the stage passes vLLM's compiled adapter).
@@ -139,7 +143,7 @@ class CodecStreamSession:
         graph_batch_sizes: Iterable[int] = (),
         graph_frames: Iterable[int] = (),
         max_step_frames: int = 100,
-        coalesce_tails: bool = True,
+        coalesce_tails: bool = False,
         compile: bool | Callable[[DecoderStatePool], Callable] = False,
         n_vq: int | None = None,
         ended_memory: int = 4096,
@@ -276,6 +280,9 @@ class CodecStreamSession:
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
+        if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
+            raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
+        requests = list(requests)  # iterated more than once below: a generator must not drain early
         codes = self._checked_codes(requests)
 
         # Plan first, then mutate: a capacity error must leave the session untouched.
@@ -339,6 +346,11 @@ class CodecStreamSession:
         seen: set[str] = set()
         out = []
         for req in requests:
+            if not isinstance(req, ChunkRequest):
+                raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
+            if not isinstance(req.request_id, str) or not req.request_id:
+                # Ids are matched against on_requests_finished's strings: anything else would leak a slot.
+                raise ValueError(f"request_id must be a non-empty str, got {req.request_id!r}")
             if req.request_id in seen:
                 raise ValueError(f"request {req.request_id!r} appears twice in one decode batch")
             seen.add(req.request_id)
@@ -346,8 +358,10 @@ class CodecStreamSession:
             if not isinstance(c, torch.Tensor) or c.dim() != 2 or c.shape[0] != self.n_vq:
                 shape = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
                 raise ValueError(f"request {req.request_id!r}: codes must be ({self.n_vq}, T), got {shape}")
-            if c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool:
-                raise ValueError(f"request {req.request_id!r}: codes must be integers, got {c.dtype}")
+            if c.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                raise ValueError(f"request {req.request_id!r}: codes must be signed integers (or uint8), got {c.dtype}")
+            if c.device.type == "meta":
+                raise ValueError(f"request {req.request_id!r}: codes are on the meta device")
             out.append(c)
         return out
 

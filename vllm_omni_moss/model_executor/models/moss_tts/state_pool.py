@@ -65,6 +65,11 @@ def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int
     return rings + _legacy_bank_rows(decoder_config) * num_slots * 8
 
 
+def _check_count(count) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"padding row count must be an integer >= 0, got {count!r}")
+
+
 def _legacy_bank_rows(config) -> int:
     # v2 keeps an attention offset and a ring end offset per layer plus one offset per
     # group; v1 keeps one offset per attention layer (codec-facts §B.3, §B.10).
@@ -87,6 +92,8 @@ class DecoderStatePool(ABC):
         self.decoder = decoder
         self.config = decoder.config
         self.dtype = dtype or decoder.state_dtype
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"ring dtype must be a floating-point dtype, got {self.dtype}")
         self.device = decoder.device
         self.rings: list[torch.Tensor] = []
         self.state_capacity = 0
@@ -116,12 +123,21 @@ class DecoderStatePool(ABC):
             raise ValueError(f"scratch_capacity must be an integer >= 0, got {scratch_capacity!r}")
         self.state_capacity = state_capacity
         self.num_slots = self._slots_for(state_capacity, scratch_capacity)
-        self.rings = [
-            torch.zeros(2, self.num_slots, s.num_heads, s.context, s.head_dim, device=self.device, dtype=self.dtype)
-            for s in self.config.groups
-            for _ in range(s.num_layers)
-        ]
-        self._allocate_offsets()
+        try:
+            self.rings = [
+                torch.zeros(2, self.num_slots, s.num_heads, s.context, s.head_dim, device=self.device, dtype=self.dtype)
+                for s in self.config.groups
+                for _ in range(s.num_layers)
+            ]
+            self._allocate_offsets()
+        except (RuntimeError, MemoryError) as exc:  # out of memory: leave the pool as it was
+            need = state_bytes_for(
+                self.config, self.num_slots, self.kind, torch.empty((), dtype=self.dtype).element_size()
+            )
+            self.close()
+            raise RuntimeError(
+                f"cannot allocate decoder state for {state_capacity} live streams ({need} bytes on {self.device}): {exc}"
+            ) from exc
 
     def close(self) -> None:
         """Drop all state. The pool can be initialised again, with another capacity."""
@@ -181,7 +197,7 @@ class DecoderStatePool(ABC):
         """
         self._require_initialized()
         self._validate(codes, lengths, state_slot_ids, valid_rows)
-        return self.decode_streaming_tensors(codes.long(), lengths.long(), state_slot_ids, valid_rows)
+        return self.decode_streaming_tensors(codes.long(), lengths.long(), state_slot_ids.long(), valid_rows)
 
     def decode_streaming_tensors(
         self,
@@ -219,7 +235,10 @@ class DecoderStatePool(ABC):
 
     @staticmethod
     def _as_ids(ids, name: str) -> torch.Tensor:
-        t = torch.as_tensor(ids)
+        try:
+            t = torch.as_tensor(ids)
+        except (TypeError, RuntimeError, OverflowError, ValueError) as exc:
+            raise ValueError(f"{name} must be a 1-D integer tensor or list of ints, got {ids!r}") from exc
         if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
         return t.long()
@@ -350,6 +369,8 @@ class LegacyDecoderStatePool(DecoderStatePool):
             raise ValueError(f"duplicate scratch slot ids among padding rows: {dupes}")
 
     def padding_slot_ids(self, count: int) -> torch.Tensor:
+        self._require_initialized()
+        _check_count(count)
         if count > self.scratch_capacity:
             raise ValueError(f"{count} padding rows need {count} scratch slots; this pool has {self.scratch_capacity}")
         return torch.arange(self.state_capacity, self.state_capacity + count, device=self.device)
@@ -454,6 +475,7 @@ class V2DecoderStatePool(DecoderStatePool):
         return self.state_capacity  # the null slot is never written, not even by reset
 
     def padding_slot_ids(self, count: int) -> torch.Tensor:
+        _check_count(count)
         return torch.full((count,), self.null_slot, dtype=torch.long, device=self.device)
 
     def _route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
