@@ -58,8 +58,9 @@ has_gpu = shutil.which("nvidia-smi") is not None and subprocess.call(
 if has_gpu or os.environ.get("MOSS_ALLOW_CUDA_TORCH") == "1":
     print("note: non-CPU torch build (GPU present or MOSS_ALLOW_CUDA_TORCH=1)")
     sys.exit(0)
-sys.exit(f"error: expected the local CPU build of torch (+cpu) on a machine without GPU, got {v}; "
-         "the on-disk wheel was not used (set MOSS_ALLOW_CUDA_TORCH=1 to accept it)")
+# A CUDA build runs on the CPU too (it is only larger); CI machines carry a local +cpu wheel.
+print(f"warning: torch {v} is not the CPU build (+cpu) on a machine without GPU: it works, but is a "
+      "several-GB download; a local +cpu wheel of torch 2.13.0 is used when pip can find one", file=sys.stderr)
 PYEOF
 }
 check_torch
