@@ -6,7 +6,8 @@
 * Tests marked ``cuda`` are skipped when ``torch.cuda.is_available()`` is False.
 * Tests marked ``vllm`` are skipped when vLLM / vLLM-Omni are not installed (``scripts/install.sh --vllm``).
 
-torch is imported lazily, only when a collected test carries the ``cuda`` marker.
+* Every test runs torch on one intra-op thread (session fixture); torch is imported when tests run,
+  not when this file loads.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def run_level(request: pytest.FixtureRequest) -> str | None:
     """The ``--run-level`` given on the command line, or None."""
     return request.config.getoption("--run-level")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _single_intra_op_thread():
+    """Every test runs torch on one intra-op thread: the tiny codecs' kernels are microseconds
+    long and two threads on a loaded 2-core CI machine slowed them up to 15x (measured)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @functools.cache

@@ -20,17 +20,6 @@ SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (codec-facts §D.3)
 LEGACY_BANK_ROWS_V2 = 190  # 2 offsets x 92 layers + 6 group offsets
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny presets: intra-op threads only add contention on a shared CI machine.
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _load(name: str):
     module_name = f"_bench_{name}"
     if module_name in sys.modules:

@@ -33,8 +33,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_
 
 pytestmark = [pytest.mark.core_model]
 
-torch.set_num_threads(1)
-
 CAPACITY = 4
 BUCKETS = (2, 4)
 FRAMES = (1, 3)

@@ -154,6 +154,13 @@ def _rewrite(path, edit):
             lambda t: t.update({"decoder.0.transformer.layers.0.linear1.weight": torch.zeros(256, 64)}),
             "duplicate spellings for one tensor",
         ),
+        # Non-finite weights; a zero weight-norm direction divides 0 by 0.
+        (lambda t: t["decoder.0.transformer.layers.0.norm1.weight"].fill_(float("nan")), "non-finite values"),
+        (lambda t: t["quantizer.quantizers.2.codebook.weight"].fill_(float("inf")), "decode table is not finite"),
+        (
+            lambda t: t["quantizer.quantizers.0.out_proj.parametrizations.weight.original1"][0].zero_(),
+            "decode table is not finite",
+        ),
     ],
 )
 def test_bad_checkpoint_lists_the_problem(edit, message, tmp_path):
@@ -275,24 +282,6 @@ def test_cli_errors(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- hostile input (review findings)
-
-
-@pytest.mark.parametrize(
-    ("edit", "message"),
-    [
-        (lambda t: t["decoder.0.transformer.layers.0.norm1.weight"].fill_(float("nan")), "non-finite values"),
-        (lambda t: t["quantizer.quantizers.2.codebook.weight"].fill_(float("inf")), "decode table is not finite"),
-        (
-            lambda t: t["quantizer.quantizers.0.out_proj.parametrizations.weight.original1"][0].zero_(),
-            "decode table is not finite",
-        ),
-    ],
-)
-def test_non_finite_weights_are_rejected(edit, message, tmp_path):
-    path = save_random_checkpoint("tiny-v2", tmp_path / "ck", seed=1)
-    _rewrite(path, edit)
-    with pytest.raises(CheckpointError, match=message):
-        load_checkpoint(path)
 
 
 @pytest.mark.parametrize("weight_map", [[1, 2], None, {"decoder.0.input_proj.weight": 3}])

@@ -15,8 +15,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, 
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
-torch.set_num_threads(1)
-
 
 def _codes(decoder, frames: int, seed: int) -> torch.Tensor:
     return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)

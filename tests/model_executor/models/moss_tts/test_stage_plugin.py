@@ -19,8 +19,6 @@ import torch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
-torch.set_num_threads(1)
-
 ARCH = "MossTTSCodecDecoder"
 OURS = "vllm_omni_moss.model_executor.models.moss_tts.stage"
 UPSTREAM = "vllm_omni.model_executor.models.moss_tts.modeling_moss_tts_codec"

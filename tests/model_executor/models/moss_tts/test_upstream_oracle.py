@@ -39,16 +39,6 @@ def _assert_close_to_peak(actual: torch.Tensor, expected: torch.Tensor, tol: flo
     assert err <= tol * scale, f"max error {err} > {tol} * {scale}"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny models run microsecond-sized kernels, which intra-op threading only slows down
-    # (15x measured on a loaded 2-core runner).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module", params=VERSIONS)
 def codec(request) -> uo.UpstreamCodec:
     return uo.build_upstream(_config(request.param), request.param, seed=1)

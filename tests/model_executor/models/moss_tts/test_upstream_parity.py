@@ -50,15 +50,6 @@ def _codes(decoder, batch: int, frames: int, seed: int, n_vq: int = 12) -> torch
     return torch.randint(0, decoder.config.codebook_size, (n_vq, batch, frames), generator=gen)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two intra-op threads on a loaded 2-core machine make tiny decodes far slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize(("preset", "version"), [("tiny-v2", "v2"), ("tiny-v1", "v1")])
 def test_tiny_presets_match_upstream(preset, version, tmp_path):
     upstream, ours = _pair(PRESETS[preset], version, tmp_path)

@@ -136,6 +136,15 @@ class CodecConfig:
     def num_layers(self) -> int:
         return sum(g.num_layers for g in self.groups)
 
+    @property
+    def group_first_layers(self) -> tuple[int, ...]:
+        """Index of each group's first attention layer, layers numbered ``0..L-1`` in execution order."""
+        firsts, n = [], 0
+        for g in self.groups:
+            firsts.append(n)
+            n += g.num_layers
+        return tuple(firsts)
+
     def state_bytes_per_slot(self, element_size: int = 2) -> int:
         """K+V ring bytes of one streaming slot (88,678,400 for v2 in bf16)."""
         return sum(g.ring_bytes(element_size) for g in self.groups)

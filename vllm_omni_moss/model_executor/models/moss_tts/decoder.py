@@ -378,15 +378,13 @@ class FixedWidthPlan:
         self.config = config
         self.state = state
         self.valid = torch.ones(batch_size, dtype=torch.bool, device=state.offsets[0].device)
-        self.layer_base = [0]
-        for spec in config.groups:
-            self.layer_base.append(self.layer_base[-1] + spec.num_layers)
 
     def group(self, g: int, n_tokens: int) -> AttendFn:
         spec = self.config.groups[g]
+        first = self.config.group_first_layers[g]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            li = self.layer_base[g] + i
+            li = first + i
             ring, offsets = self.state.rings[li], self.state.offsets[li]
             meta = step_metadata.build_ring_metadata(
                 offsets,

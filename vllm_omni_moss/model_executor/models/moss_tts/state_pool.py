@@ -394,13 +394,11 @@ class _LegacyPlan:
 
     def __init__(self, pool: LegacyDecoderStatePool, slots: torch.Tensor, valid: torch.Tensor):
         self.pool, self.slots, self.valid = pool, slots, valid
-        self.layer = 0
 
     def group(self, g: int, n_tokens: int):
         pool, cfg = self.pool, self.pool.config
         spec = cfg.groups[g]
-        first = self.layer
-        self.layer += spec.num_layers
+        first = cfg.group_first_layers[g]
 
         def attend(i, q, k, v):
             li = first + i
@@ -496,13 +494,11 @@ class _V2Plan:
     def __init__(self, pool: V2DecoderStatePool, slots: torch.Tensor, valid: torch.Tensor, frames: int):
         self.pool, self.slots, self.valid, self.frames = pool, slots, valid, frames
         self.start_frames = pool.frames.index_select(0, slots)
-        self.layer = 0
 
     def group(self, g: int, n_tokens: int):
         pool, cfg = self.pool, self.pool.config
         spec = cfg.groups[g]
-        first = self.layer
-        self.layer += spec.num_layers
+        first = cfg.group_first_layers[g]
         meta = step_metadata.build_ring_metadata(
             self.start_frames * spec.tokens_per_frame,
             self.valid,
