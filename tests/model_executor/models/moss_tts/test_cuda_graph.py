@@ -21,15 +21,15 @@ import torch
 from moss_codecs import assert_slot_state_equal, build_decoder, random_codes, ring_codec_raw
 
 from vllm_omni_moss.model_executor.models.moss_tts.compile import (
+    CompactDecodeCompileAdapter,
     LegacyDecodeCompileAdapter,
-    V2DecodeCompileAdapter,
     adapter_class_for,
     compile_decode,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import CompactDecoderStatePool, make_state_pool
 
 pytestmark = [pytest.mark.core_model]
 
@@ -62,10 +62,10 @@ def _pool(decoder, kind):
 
 
 def _assert_null_slot_zero(pool):
-    if pool.kind != "v2":
+    if not isinstance(pool, CompactDecoderStatePool):
         return
     null = pool.null_slot
-    assert int(pool.frames[null]) == 0
+    assert int(pool.frames_decoded[null]) == 0
     assert all(torch.count_nonzero(r[:, null]) == 0 for r in pool.rings)
 
 
@@ -101,7 +101,7 @@ def _assert_close_to_peak(got, ref, peak_tol=0.02, l2_tol=2.5e-2):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["v2", "legacy"])
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
     dec = cuda_ring_decoder
     eager, graphed = _pool(dec, kind), _pool(dec, kind)
@@ -134,12 +134,12 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
 def test_legacy_runner_needs_scratch_for_every_padding_row(cuda_ring_decoder):
     pool = make_state_pool(cuda_ring_decoder, "legacy")
     pool.initialize(CAPACITY, 2)
-    with pytest.raises(ValueError, match="bucket 4 needs 4 scratch slots, the pool has 2"):
+    with pytest.raises(ValueError, match="4 padding rows need 4 scratch slots; this pool has 2"):
         StreamingGraphRunner(pool, BUCKETS, FRAMES, n_vq=2)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["v2", "legacy"])
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
     torch._dynamo.reset()
     dec = cuda_ring_decoder
@@ -167,7 +167,7 @@ def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
 def test_runner_captures_the_compiled_step_and_stages_null_padding(cuda_ring_decoder):
     torch._dynamo.reset()
     dec = cuda_ring_decoder
-    eager, pool = _pool(dec, "v2"), _pool(dec, "v2")
+    eager, pool = _pool(dec, "compact"), _pool(dec, "compact")
     runner = StreamingGraphRunner(pool, (4,), (3,), n_vq=2, callable=compile_decode(pool))
     runner.capture()
     assert runner.compiled_keys == {(4, 3)} and not runner.failures, runner.failures
@@ -190,9 +190,9 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
     chunks are oversized and their scatter is nondeterministic on CUDA.
     """
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(1, 2, 4), graph_frames=(1,))
+    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(1, 2, 4), graph_frame_sizes=(1,))
     assert session.runner is not None and sorted(session.runner.graphs) == [(1, 1), (2, 1), (4, 1)]
-    assert session.pool.kind == "v2" and session.pool.num_slots == CAPACITY + 1
+    assert isinstance(session.pool, CompactDecoderStatePool) and session.pool.num_slots == CAPACITY + 1
     null = session.pool.null_slot
     reference = make_state_pool(dec)
     reference.initialize(CAPACITY)
@@ -216,9 +216,55 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
+def test_replay_with_mixed_lengths_equals_eager_of_the_same_batch(kind, cuda_ring_decoder):
+    """Rows of lengths 3, 1, 2 and 0 in one 3-frame graph: bitwise the eager step of that batch."""
+    dec = cuda_ring_decoder
+    eager, graphed = _pool(dec, kind), _pool(dec, kind)
+    runner = StreamingGraphRunner(graphed, BUCKETS, FRAMES, n_vq=dec.config.num_quantizers)
+    runner.capture()
+    spf = dec.config.samples_per_frame
+    for step in range(4):
+        codes = random_codes(dec, 4, 3, seed=70 + step).cuda()
+        lengths = torch.tensor([3, 1, 2, 0], device="cuda").roll(step)
+        ids = torch.tensor([0, 1, 2, 3], device="cuda")
+        got = runner.decode(codes, lengths, ids)
+        ref, ref_len = eager.decode_streaming_batch(codes, lengths, ids, torch.ones(4, dtype=torch.bool, device="cuda"))
+        assert torch.equal(got, ref), f"step {step}: replay differs from eager"
+        assert torch.equal(ref_len, lengths * spf)
+        assert_slot_state_equal(eager, graphed, range(CAPACITY))
+        _assert_null_slot_zero(graphed)
+
+
+@pytest.mark.cuda
+def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
+    """Chunks of every length up to the largest graph frame size never run eagerly, and each
+    stream stays within bf16 rounding of its solo reference decode at its own chunk lengths."""
+    dec = cuda_ring_decoder
+    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=BUCKETS, graph_frame_sizes=(1, 5))
+    gen = torch.Generator().manual_seed(5)
+    streams = {rid: [1] + [1 + (i + k) % 5 for k in range(4)] for i, rid in enumerate("abcd")}
+    codes = {rid: torch.randint(0, 16, (2, sum(s)), generator=gen) for rid, s in streams.items()}
+    audio = {rid: [] for rid in streams}
+    for k in range(5):
+        batch = []
+        for rid, schedule in streams.items():
+            start = sum(schedule[:k])
+            batch.append(ChunkRequest(rid, codes[rid][:, start : start + schedule[k]], k == 4))
+        for rid, res in session.decode(batch).items():
+            audio[rid].append(res.audio)
+    assert session.stats()["steps_by_path"] == {"graph": 5, "eager": 0}
+    for rid, schedule in streams.items():
+        ref = dec.decode(codes[rid][:, None].cuda(), chunk_frames=schedule)[0].float().cpu()
+        _assert_close_to_peak(torch.cat(audio[rid], -1), ref)
+    assert session.free_slots == CAPACITY
+    session.close()
+
+
+@pytest.mark.cuda
 def test_state_addresses_stable_and_returned_audio_private(cuda_ring_decoder):
     dec = cuda_ring_decoder
-    pool = _pool(dec, "v2")
+    pool = _pool(dec, "compact")
     runner = StreamingGraphRunner(pool, BUCKETS, FRAMES, n_vq=2)
     runner.capture()
     ptrs = runner.state_data_ptrs()
@@ -256,7 +302,7 @@ def test_state_addresses_stable_and_returned_audio_private(cuda_ring_decoder):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("kind", ["v2", "legacy"])
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_step_traces_as_one_dynamic_graph(kind, ring_decoder):
     """fullgraph + dynamic on CPU (Dynamo only, backend "eager" for speed): new batch and
     frame sizes >= 2 reuse the first graph, and results equal the eager step."""
@@ -286,14 +332,14 @@ def test_step_traces_as_one_dynamic_graph(kind, ring_decoder):
 @pytest.mark.cpu
 def test_adapters_have_distinct_identities(ring_decoder, ring_decoder_v1):
     v2, legacy = make_state_pool(ring_decoder), make_state_pool(ring_decoder_v1)
-    assert adapter_class_for(v2) is V2DecodeCompileAdapter
+    assert adapter_class_for(v2) is CompactDecodeCompileAdapter
     assert adapter_class_for(legacy) is LegacyDecodeCompileAdapter
     # vLLM's AOT cache hashes forward's qualname and first line.
-    fwd_v2, fwd_legacy = V2DecodeCompileAdapter.forward, LegacyDecodeCompileAdapter.forward
+    fwd_v2, fwd_legacy = CompactDecodeCompileAdapter.forward, LegacyDecodeCompileAdapter.forward
     assert fwd_v2.__qualname__ != fwd_legacy.__qualname__
     assert fwd_v2.__code__.co_firstlineno != fwd_legacy.__code__.co_firstlineno
-    with pytest.raises(ValueError, match="adapts 'v2' pools, got a 'legacy' pool"):
-        V2DecodeCompileAdapter(legacy)
+    with pytest.raises(ValueError, match="adapts CompactDecoderStatePool pools, got a LegacyDecoderStatePool"):
+        CompactDecodeCompileAdapter(legacy)
 
 
 @pytest.mark.cpu

@@ -11,7 +11,7 @@ import pytest
 import torch
 from moss_codecs import random_codes
 
-from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+from vllm_omni_moss.model_executor.models.moss_tts import attention as attention_mod
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -193,7 +193,7 @@ def test_output_shape_and_dtype(tiny_decoder):
 def test_offline_blocking_equals_one_block(tiny_decoder, monkeypatch):
     codes = random_codes(tiny_decoder, 1, 12, seed=2)
     whole = tiny_decoder.decode(codes)
-    monkeypatch.setattr(decoder_mod, "OFFLINE_QUERY_BLOCK", 7)  # many blocks, windows straddling them
+    monkeypatch.setattr(attention_mod, "OFFLINE_QUERY_BLOCK", 7)  # many blocks, windows straddling them
     blocked = tiny_decoder.decode(codes)
     assert (blocked - whole).abs().max() <= 1e-5 * whole.abs().max()
 

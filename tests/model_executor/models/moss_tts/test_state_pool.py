@@ -13,15 +13,15 @@ from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (
+    CompactDecoderStatePool,
     LegacyDecoderStatePool,
-    V2DecoderStatePool,
     make_state_pool,
     state_bytes_for,
 )
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
-SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (codec-facts §B.6)
+SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (docs/memory.md)
 
 
 def _pair(decoder, live=4, scratch=4):
@@ -34,7 +34,7 @@ def _pair(decoder, live=4, scratch=4):
 
 def _assert_null_slot_zero(v2):
     null = v2.null_slot
-    assert int(v2.frames[null]) == 0
+    assert int(v2.frames_decoded[null]) == 0
     for ring in v2.rings:
         assert torch.count_nonzero(ring[:, null]) == 0
 
@@ -49,18 +49,18 @@ def test_v2_pool_is_default_whatever_the_old_variable(env, monkeypatch, ring_dec
     else:
         monkeypatch.setenv("VLLM_OMNI_MOSS_CODEC_SHARED_KV", env)
     pool = make_state_pool(ring_decoder)
-    assert isinstance(pool, V2DecoderStatePool)
+    assert isinstance(pool, CompactDecoderStatePool)
     pool.initialize(4, 128)
     assert pool.num_slots == 5 and pool.null_slot == 4
-    assert tuple(pool.frames.shape) == (5,)
+    assert tuple(pool.frames_decoded.shape) == (5,)
     assert [tuple(r.shape) for r in pool.rings[:1]] == [(2, 5, 2, 5, 64)]
     pool.close()
 
 
 def test_v1_codec_keeps_the_legacy_pool(ring_decoder_v1):
     assert isinstance(make_state_pool(ring_decoder_v1), LegacyDecoderStatePool)
-    with pytest.raises(ValueError, match="V2 pool serves v2 codecs; this codec is v1"):
-        make_state_pool(ring_decoder_v1, "v2")
+    with pytest.raises(ValueError, match="compact pool serves v2 codecs; this codec is v1"):
+        make_state_pool(ring_decoder_v1, "compact")
     with pytest.raises(ValueError, match="unknown state pool kind 'shared'"):
         make_state_pool(ring_decoder_v1, "shared")
 
@@ -70,7 +70,7 @@ def _count_builds(monkeypatch):
     real = step_metadata.build_ring_metadata
 
     def spy(*args, **kwargs):
-        calls.append(args[2])
+        calls.append(args[4])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(step_metadata, "build_ring_metadata", spy)
@@ -116,16 +116,16 @@ def test_legacy_lifecycle_and_offset_bank(ring_decoder):
     legacy = LegacyDecoderStatePool(ring_decoder)
     legacy.initialize(4, 4)
     assert legacy.num_slots == 8
-    assert tuple(legacy.bank.shape) == (14, 8)  # 2 groups x (3 layers x 2 + 1)
+    assert tuple(legacy.offset_table.shape) == (14, 8)  # 2 groups x (3 layers x 2 + 1)
     codes = random_codes(ring_decoder, 2, 2, seed=3)
     legacy.decode_streaming_batch(codes, torch.tensor([2, 2]), torch.tensor([1, 5]), torch.tensor([True, False]))
-    assert legacy.bank[:, 1].tolist() == [2] * 7 + [4] * 7
-    assert legacy.bank[:, 5].tolist() == [0] * 14
+    assert legacy.offset_table[:, 1].tolist() == [2] * 7 + [4] * 7
+    assert legacy.offset_table[:, 5].tolist() == [0] * 14
     legacy.reset(torch.tensor([1]))
-    assert int(legacy.bank.abs().sum()) == 0
+    assert int(legacy.offset_table.abs().sum()) == 0
     legacy.close()
     legacy.initialize(2, 1)
-    assert legacy.num_slots == 3 and tuple(legacy.bank.shape) == (14, 3)
+    assert legacy.num_slots == 3 and tuple(legacy.offset_table.shape) == (14, 3)
 
 
 # ----------------------------------------------------------------------------- full script
@@ -165,8 +165,8 @@ def test_full_codec_script_bit_identical_to_legacy(ring_decoder):
             v2.reset(torch.tensor([0]))
             assert_slot_state_equal(legacy, v2, range(4))
     expected_frames = sum(SCRIPT_T[3:]) - SCRIPT_T[4]  # slot 0: reset after step 2, idle at step 4
-    assert int(v2.frames[0]) == expected_frames
-    assert int(v2.frames[1]) == sum(SCRIPT_T) - SCRIPT_T[4]
+    assert int(v2.frames_decoded[0]) == expected_frames
+    assert int(v2.frames_decoded[1]) == sum(SCRIPT_T) - SCRIPT_T[4]
 
 
 def test_v1_legacy_pool_matches_fixed_width_reference(ring_decoder_v1):
@@ -189,7 +189,7 @@ def test_v1_legacy_pool_matches_fixed_width_reference(ring_decoder_v1):
 # ----------------------------------------------------------------------------- reuse and bad input
 
 
-@pytest.mark.parametrize("kind", ["legacy", "v2"])
+@pytest.mark.parametrize("kind", ["legacy", "compact"])
 def test_released_slot_with_nan_garbage_decodes_like_a_fresh_pool(kind, ring_decoder):
     used, fresh = make_state_pool(ring_decoder, kind), make_state_pool(ring_decoder, kind)
     used.initialize(3, 2)
@@ -215,10 +215,10 @@ def test_released_slot_with_nan_garbage_decodes_like_a_fresh_pool(kind, ring_dec
 
 
 def _snapshot(pool):
-    return [t.clone() for t in pool.rings + pool._offset_tensors()]
+    return [t.clone() for t in pool.rings + pool.offset_tensors()]
 
 
-@pytest.mark.parametrize("kind", ["legacy", "v2"])
+@pytest.mark.parametrize("kind", ["legacy", "compact"])
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -300,13 +300,13 @@ def test_state_bytes_real_v2_geometry(live):
         decoder = CodecDecoder(config)
     legacy = LegacyDecoderStatePool(decoder, dtype=torch.bfloat16)
     legacy.initialize(live, live)
-    v2 = V2DecoderStatePool(decoder, dtype=torch.bfloat16)
+    v2 = CompactDecoderStatePool(decoder, dtype=torch.bfloat16)
     v2.initialize(live, live)
     legacy_expected = 2 * live * SLOT_BYTES_V2 + 190 * 2 * live * 8
     v2_expected = (live + 1) * SLOT_BYTES_V2 + (live + 1) * 8
     assert legacy.state_bytes() == legacy_expected == state_bytes_for(config, 2 * live, "legacy")
-    assert v2.state_bytes() == v2_expected == state_bytes_for(config, live + 1, "v2")
-    # 21.14 GiB vs 10.65 GiB of rings at 128 live streams (codec-facts §D.3).
+    assert v2.state_bytes() == v2_expected == state_bytes_for(config, live + 1, "compact")
+    # 21.14 GiB vs 10.65 GiB of rings at 128 live streams (docs/memory.md).
     if live == 128:
         assert round(256 * SLOT_BYTES_V2 / 2**30, 2) == 21.14
         assert round(129 * SLOT_BYTES_V2 / 2**30, 2) == 10.65
@@ -379,7 +379,7 @@ def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder
 
 
 def test_int32_slot_ids_and_bad_helper_arguments(ring_decoder):
-    for kind in ("legacy", "v2"):
+    for kind in ("legacy", "compact"):
         pool = make_state_pool(ring_decoder, kind)
         pool.initialize(3, 2)
         codes = random_codes(ring_decoder, 2, 2, seed=1)
@@ -404,3 +404,153 @@ def test_failed_allocation_leaves_the_pool_uninitialised(ring_decoder):
     assert not pool.initialized and pool.state_capacity == 0 and pool.num_slots == 0 and pool.state_bytes() == 0
     pool.initialize(2)
     assert pool.num_slots == 3
+
+
+# ----------------------------------------------------------------------------- per-frame validity
+
+STEP_FRAMES = 15
+
+
+def _pool_for(decoder, kind):
+    pool = make_state_pool(decoder, kind)
+    pool.initialize(3, 2)
+    return pool
+
+
+def _run(pool, codes, lengths, slots):
+    B = codes.shape[1]
+    return pool.decode_streaming_batch(
+        codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool)
+    )
+
+
+def _assert_rel_close(got, ref, what):
+    scale = max(ref.abs().max().item(), 1e-12)
+    err = (got - ref).abs().max().item() if got.numel() else 0.0
+    assert err <= 1e-5 * scale, f"{what}: relative error {err / scale:.2e}"
+
+
+def _assert_states_close(a, b, slot, what):
+    x, y = a.slot_state(slot), b.slot_state(slot)
+    assert torch.equal(x["layer_offsets"], y["layer_offsets"]), f"{what}: offsets differ"
+    for li, (p, q) in enumerate(zip(x["rings"], y["rings"])):
+        _assert_rel_close(p, q, f"{what}: layer {li} ring")
+
+
+POOL_CASES = [("v2", "compact"), ("v2", "legacy"), ("v1", "legacy")]
+
+
+@pytest.mark.parametrize("history", [0, 2, 9], ids=["empty", "partly-full", "wrapped"])
+@pytest.mark.parametrize("codec,kind", POOL_CASES)
+def test_padded_step_equals_step_of_its_own_length(codec, kind, history, ring_decoder, ring_decoder_v1):
+    """Every length 0..15 in a 15-frame step leaves audio, rings and offsets as a step of
+    exactly that many frames would (rings of 5 and 10 tokens: a step wraps them)."""
+    decoder = ring_decoder if codec == "v2" else ring_decoder_v1
+    spf = decoder.config.samples_per_frame
+    past = random_codes(decoder, 1, max(history, 1), seed=11)
+    step = random_codes(decoder, 1, STEP_FRAMES, seed=12)
+    for length in range(STEP_FRAMES + 1):
+        padded, exact = _pool_for(decoder, kind), _pool_for(decoder, kind)
+        if history:
+            for pool in (padded, exact):
+                _run(pool, past[:, :, :history], [history], [1])
+        before = padded.slot_state(1)
+        audio, audio_len = _run(padded, step, [length], [1])
+        assert audio.shape == (1, 1, STEP_FRAMES * spf) and int(audio_len[0]) == length * spf
+        assert not audio[..., length * spf :].any(), "padding frames must decode to silence"
+        if length == 0:  # a valid row with nothing to decode leaves its state untouched
+            after = padded.slot_state(1)
+            assert torch.equal(before["layer_offsets"], after["layer_offsets"])
+            assert all(torch.equal(p, q) for p, q in zip(before["rings"], after["rings"]))
+            continue
+        ref, _ = _run(exact, step[:, :, :length], [length], [1])
+        _assert_rel_close(audio[..., : length * spf], ref, f"length {length}: audio")
+        _assert_states_close(padded, exact, 1, f"length {length}")
+
+
+@pytest.mark.parametrize("codec,kind", POOL_CASES)
+def test_rows_of_mixed_lengths_in_one_step(codec, kind, ring_decoder, ring_decoder_v1):
+    decoder = ring_decoder if codec == "v2" else ring_decoder_v1
+    spf = decoder.config.samples_per_frame
+    lengths = [15, 7, 1]
+    codes = random_codes(decoder, 3, STEP_FRAMES, seed=13)
+    past = random_codes(decoder, 3, 4, seed=14)
+    mixed = _pool_for(decoder, kind)
+    _run(mixed, past, [4, 4, 4], [0, 1, 2])
+    audio, _ = _run(mixed, codes, lengths, [2, 0, 1])
+    for b, (length, slot) in enumerate(zip(lengths, [2, 0, 1])):
+        solo = _pool_for(decoder, kind)
+        _run(solo, past[:, slot : slot + 1], [4], [slot])  # slot s decoded past row s
+        ref, _ = _run(solo, codes[:, b : b + 1, :length], [length], [slot])
+        _assert_rel_close(audio[b : b + 1, :, : length * spf], ref, f"row {b}")
+        _assert_states_close(mixed, solo, slot, f"row {b}")
+
+
+def test_compact_and_legacy_stay_bit_identical_with_padding(ring_decoder):
+    legacy, compact = _pair(ring_decoder)
+    for i, lengths in enumerate(([1, 1, 0], [3, 2, 1], [0, 3, 3], [2, 0, 3])):
+        codes = random_codes(ring_decoder, 3, 3, seed=20 + i)
+        args = (codes, torch.tensor(lengths), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
+        a, _ = legacy.decode_streaming_batch(*args)
+        b, _ = compact.decode_streaming_batch(*args)
+        assert torch.equal(a, b)
+        assert_slot_state_equal(legacy, compact, range(3))
+    _assert_null_slot_zero(compact)
+
+
+@pytest.mark.parametrize("length", [-1, 4])
+def test_a_valid_rows_length_outside_the_step_is_refused(length, ring_decoder):
+    pool = _pool_for(ring_decoder, "compact")
+    before = [t.clone() for t in pool.rings + pool.offset_tensors()]
+    codes = random_codes(ring_decoder, 2, 3, seed=1)
+    with pytest.raises(ValueError, match=rf"lengths\[1\] = {length} is outside 0..3 \(T = frames in this step\)"):
+        _run(pool, codes, [3, length], [0, 1])
+    assert all(torch.equal(x, y) for x, y in zip(before, pool.rings + pool.offset_tensors()))
+    # An invalid (padding) row's length is ignored.
+    pool.decode_streaming_batch(codes, torch.tensor([3, 99]), torch.tensor([0, 5]), torch.tensor([True, False]))
+
+
+# ----------------------------------------------------------------------------- slot lifecycle
+
+
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
+def test_acquire_is_lifo_and_release_resets(kind, ring_decoder):
+    pool = _pool_for(ring_decoder, kind)
+    assert [pool.acquire() for _ in range(3)] == [0, 1, 2] and pool.free_slot_count == 0
+    with pytest.raises(RuntimeError, match="no free decoder state slot: all 3 live slots are leased"):
+        pool.acquire()
+    _run(pool, random_codes(ring_decoder, 1, 2, seed=3), [2], [1])
+    pool.release([1])
+    state = pool.slot_state(1)
+    assert int(state["layer_offsets"].abs().sum()) == 0 and all(not r.any() for r in state["rings"])
+    pool.release([0])
+    assert pool.acquire() == 0 and pool.acquire() == 1  # the slot released last is leased first
+    assert pool.leased_slots == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        ([3], r"slot id 3 is not a live slot id \(0..2\)"),
+        ([-1], r"slot id -1 is not a live slot id \(0..2\)"),
+        ([1], r"slot 1 is not leased \(released twice\?\)"),
+        ([0, 0], r"slot ids released twice in one call: \[0\]"),
+    ],
+)
+def test_release_refuses_unknown_and_double_releases(ids, message, ring_decoder):
+    pool = _pool_for(ring_decoder, "compact")
+    pool.acquire()
+    with pytest.raises(ValueError, match=message):
+        pool.release(ids)
+    assert pool.leased_slots == {0}
+
+
+def test_padding_policy(ring_decoder):
+    compact, legacy = _pool_for(ring_decoder, "compact"), _pool_for(ring_decoder, "legacy")
+    assert compact.scratch_slots_for(8) == 0 and legacy.scratch_slots_for(8) == 8
+    assert compact.padding_slot_ids(3).tolist() == [3, 3, 3] and compact.slots_dirtied_by_padding(3) == []
+    assert legacy.padding_slot_ids(2).tolist() == [3, 4] and legacy.slots_dirtied_by_padding(2) == [3, 4]
+    with pytest.raises(ValueError, match="3 padding rows need 3 scratch slots; this pool has 2"):
+        legacy.padding_slot_ids(3)
+    with pytest.raises(ValueError, match="padding row count must be an integer >= 0, got -1"):
+        compact.padding_slot_ids(-1)

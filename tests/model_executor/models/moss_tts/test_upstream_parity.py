@@ -94,7 +94,7 @@ def test_legacy_pool_matches_upstream_pool(preset, version, tmp_path):
         b, b_len = theirs.step(codes, lengths, ids, valid)
         _close(a[:2], b[:2])
         assert torch.equal(a_len, b_len.to(a_len.dtype))
-        assert torch.equal(pool.bank[:, :3], theirs.offsets()[:, :3])
+        assert torch.equal(pool.offset_table[:, :3], theirs.offsets()[:, :3])
         if step == 2:
             pool.reset(torch.tensor([0]))
             theirs.reset(torch.tensor([0]))

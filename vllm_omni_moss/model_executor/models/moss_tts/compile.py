@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """``torch.compile`` boundary of a streaming step.
 
-A step is ``pool.decode_streaming_tensors(codes, codes_lengths, state_slot_ids,
+A step is ``pool.decode_streaming_tensors(codes, lengths, state_slot_ids,
 valid_rows)``: tensor-only, no host syncs, no Python branching on tensor values, so it
 compiles with ``fullgraph=True`` and dynamic batch and frame dimensions.
 
 The adapters are ``nn.Module`` s because vLLM's ``support_torch_compile`` decorates
 module classes, and its compile cache keys artifacts on the decorated class. The
-legacy and V2 pools mutate state differently (whole-ring ``index_copy_`` versus the
-masked ``commit_cache`` / ``commit_offsets`` ops), so each pool kind has its own
+legacy and compact pools mutate state differently (whole-ring ``index_copy_`` versus
+the masked ``commit_cache`` / ``commit_offsets`` ops), so each pool class has its own
 adapter class: an artifact compiled for one can never be reused for the other. The
 stage subclasses these classes under vLLM's decorator; this module never imports vLLM.
 """
@@ -20,12 +20,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .state_pool import DecoderStatePool
+from .state_pool import CompactDecoderStatePool, DecoderStatePool, LegacyDecoderStatePool
 
 __all__ = [
     "DYNAMIC_ARG_DIMS",
+    "CompactDecodeCompileAdapter",
     "LegacyDecodeCompileAdapter",
-    "V2DecodeCompileAdapter",
     "adapter_class_for",
     "compile_decode",
 ]
@@ -33,7 +33,7 @@ __all__ = [
 #: Dynamic dimensions of the adapter's forward arguments (``support_torch_compile`` format).
 DYNAMIC_ARG_DIMS: dict[str, dict[int, str]] = {
     "codes": {1: "batch", 2: "frames"},
-    "codes_lengths": {0: "batch"},
+    "lengths": {0: "batch"},
     "state_slot_ids": {0: "batch"},
     "valid_rows": {0: "batch"},
 }
@@ -47,68 +47,70 @@ class _DecodeCompileAdapter(nn.Module):
     tensors, not parameters).
     """
 
-    pool_kind = ""
+    pool_class: type[DecoderStatePool] = DecoderStatePool
 
     def __init__(self, pool: DecoderStatePool):
         super().__init__()
-        if pool.kind != self.pool_kind:
-            raise ValueError(f"{type(self).__name__} adapts {self.pool_kind!r} pools, got a {pool.kind!r} pool")
+        if type(pool) is not self.pool_class:
+            raise ValueError(
+                f"{type(self).__name__} adapts {self.pool_class.__name__} pools, got a {type(pool).__name__}"
+            )
         self.decoder = pool.decoder
         self.pool = pool
 
-    def _step(self, codes, codes_lengths, state_slot_ids, valid_rows):
-        return self.pool.decode_streaming_tensors(codes, codes_lengths, state_slot_ids, valid_rows)
+    def _step(self, codes, lengths, state_slot_ids, valid_rows):
+        return self.pool.decode_streaming_tensors(codes, lengths, state_slot_ids, valid_rows)
 
 
 # Each concrete class defines its own ``forward``: vLLM's AOT cache hashes
 # ``forward.__qualname__`` and its first line, so an inherited forward would give the
-# two pool kinds one cache identity.
+# two pool classes one cache identity.
 
 
 class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
     """Adapter for :class:`~.state_pool.LegacyDecoderStatePool` (scratch slots, whole-ring write-back)."""
 
-    pool_kind = "legacy"
+    pool_class = LegacyDecoderStatePool
 
     def forward(
         self,
         codes: torch.Tensor,
-        codes_lengths: torch.Tensor,
+        lengths: torch.Tensor,
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``codes (n_vq, B, T)`` int64, ``codes_lengths (B,)`` int64, ``state_slot_ids (B,)`` int64,
+        """``codes (n_vq, B, T)`` int64, ``lengths (B,)`` int64, ``state_slot_ids (B,)`` int64,
         ``valid_rows (B,)`` bool -> ``audio (B, channels, T * spf)`` float32, ``audio_lengths (B,)`` int64."""
-        return self._step(codes, codes_lengths, state_slot_ids, valid_rows)
+        return self._step(codes, lengths, state_slot_ids, valid_rows)
 
 
-class V2DecodeCompileAdapter(_DecodeCompileAdapter):
-    """Adapter for :class:`~.state_pool.V2DecoderStatePool` (null slot, masked commits)."""
+class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
+    """Adapter for :class:`~.state_pool.CompactDecoderStatePool` (null slot, masked commits)."""
 
-    pool_kind = "v2"
+    pool_class = CompactDecoderStatePool
 
     def forward(
         self,
         codes: torch.Tensor,
-        codes_lengths: torch.Tensor,
+        lengths: torch.Tensor,
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``codes (n_vq, B, T)`` int64, ``codes_lengths (B,)`` int64, ``state_slot_ids (B,)`` int64,
+        """``codes (n_vq, B, T)`` int64, ``lengths (B,)`` int64, ``state_slot_ids (B,)`` int64,
         ``valid_rows (B,)`` bool -> ``audio (B, channels, T * spf)`` float32, ``audio_lengths (B,)`` int64."""
-        return self._step(codes, codes_lengths, state_slot_ids, valid_rows)
+        return self._step(codes, lengths, state_slot_ids, valid_rows)
 
 
 def adapter_class_for(pool: DecoderStatePool) -> type[_DecodeCompileAdapter]:
-    """The adapter class for ``pool.kind``.
+    """The adapter class for ``pool``'s class.
 
     Raises:
-        ValueError: unknown pool kind.
+        ValueError: a pool class without an adapter.
     """
-    for cls in (LegacyDecodeCompileAdapter, V2DecodeCompileAdapter):
-        if cls.pool_kind == pool.kind:
+    for cls in (LegacyDecodeCompileAdapter, CompactDecodeCompileAdapter):
+        if type(pool) is cls.pool_class:
             return cls
-    raise ValueError(f"no compile adapter for pool kind {pool.kind!r}")
+    raise ValueError(f"no compile adapter for {type(pool).__name__}")
 
 
 def _mark_dynamic(tensor: torch.Tensor, dims: dict[int, str]) -> None:
@@ -132,10 +134,10 @@ def compile_decode(pool: DecoderStatePool, backend: str = "inductor") -> Callabl
     compiled = torch.compile(adapter, dynamic=True, fullgraph=True, backend=backend)
     names = tuple(DYNAMIC_ARG_DIMS)
 
-    def decode(codes, codes_lengths, state_slot_ids, valid_rows):
-        for name, tensor in zip(names, (codes, codes_lengths, state_slot_ids, valid_rows)):
+    def decode(codes, lengths, state_slot_ids, valid_rows):
+        for name, tensor in zip(names, (codes, lengths, state_slot_ids, valid_rows)):
             _mark_dynamic(tensor, DYNAMIC_ARG_DIMS[name])
-        return compiled(codes, codes_lengths, state_slot_ids, valid_rows)
+        return compiled(codes, lengths, state_slot_ids, valid_rows)
 
     decode.adapter = adapter  # type: ignore[attr-defined]
     return decode

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CUDA graphs of streaming steps, keyed by ``(batch bucket, frames)``.
+"""CUDA graphs of streaming steps, keyed by ``(batch bucket, frame size)``.
 
 One graph per key replays ``pool.decode_streaming_tensors`` (or a compiled callable
-with the same signature) on static input tensors. A batch of ``B`` rows uses the
-smallest bucket ``>= B``; rows ``B..bucket-1`` are padding: invalid, length 0, zero
-codes, slot ids from ``pool.padding_slot_ids`` - the V2 null slot, which invalid rows
-never write, or distinct legacy scratch slots, which padding rows overwrite on every
-replay (so a legacy pool needs ``scratch_capacity >= max bucket``).
+with the same signature) on static input tensors. A batch of ``B`` rows of ``T``
+frames uses the smallest bucket ``>= B`` and the smallest captured frame size
+``>= T``: rows ``B..bucket-1`` are padding rows (invalid, length 0, zero codes, slot
+ids from ``pool.padding_slot_ids``) and frames ``T..`` of every row, like the frames
+beyond each row's own length, are padding frames, which change no state (the pool's
+per-frame validity), so a tail chunk of any length is served by a graph exactly.
 
 Invariants:
 
@@ -15,8 +16,8 @@ Invariants:
 * Pool tensors are never reallocated after capture (the graphs hold their addresses):
   :meth:`StreamingGraphRunner.state_data_ptrs` lets tests check it.
 * Returned audio is a clone: a later replay rewrites the static output in place.
-* Capture leaves live state untouched: warm-up runs with every row invalid (V2 writes
-  nothing at all; legacy writes only scratch slots, which are reset afterwards).
+* Capture leaves live state untouched: warm-up runs with every row invalid, and the
+  slots the pool's padding policy names (``slots_dirtied_by_padding``) are reset after.
 * Each runner captures on its own stream into its own memory pool, so its graphs
   never share memory with another runner's (or vLLM's) graphs.
 
@@ -60,7 +61,7 @@ class StreamingGraphRunner:
     Args:
         pool: an initialised pool on a CUDA device.
         batch_sizes: batch buckets (positive).
-        frames: exact frame counts ``T`` to capture.
+        frame_sizes: frame sizes ``T`` to capture (a step of fewer frames pads up to one).
         n_vq: codebooks per frame of the captured codes.
         callable: step function with the signature of ``pool.decode_streaming_tensors``
             (e.g. :func:`~.compile.compile_decode`); default: the eager tensor step.
@@ -73,15 +74,15 @@ class StreamingGraphRunner:
         compiled_keys: keys captured with ``callable``.
 
     Raises:
-        ValueError: pool not on CUDA or not initialised, empty sizes, or a legacy pool
-            with fewer scratch slots than the largest bucket.
+        ValueError: pool not on CUDA or not initialised, empty sizes, or a pool whose
+            padding policy cannot serve the largest bucket (e.g. too few legacy scratch slots).
     """
 
     def __init__(
         self,
         pool: DecoderStatePool,
         batch_sizes: Iterable[int],
-        frames: Iterable[int],
+        frame_sizes: Iterable[int],
         n_vq: int,
         callable: Callable | None = None,
     ):
@@ -91,14 +92,12 @@ class StreamingGraphRunner:
             raise ValueError("initialise the pool before building its graph runner")
         self.pool = pool
         self.batch_sizes = sorted({int(b) for b in batch_sizes if int(b) > 0})
-        self.frames = sorted({int(t) for t in frames if int(t) > 0})
-        if not self.batch_sizes or not self.frames:
-            raise ValueError(f"need at least one batch size and one frame size, got {self.batch_sizes} / {self.frames}")
-        if pool.kind == "legacy" and pool.scratch_capacity < self.batch_sizes[-1]:
+        self.frame_sizes = sorted({int(t) for t in frame_sizes if int(t) > 0})
+        if not self.batch_sizes or not self.frame_sizes:
             raise ValueError(
-                f"a legacy pool needs one scratch slot per padding row: bucket {self.batch_sizes[-1]} needs "
-                f"{self.batch_sizes[-1]} scratch slots, the pool has {pool.scratch_capacity}"
+                f"need at least one batch size and one frame size, got {self.batch_sizes} / {self.frame_sizes}"
             )
+        pool.padding_slot_ids(self.batch_sizes[-1])  # raises when the pool cannot pad the largest bucket
         self.n_vq = int(n_vq)
         self._compiled = callable
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -120,12 +119,12 @@ class StreamingGraphRunner:
         with torch.cuda.device(device):
             self._mempool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device)
-            for key in sorted(((b, t) for b in self.batch_sizes for t in self.frames), reverse=True):
+            for key in sorted(((b, t) for b in self.batch_sizes for t in self.frame_sizes), reverse=True):
                 self._capture_key(*key)
         logger.info(
             "streaming decoder CUDA graphs: %d/%d captured (%d compiled); eager for %s",
             len(self.graphs),
-            len(self.batch_sizes) * len(self.frames),
+            len(self.batch_sizes) * len(self.frame_sizes),
             len(self.compiled_keys),
             sorted(self.failures) or "none",
         )
@@ -156,7 +155,7 @@ class StreamingGraphRunner:
         slot_ids = padding.clone()
         valid = torch.zeros(bucket, dtype=torch.bool, device=device)
 
-        # Every row invalid: the warm-up touches no live slot (V2: nothing at all).
+        # Every row invalid: the warm-up touches no live slot (compact pool: nothing at all).
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -173,55 +172,38 @@ class StreamingGraphRunner:
         return _Graph(graph, codes, lengths, slot_ids, valid, padding, audio, audio_lengths)
 
     def _reset_padding(self, bucket: int) -> None:
-        # Legacy padding rows write their scratch slots; V2 padding rows write nothing
-        # and the null slot is not resettable.
-        if self.pool.kind == "legacy":
-            self.pool.reset(self.pool.padding_slot_ids(bucket))
+        dirtied = self.pool.slots_dirtied_by_padding(bucket)
+        if dirtied:
+            self.pool.reset(dirtied)
 
     # ------------------------------------------------------------------ replay
-    def select(self, batch: int, frames: int, allow_frame_padding: bool = False) -> tuple[int, int] | None:
-        """The captured key serving ``batch`` rows of ``frames`` frames, or None.
-
-        The bucket is the smallest ``>= batch``; the frame size is exact unless
-        ``allow_frame_padding`` (then the smallest captured ``>= frames``).
-        """
+    def select(self, batch: int, num_frames: int) -> tuple[int, int] | None:
+        """The captured key serving ``batch`` rows of ``num_frames`` frames, or None: the smallest
+        bucket ``>= batch`` with the smallest captured frame size ``>= num_frames``."""
         bucket = next((b for b in self.batch_sizes if b >= batch), None)
         if bucket is None:
             return None
-        if (bucket, frames) in self.graphs:
-            return bucket, frames
-        if not allow_frame_padding:
-            return None
-        return next(((bucket, t) for t in self.frames if t >= frames and (bucket, t) in self.graphs), None)
+        return next(((bucket, t) for t in self.frame_sizes if t >= num_frames and (bucket, t) in self.graphs), None)
 
     @torch.no_grad()
-    def decode(
-        self,
-        codes: torch.Tensor,
-        lengths: torch.Tensor,
-        slot_ids: torch.Tensor,
-        *,
-        allow_frame_padding: bool = False,
-    ) -> torch.Tensor | None:
-        """Replay the graph for a batch of valid rows, or return None (caller runs eager).
+    def decode(self, codes: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor | None:
+        """Replay the graph for a batch of valid rows, or return None (the caller runs eager).
 
         Args:
             codes: ``(n_vq, B, T)`` int64 on the pool's CUDA device.
-            lengths: ``(B,)`` int64 frames per row.
+            lengths: ``(B,)`` int64 valid frames per row, ``0..T``.
             slot_ids: ``(B,)`` int64 distinct leased slots.
-            allow_frame_padding: pad ``T`` with zero codes up to a captured frame size
-                (only for steps whose every row is terminal: the padded frames advance
-                the rows' state, which the caller resets right after).
         Returns:
-            ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``),
-            or None when no graph fits, the inputs are not on CUDA, or a capture is active.
+            ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``;
+            samples beyond a row's length are zero), or None when no graph fits, the inputs
+            are not on CUDA, or a capture is active.
         """
         if not codes.is_cuda or torch.cuda.is_current_stream_capturing():
             return None
         n_vq, B, T = codes.shape
         if n_vq != self.n_vq:
             return None
-        key = self.select(B, T, allow_frame_padding)
+        key = self.select(B, T)
         if key is None:
             return None
         g = self.graphs[key]
@@ -239,7 +221,7 @@ class StreamingGraphRunner:
     # ------------------------------------------------------------------ inspection
     def state_data_ptrs(self) -> list[int]:
         """Addresses of every persistent pool tensor (rings, then offsets), in a fixed order."""
-        return [t.data_ptr() for t in self.pool.rings + self.pool._offset_tensors()]
+        return [t.data_ptr() for t in self.pool.rings + self.pool.offset_tensors()]
 
     def close(self) -> None:
         """Drop the graphs and their memory pool."""

@@ -11,41 +11,37 @@ Read top-down:
    FFN, no biases), output projection, pure-reshape upsampling.
 3. :func:`to_audio` - channel de-interleave (v2 stereo) and float32.
 
-Modules hold weights only. Attention is delegated to a per-step *attention plan*
-(``group(g, n_tokens)`` returning ``attend(layer, q, k, v)``): :class:`OfflinePlan`
-for whole sequences, :class:`FixedWidthPlan` for the reference streaming path, and
-the pools in ``state_pool.py``. Architecture facts: codec-facts §A.3-§A.8.
+Modules hold weights only. Attention and state are reached through a
+:class:`~.attention.StepPlan` built once per step by the state's owner: offline
+decode and the fixed-width reference stream here, the pools in ``state_pool.py``.
+A whole step reads top-down in :func:`run_decoder` and ``attention.py``.
+Architecture facts: docs/codec_architecture.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import step_metadata
+from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .step_metadata import RingMetadata, rope_tables
+from .step_metadata import default_ring_semantics
 
 __all__ = [
     "CodecDecoder",
     "FixedWidthState",
     "FixedWidthStream",
-    "apply_rope",
     "chunk_schedule",
     "embed_codes",
     "run_decoder",
     "to_audio",
 ]
-
-#: Queries per block in offline attention: bounds the mask to ``block x (block + context)``.
-OFFLINE_QUERY_BLOCK = 4096
 
 
 class DecoderLayer(nn.Module):
@@ -98,8 +94,9 @@ class CodecDecoder(nn.Module):
 
     @property
     def state_dtype(self) -> torch.dtype:
-        """Dtype of streaming KV rings: bf16 on CUDA (as upstream), the weight dtype elsewhere."""
-        return torch.bfloat16 if self.device.type == "cuda" else self.groups[0].layers[0].in_proj.weight.dtype
+        """Dtype of streaming KV rings: the weight dtype (bf16 for a v2 codec served on CUDA,
+        as upstream; float32 on CPU and for codecs kept in float32)."""
+        return self.groups[0].layers[0].in_proj.weight.dtype
 
     def to_serving(self, device: torch.device | str) -> CodecDecoder:
         """Move to ``device``; on CUDA cast weights and the table to bf16 (upstream's policy)."""
@@ -155,8 +152,9 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"codes must have B >= 1 rows and T >= 1 frames, got shape {tuple(codes.shape)}")
         codes = codes.to(self.device, torch.long)
         if chunk_frames is None:
-            with _autocast(self.device):
-                return run_decoder(self, codes, OfflinePlan(self.config))
+            plan = StepPlan(group_steps(self.config, codes.shape[-1], None), OfflineAttention())
+            with _autocast(self):
+                return run_decoder(self, codes, plan)
         with self.streaming(codes.shape[1]) as stream:
             parts = [stream.decode(codes[:, :, a:b]) for a, b in chunk_schedule(codes.shape[-1], chunk_frames)]
         return torch.cat(parts, dim=-1)
@@ -186,26 +184,14 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
     return lut[rows, codes].sum(dim=0) + decoder.lut_bias
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate ``(B, H, T, Dh)`` q and k by GPT-J interleaved pairs, in float32, cast back."""
-    dims = q.shape[:-1]
-    half = q.shape[-1] // 2
-    out = []
-    for x in (q, k):
-        pair = x.view(*dims, half, 2)
-        re, im = pair[..., 0].float(), pair[..., 1].float()
-        rot = torch.stack(((re * cos - im * sin).to(x.dtype), (re * sin + im * cos).to(x.dtype)), dim=-1)
-        out.append(rot.view(*dims, 2 * half))
-    return out[0], out[1]
-
-
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _layer_forward(layer: DecoderLayer, x: torch.Tensor, num_heads: int, attend) -> torch.Tensor:
+def _layer_forward(
+    layer: DecoderLayer, x: torch.Tensor, group: GroupStep, index: int, attention: AttentionBackend
+) -> torch.Tensor:
+    """One pre-norm layer on ``(B, T, d)``; ``index`` is the layer's index in the whole decoder."""
     B, T, d = x.shape
-    qkv = layer.in_proj(layer.norm1(x)).view(B, T, 3, num_heads, d // num_heads).permute(2, 0, 3, 1, 4)
-    attn = attend(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(B, T, d)
+    heads = group.spec.num_heads
+    qkv = layer.in_proj(layer.norm1(x)).view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    attn = attention(group, index, qkv).transpose(1, 2).reshape(B, T, d)
     update = layer.out_proj(attn)
     if layer.layer_scale_1 is not None:
         update = layer.layer_scale_1 * update
@@ -231,109 +217,33 @@ def to_audio(config: CodecConfig, x: torch.Tensor) -> torch.Tensor:
     return x.view(B, N // c, c).transpose(1, 2).float().contiguous()
 
 
-def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan) -> torch.Tensor:
+def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> torch.Tensor:
     """One decode step: codes ``(n_vq, B, T)`` int64 -> audio ``(B, channels, T * hop)`` float32.
 
-    ``plan.group(g, n_tokens)`` is called once per resolution group and returns
-    ``attend(layer_index, q, k, v) -> (B, H, T, Dh)``; ``plan.finish()`` runs after
-    the last group. Pure tensor code: no Python branching on tensor values.
+    ``plan`` holds one :class:`~.attention.GroupStep` per resolution group and the
+    attention backend; ``plan.finish`` runs after the last group. Pure tensor code: no
+    Python branching on tensor values.
     """
-    cfg = decoder.config
-    frames = codes.shape[-1]
     x = embed_codes(decoder, codes)
-    for g, (spec, group) in enumerate(zip(cfg.groups, decoder.groups)):
-        attend = plan.group(g, frames * spec.tokens_per_frame)
-        if group.input_proj is not None:
-            x = group.input_proj(x)
-        for i, layer in enumerate(group.layers):
-            x = _layer_forward(layer, x, spec.num_heads, functools.partial(attend, i))
-        if group.output_proj is not None:
-            x = group.output_proj(x)
-        x = _upsample(x, spec.upsample)
-    plan.finish()
-    return to_audio(cfg, x)
+    for group, weights in zip(plan.groups, decoder.groups):
+        if weights.input_proj is not None:
+            x = weights.input_proj(x)
+        for i, layer in enumerate(weights.layers):
+            x = _layer_forward(layer, x, group, group.first_layer + i, plan.attention)
+        if weights.output_proj is not None:
+            x = weights.output_proj(x)
+        x = _upsample(x, group.spec.upsample)
+    if plan.finish is not None:
+        plan.finish()
+    return to_audio(decoder.config, x)
 
 
-def _autocast(device: torch.device):
-    # Upstream decodes under bf16 autocast on accelerators and in fp32 on CPU.
-    if device.type == "cuda":
+def _autocast(decoder: CodecDecoder):
+    # Upstream decodes its bf16 (v2) codec under bf16 autocast on accelerators; float32
+    # weights (CPU, and the v1 codec everywhere) decode in float32.
+    if decoder.device.type == "cuda" and decoder.state_dtype == torch.bfloat16:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def ring_attend(
-    version: str, rows: torch.Tensor, meta: RingMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
-    """Attention of one layer over its ring, with the reference write semantics.
-
-    Args:
-        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch; updated in place
-            with this chunk (the caller persists them).
-        meta: the group's :class:`RingMetadata`.
-        q, k, v: ``(B, H, T, Dh)`` projections before RoPE.
-    Returns:
-        ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask).
-    """
-    q, k = apply_rope(q, k, meta.cos, meta.sin)
-    B, H, T, Dh = k.shape
-    k = k.to(rows.dtype)
-    v = v.to(rows.dtype)
-    if version == "v2":
-        index = meta.scatter_index.view(B, 1, T, 1).expand(B, H, T, Dh)
-        rows[0].scatter_(2, index, k)
-        rows[1].scatter_(2, index, v)
-        keys, values = rows[0], rows[1]
-    else:
-        keys = torch.cat((rows[0], k), dim=2)
-        values = torch.cat((rows[1], v), dim=2)
-        W = meta.scatter_index.shape[1]
-        index = meta.scatter_index.view(B, 1, W, 1).expand(B, H, W, Dh)
-        rows[0].scatter_(2, index, k[:, :, T - W :])
-        rows[1].scatter_(2, index, v[:, :, T - W :])
-    return F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=meta.mask)
-
-
-# --------------------------------------------------------------------------- offline
-
-
-class OfflinePlan:
-    """Whole-sequence attention: positions ``0..N-1``, exact window ``0 <= q - k < context``.
-
-    Queries are processed in blocks of :data:`OFFLINE_QUERY_BLOCK` against only the
-    keys they can reach, so mask memory is ``O(block * (block + context))`` whatever
-    the length (no ``N x N`` mask for long audio).
-    """
-
-    def __init__(self, config: CodecConfig):
-        self.config = config
-
-    def group(self, g: int, n_tokens: int) -> AttendFn:
-        spec = self.config.groups[g]
-        ctx = spec.context
-        tables: list[torch.Tensor] = []  # RoPE tables for positions 0..N-1, shared by the group's layers
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if not tables:
-                zero = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-                tables.extend(rope_tables(zero, n_tokens, spec.head_dim, spec.max_period))
-            q, k = apply_rope(q, k, *tables)
-            outs = []
-            for start in range(0, n_tokens, OFFLINE_QUERY_BLOCK):
-                end = min(start + OFFLINE_QUERY_BLOCK, n_tokens)
-                k0 = max(0, start - ctx + 1)
-                qpos = torch.arange(start, end, device=q.device).view(-1, 1)
-                kpos = torch.arange(k0, end, device=q.device).view(1, -1)
-                rel = qpos - kpos
-                mask = (rel >= 0) & (rel < ctx)
-                outs.append(
-                    F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, k0:end], v[:, :, k0:end], attn_mask=mask)
-                )
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-        return attend
-
-    def finish(self) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------- fixed width
@@ -371,41 +281,6 @@ class FixedWidthState:
         return cls(rings, offsets)
 
 
-class FixedWidthPlan:
-    """One step of the fixed-width reference path (per-layer metadata, in-place rings)."""
-
-    def __init__(self, config: CodecConfig, state: FixedWidthState, batch_size: int):
-        self.config = config
-        self.state = state
-        self.valid = torch.ones(batch_size, dtype=torch.bool, device=state.offsets[0].device)
-
-    def group(self, g: int, n_tokens: int) -> AttendFn:
-        spec = self.config.groups[g]
-        first = self.config.group_first_layers[g]
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            li = first + i
-            ring, offsets = self.state.rings[li], self.state.offsets[li]
-            meta = step_metadata.build_ring_metadata(
-                offsets,
-                self.valid,
-                n_tokens,
-                spec.context,
-                spec.context,
-                self.config.version,
-                spec.head_dim,
-                spec.max_period,
-            )
-            out = ring_attend(self.config.version, ring, meta, q, k, v)
-            offsets.copy_(meta.next_offsets)
-            return out
-
-        return attend
-
-    def finish(self) -> None:
-        pass
-
-
 class FixedWidthStream:
     """Handle yielded by :meth:`CodecDecoder.streaming`: feed chunks, get audio."""
 
@@ -430,8 +305,13 @@ class FixedWidthStream:
         if codes.shape[2] == 0:
             raise ValueError("chunk has T=0 frames; each chunk needs at least one frame")
         codes = codes.to(self.decoder.device, torch.long)
-        with _autocast(self.decoder.device):
-            return run_decoder(self.decoder, codes, FixedWidthPlan(self.decoder.config, self.state, self.batch_size))
+        num_frames = codes.shape[-1]
+        lengths = torch.full((self.batch_size,), num_frames, dtype=torch.long, device=codes.device)
+        config = self.decoder.config
+        attention = FixedWidthAttention(self.state.rings, self.state.offsets, default_ring_semantics(config.version))
+        plan = StepPlan(group_steps(config, num_frames, lengths), attention)
+        with _autocast(self.decoder):
+            return run_decoder(self.decoder, codes, plan)
 
     def close(self) -> None:
         self.state = None

@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from vllm_omni.model_executor.models.output_templates import OmniOutput
 
 from .checkpoint import load_checkpoint
-from .compile import DYNAMIC_ARG_DIMS, LegacyDecodeCompileAdapter, V2DecodeCompileAdapter
+from .compile import DYNAMIC_ARG_DIMS, adapter_class_for
 from .decoder import CodecDecoder
 from .session import ChunkRequest, CodecStreamSession
 from .state_pool import DecoderStatePool
@@ -51,15 +51,13 @@ _CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 
 
 @functools.cache
-def _vllm_adapter_class(kind: str) -> type[nn.Module]:
-    """``support_torch_compile`` subclass of the core adapter for pool ``kind``.
+def _vllm_adapter_class(base: type[nn.Module]) -> type[nn.Module]:
+    """``support_torch_compile`` subclass of the core adapter class ``base``.
 
-    Built once per kind: the decorator rewrites the class it is given (bases and
-    ``__init__``), so it gets a subclass owned by this module, never the core class.
+    Built once per adapter class: the decorator rewrites the class it is given (bases
+    and ``__init__``), so it gets a subclass owned by this module, never the core class.
     """
     from vllm.compilation.decorators import support_torch_compile
-
-    base = V2DecodeCompileAdapter if kind == "v2" else LegacyDecodeCompileAdapter
 
     def __init__(self, *, pool: DecoderStatePool, vllm_config: VllmConfig, prefix: str = "") -> None:
         base.__init__(self, pool)
@@ -87,7 +85,7 @@ def _vllm_compile_factory(vllm_config: VllmConfig):
     def factory(pool: DecoderStatePool):
         try:
             with set_current_vllm_config(config):
-                return _vllm_adapter_class(pool.kind)(pool=pool, vllm_config=config)
+                return _vllm_adapter_class(adapter_class_for(pool))(pool=pool, vllm_config=config)
         except Exception:
             logger.warning("vLLM compile adapter unavailable for the MOSS codec; plain CUDA graphs", exc_info=True)
             return None
@@ -251,7 +249,7 @@ class MossTTSCodecDecoder(nn.Module):
                 self._codec,
                 self.state_capacity,
                 graph_batch_sizes=self.graph_batch_sizes,
-                graph_frames=self.graph_frames,
+                graph_frame_sizes=self.graph_frames,
                 max_step_frames=self.max_step_frames,
                 n_vq=self.n_vq,
                 compile=_vllm_compile_factory(self.vllm_config) if graphs else False,

@@ -1,33 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 """Slot-addressed decoder state pools for many live streams.
 
-A pool owns every persistent streaming tensor: one K/V ring per attention layer,
-``(2, S, H, C, Dh)``, and the offsets. Execution batches are compact: row ``b`` of a
-step decodes for slot ``state_slot_ids[b]`` when ``valid_rows[b]``; invalid rows are
-CUDA-graph padding. Two pools share one interface and are chosen once, at
-construction, by :func:`make_state_pool`:
+A pool owns every persistent streaming tensor (one K/V ring per attention layer,
+``(2, S, H, C, Dh)``, and the offsets) and the slot lifecycle: :meth:`acquire` leases
+a slot (LIFO free list, so the slot released last is leased next while its memory is
+warm), :meth:`release` resets it and returns it. It also owns its padding policy: the
+slot ids graph padding rows carry, how many scratch slots a bucket needs, and which
+slots a graph must reset after running padding rows. Callers never branch on the
+pool they hold.
 
-``LegacyDecoderStatePool`` - vLLM-Omni 0.30.0's behaviour (codec-facts §B.3-§B.8):
-    ``state_capacity + scratch_capacity`` slots (one scratch slot per graph padding
-    row); per-layer attention offsets and ring end offsets plus per-group offsets in
-    one ``(R, S)`` int64 bank (``R = 2 L + G`` for v2, ``L`` for v1); every layer
-    gathers its offsets, rebuilds its metadata, gathers the complete ring, scatters
-    the chunk and writes the whole ring back for every row. The default for v1 codecs
-    (with v1's exact ring); the baseline for v2.
+Execution batches are compact: row ``b`` of a step decodes ``lengths[b]`` frames for
+slot ``state_slot_ids[b]`` when ``valid_rows[b]``; invalid rows are CUDA-graph
+padding. Frames at or beyond a row's length are padding frames: they write no ring
+cell, advance no offset and no query sees them (``step_metadata.py``), so a step of
+``T`` frames leaves every row exactly as a step of its own length would.
 
-``V2DecoderStatePool`` - the default for v2 codecs, no switch of any kind:
+Two pools share one interface and are chosen once, at construction, by
+:func:`make_state_pool` (memory arithmetic in docs/memory.md):
+
+``LegacyDecoderStatePool`` (kind ``"legacy"``) - vLLM-Omni 0.30.0's behaviour
+    (``vllm_omni/model_executor/models/moss_tts/``): ``state_capacity + scratch`` slots
+    (one scratch slot per graph padding row); per-layer attention offsets and ring end
+    offsets plus per-group offsets in one ``(R, S)`` int64 offset table (``R = 2 L + G``
+    for v2 codecs, ``L`` for v1); every layer gathers its offsets, rebuilds its
+    metadata, gathers the complete ring and writes the whole ring back for every row.
+    The default for v1 codecs; the baseline for v2.
+
+``CompactDecoderStatePool`` (kind ``"compact"``) - the default for v2 codecs:
     ``state_capacity + 1`` slots whatever scratch is asked for; slot
     ``state_capacity`` is the *null slot*: never leased, all zeros forever, the
-    target of every invalid row. Offsets are one frame counter per slot: every
-    group's token offset is ``frames * tokens_per_frame`` (all rows of a step share
-    ``T`` frames, so this equals the per-layer offsets of the legacy pool exactly).
-    Ring metadata and RoPE tables are built once per group per step and read by all
-    its layers. Persistent writes go through the ``commit_cache`` /
-    ``commit_offsets`` custom ops: only ring cells the chunk touched, only for valid
-    rows - invalid rows never write, not even to the null slot. The frame counters
-    advance once, after the last group. The reference scatter, physical key order
-    and native SDPA are kept, so audio and live state are bit-identical to the legacy
-    pool.
+    target of every invalid row. Offsets are one counter per slot,
+    ``frames_decoded``: every group's token offset is ``frames_decoded *
+    tokens_per_frame``, equal to the legacy pool's per-layer offsets. Ring metadata
+    and RoPE tables are built once per group per step. Persistent writes go through
+    the ``commit_cache`` / ``commit_offsets`` custom ops (``ops/commit.py``): only ring
+    cells that valid tokens wrote, only for rows that wrote; invalid rows never write,
+    not even to the null slot. Attention is the same reference computation as the
+    legacy pool's, so audio and live state are bit-identical to it.
 
 Both pools clear a slot's rings on :meth:`reset` as well as its offsets. Upstream
 only zeroes offsets, which hides stale keys behind the mask - but SDPA still
@@ -37,32 +46,45 @@ earlier stream would turn into NaN audio for the next one.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
-from . import step_metadata
-from .decoder import CodecDecoder, _autocast, ring_attend, run_decoder
-from .kernels import commit_cache, commit_offsets
+from .attention import CompactRingAttention, LegacyRingAttention, StepPlan, group_steps
+from .decoder import CodecDecoder, _autocast, run_decoder
+from .ops.commit import commit_offsets
+from .step_metadata import RING_SEMANTICS, default_ring_semantics
 
 __all__ = [
+    "POOL_KINDS",
+    "CompactDecoderStatePool",
     "DecoderStatePool",
     "LegacyDecoderStatePool",
-    "V2DecoderStatePool",
     "make_state_pool",
     "state_bytes_for",
 ]
+
+#: Pool kinds :func:`make_state_pool` builds.
+POOL_KINDS = ("compact", "legacy")
 
 
 def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int = 2) -> int:
     """Persistent bytes of a pool with ``num_slots`` slots (rings plus offsets), without allocating.
 
-    ``kind`` is ``"legacy"`` or ``"v2"``. v2 rings of one slot are 88,678,400 bytes in bf16.
+    ``kind`` is ``"compact"`` or ``"legacy"``. The rings of one slot of the v2 codec are
+    88,678,400 bytes in bf16 (docs/memory.md).
+
+    Raises:
+        ValueError: unknown ``kind``.
     """
     rings = num_slots * decoder_config.state_bytes_per_slot(element_size)
-    if kind == "v2":
+    if kind == "compact":
         return rings + num_slots * 8
-    return rings + _legacy_bank_rows(decoder_config) * num_slots * 8
+    if kind == "legacy":
+        return rings + _legacy_table_rows(decoder_config) * num_slots * 8
+    raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
 
 
 def _check_count(count) -> None:
@@ -70,40 +92,47 @@ def _check_count(count) -> None:
         raise ValueError(f"padding row count must be an integer >= 0, got {count!r}")
 
 
-def _legacy_bank_rows(config) -> int:
+def _legacy_table_rows(config) -> int:
     # v2 keeps an attention offset and a ring end offset per layer plus one offset per
-    # group; v1 keeps one offset per attention layer (codec-facts §B.3, §B.10).
+    # group; v1 keeps one offset per attention layer (docs/memory.md).
     if config.version == "v2":
         return 2 * config.num_layers + len(config.groups)
     return config.num_layers
 
 
 class DecoderStatePool(ABC):
-    """Interface shared by the legacy and V2 pools.
+    """Interface shared by the legacy and compact pools.
 
     Args:
         decoder: the weights; the pool never modifies them.
-        dtype: ring dtype; defaults to ``decoder.state_dtype`` (bf16 on CUDA).
+        dtype: ring dtype; defaults to ``decoder.state_dtype`` (the weight dtype).
+        ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.py``); default: what
+            upstream uses for the codec version (``"upstream"`` for v2, ``"exact"`` for v1).
+
+    Raises:
+        ValueError: a non-floating ``dtype`` or unknown ``ring_semantics``.
     """
 
-    kind: str = ""
+    kind: ClassVar[str] = ""
 
-    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None):
+    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None, ring_semantics: str | None = None):
         self.decoder = decoder
         self.config = decoder.config
         self.dtype = dtype or decoder.state_dtype
         if not self.dtype.is_floating_point:
             raise ValueError(f"ring dtype must be a floating-point dtype, got {self.dtype}")
+        self.ring_semantics = ring_semantics or default_ring_semantics(self.config.version)
+        if self.ring_semantics not in RING_SEMANTICS:
+            raise ValueError(f"unknown ring semantics {self.ring_semantics!r}; expected one of {RING_SEMANTICS}")
         self.device = decoder.device
         self.rings: list[torch.Tensor] = []
         self.state_capacity = 0
+        self.scratch_capacity = 0
         self.num_slots = 0
-        layer_group = []
-        for g, spec in enumerate(self.config.groups):
-            layer_group += [g] * spec.num_layers
-        self._layer_group = layer_group
+        self._free: list[int] = []  # LIFO: the top is leased next
+        self._leased: set[int] = set()
 
-    # ----------------------------------------------------------------- lifecycle
+    # ----------------------------------------------------------------- memory
     @property
     def initialized(self) -> bool:
         return bool(self.rings)
@@ -111,9 +140,13 @@ class DecoderStatePool(ABC):
     def initialize(self, state_capacity: int, scratch_capacity: int = 0) -> None:
         """Allocate state for ``state_capacity`` live slots (ids ``0..state_capacity-1``).
 
+        ``scratch_capacity`` is the scratch the caller's graph padding needs (see
+        :meth:`scratch_slots_for`); a compact pool ignores it.
+
         Raises:
             ValueError: ``state_capacity < 1`` or ``scratch_capacity < 0``.
-            RuntimeError: already initialised (call :meth:`close` first).
+            RuntimeError: already initialised (call :meth:`close` first), or out of memory
+                (the message names the bytes; the pool is left closed).
         """
         if self.initialized:
             raise RuntimeError(f"{type(self).__name__} is already initialised; close() it before re-initialising")
@@ -122,7 +155,8 @@ class DecoderStatePool(ABC):
         if isinstance(scratch_capacity, bool) or not isinstance(scratch_capacity, int) or scratch_capacity < 0:
             raise ValueError(f"scratch_capacity must be an integer >= 0, got {scratch_capacity!r}")
         self.state_capacity = state_capacity
-        self.num_slots = self._slots_for(state_capacity, scratch_capacity)
+        self.scratch_capacity = self._scratch_capacity(scratch_capacity)
+        self.num_slots = state_capacity + self.scratch_capacity
         try:
             self.rings = [
                 torch.zeros(2, self.num_slots, s.num_heads, s.context, s.head_dim, device=self.device, dtype=self.dtype)
@@ -130,28 +164,77 @@ class DecoderStatePool(ABC):
                 for _ in range(s.num_layers)
             ]
             self._allocate_offsets()
-        except (RuntimeError, MemoryError) as exc:  # out of memory: leave the pool as it was
-            need = state_bytes_for(
-                self.config, self.num_slots, self.kind, torch.empty((), dtype=self.dtype).element_size()
-            )
+        except (RuntimeError, MemoryError) as exc:  # out of memory: leave the pool closed
+            element = torch.empty((), dtype=self.dtype).element_size()
+            need = state_bytes_for(self.config, self.num_slots, self.kind, element)
             self.close()
             raise RuntimeError(
                 f"cannot allocate decoder state for {state_capacity} live streams ({need} bytes on {self.device}): {exc}"
             ) from exc
+        self._free = list(range(state_capacity - 1, -1, -1))  # a fresh pool leases 0, 1, 2, ...
 
     def close(self) -> None:
-        """Drop all state. The pool can be initialised again, with another capacity."""
+        """Drop all state and leases. The pool can be initialised again, with another capacity."""
         self.rings = []
         self.state_capacity = 0
+        self.scratch_capacity = 0
         self.num_slots = 0
+        self._free = []
+        self._leased = set()
         self._drop_offsets()
 
     def state_bytes(self) -> int:
         """Bytes of persistent state actually allocated (rings plus offsets)."""
-        return sum(t.numel() * t.element_size() for t in self.rings + self._offset_tensors())
+        return sum(t.numel() * t.element_size() for t in self.rings + self.offset_tensors())
+
+    # ----------------------------------------------------------------- slot lifecycle
+    @property
+    def free_slot_count(self) -> int:
+        """Live slots that can still be leased."""
+        return len(self._free)
+
+    @property
+    def leased_slots(self) -> frozenset[int]:
+        """Slot ids currently leased."""
+        return frozenset(self._leased)
+
+    def acquire(self) -> int:
+        """Lease a free slot (its state is all zeros) and return its id.
+
+        Raises:
+            RuntimeError: the pool is not initialised, or every live slot is leased.
+        """
+        self._require_initialized()
+        if not self._free:
+            raise RuntimeError(f"no free decoder state slot: all {self.state_capacity} live slots are leased")
+        slot = self._free.pop()
+        self._leased.add(slot)
+        return slot
+
+    def release(self, slot_ids) -> None:
+        """Reset the leased slots ``slot_ids`` and return them to the free list.
+
+        Raises:
+            ValueError: an id that is not a live slot id, a slot that is not leased (a
+                double release), or an id given twice. Nothing is released then.
+            RuntimeError: the pool is not initialised.
+        """
+        self._require_initialized()
+        ids = self._as_ids(slot_ids, "slot_ids").tolist()
+        for i in ids:
+            if not 0 <= i < self.state_capacity:
+                raise ValueError(f"slot id {i} is not a live slot id (0..{self.state_capacity - 1})")
+            if i not in self._leased:
+                raise ValueError(f"slot {i} is not leased (released twice?)")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"slot ids released twice in one call: {sorted({i for i in ids if ids.count(i) > 1})}")
+        if ids:
+            self.reset(ids)
+        self._leased.difference_update(ids)
+        self._free.extend(ids)
 
     def reset(self, slot_ids) -> None:
-        """Forget the streams in ``slot_ids``: offsets to 0 and rings cleared.
+        """Forget the streams in ``slot_ids``: offsets to 0 and rings cleared. Leases are unchanged.
 
         Raises:
             ValueError: an id outside the resettable range (named in the message).
@@ -170,6 +253,23 @@ class DecoderStatePool(ABC):
             ring.index_fill_(1, ids, 0)
         self._reset_offsets(ids)
 
+    # ----------------------------------------------------------------- padding policy
+    @abstractmethod
+    def scratch_slots_for(self, padding_rows: int) -> int:
+        """Scratch slots :meth:`initialize` must provide so ``padding_rows`` padding rows can run."""
+
+    @abstractmethod
+    def padding_slot_ids(self, count: int) -> torch.Tensor:
+        """``(count,)`` int64 slot ids for ``count`` graph padding rows.
+
+        Raises:
+            ValueError: ``count`` is not an integer >= 0, or the pool lacks the scratch it needs.
+        """
+
+    @abstractmethod
+    def slots_dirtied_by_padding(self, count: int) -> list[int]:
+        """Slot ids a graph must :meth:`reset` after running ``count`` padding rows (warm-up, capture)."""
+
     # ----------------------------------------------------------------- decode
     @torch.no_grad()
     def decode_streaming_batch(
@@ -179,20 +279,23 @@ class DecoderStatePool(ABC):
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validated streaming step.
+        """Validated streaming step of ``T`` frames.
 
         Args:
             codes: ``(n_vq, B, T)`` integer codes in ``[0, codebook_size)``, on the pool's device.
-            lengths: ``(B,)`` integer frames of real audio per row (``0..T``).
+            lengths: ``(B,)`` integer valid frames per row, ``0..T``: frames at or beyond a
+                row's length are padding (they change no state); 0 decodes nothing.
             state_slot_ids: ``(B,)`` int64 slot of each row.
-            valid_rows: ``(B,)`` bool; False marks padding rows.
+            valid_rows: ``(B,)`` bool; False marks padding rows (their length is ignored).
         Returns:
             ``audio`` ``(B, channels, T * samples_per_frame)`` float32 (zeros for invalid
-            rows) and ``audio_lengths`` ``(B,)`` int64 samples per channel.
+            rows and padding frames) and ``audio_lengths`` ``(B,)`` int64 valid samples per
+            channel (``lengths * samples_per_frame``, 0 for invalid rows).
         Raises:
-            ValueError: wrong shape, dtype or device; code out of range; slot id out of
-                range; duplicate slot ids among valid rows; legacy padding rows not on
-                distinct scratch slots. Nothing is modified when it raises.
+            ValueError: wrong shape, dtype or device; code out of range; a valid row's length
+                outside ``0..T`` (naming the row, the length and ``T``); slot id out of range;
+                duplicate slot ids among valid rows; padding rows on slots the pool's padding
+                policy does not allow. Nothing is modified when it raises.
             RuntimeError: the pool is not initialised.
         """
         self._require_initialized()
@@ -208,11 +311,19 @@ class DecoderStatePool(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tensor-only step (the compile and CUDA-graph boundary): no validation, no host syncs."""
         slots = self._route(state_slot_ids, valid_rows)
-        with torch.no_grad(), _autocast(self.device):
-            audio = run_decoder(self.decoder, codes, self._plan(slots, valid_rows, codes.shape[-1]))
-        audio = torch.where(valid_rows.view(-1, 1, 1), audio, torch.zeros((), dtype=audio.dtype, device=audio.device))
-        audio_lengths = torch.where(valid_rows, lengths * self.config.samples_per_frame, 0)
+        lengths = torch.where(valid_rows, lengths, 0)
+        plan = self.step_plan(slots, lengths, codes.shape[-1])
+        with torch.no_grad(), _autocast(self.decoder):
+            audio = run_decoder(self.decoder, codes, plan)
+        audio_lengths = lengths * self.config.samples_per_frame
+        sample = torch.arange(audio.shape[-1], device=audio.device)
+        audio = torch.where(sample < audio_lengths.view(-1, 1, 1), audio, torch.zeros((), dtype=audio.dtype))
         return audio, audio_lengths
+
+    @abstractmethod
+    def step_plan(self, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+        """The :class:`~.attention.StepPlan` of one step: ``slots`` ``(B,)`` routed slot ids,
+        ``lengths`` ``(B,)`` int64 valid frames (0 for invalid rows), ``num_frames`` = ``T``."""
 
     # ----------------------------------------------------------------- inspection
     def slot_state(self, slot: int) -> dict[str, object]:
@@ -224,9 +335,9 @@ class DecoderStatePool(ABC):
             "layer_offsets": self._layer_offsets(slot),
         }
 
-    def padding_slot_ids(self, count: int) -> torch.Tensor:
-        """Slot ids for ``count`` graph padding rows (legacy: distinct scratch slots; V2: the null slot)."""
-        raise NotImplementedError
+    @abstractmethod
+    def offset_tensors(self) -> list[torch.Tensor]:
+        """The persistent offset tensors (for byte accounting and address checks)."""
 
     # ----------------------------------------------------------------- helpers
     def _require_initialized(self) -> None:
@@ -267,11 +378,10 @@ class DecoderStatePool(ABC):
         ):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the pool is on {self.device}")
-        lens = lengths.tolist()
-        for b, n in enumerate(lens):
-            if not 0 <= n <= T:
-                raise ValueError(f"lengths[{b}] = {n} is outside 0..{T} (T = frames in this step)")
         ids, valid = slot_ids.tolist(), valid_rows.tolist()
+        for b, n in enumerate(lengths.tolist()):
+            if valid[b] and not 0 <= n <= T:
+                raise ValueError(f"lengths[{b}] = {n} is outside 0..{T} (T = frames in this step)")
         live = [i for i, v in zip(ids, valid) if v]
         for i in live:
             if not 0 <= i < self.state_capacity:
@@ -281,20 +391,22 @@ class DecoderStatePool(ABC):
             raise ValueError(f"duplicate slot ids among valid rows: {dupes}")
         self._validate_padding([i for i, v in zip(ids, valid) if not v])
 
+    @staticmethod
+    def _check_count(count) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"padding row count must be an integer >= 0, got {count!r}")
+
     def _validate_padding(self, padding_ids: list[int]) -> None:  # noqa: B027 - optional hook
-        """Check the slot ids of invalid rows; the V2 pool accepts any (they read the null slot)."""
+        """Check the slot ids of invalid rows; the compact pool accepts any (they read the null slot)."""
 
     @abstractmethod
-    def _slots_for(self, state_capacity: int, scratch_capacity: int) -> int: ...
+    def _scratch_capacity(self, requested: int) -> int: ...
 
     @abstractmethod
     def _allocate_offsets(self) -> None: ...
 
     @abstractmethod
     def _drop_offsets(self) -> None: ...
-
-    @abstractmethod
-    def _offset_tensors(self) -> list[torch.Tensor]: ...
 
     @abstractmethod
     def _reset_offsets(self, ids: torch.Tensor) -> None: ...
@@ -306,9 +418,6 @@ class DecoderStatePool(ABC):
     def _route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
-    def _plan(self, slots: torch.Tensor, valid_rows: torch.Tensor, frames: int): ...
-
-    @abstractmethod
     def _layer_offsets(self, slot: int) -> torch.Tensor: ...
 
 
@@ -316,42 +425,64 @@ class DecoderStatePool(ABC):
 
 
 class LegacyDecoderStatePool(DecoderStatePool):
-    """vLLM-Omni 0.30.0's pool: scratch slots for padding rows, per-layer offsets, whole-ring write-back."""
+    """vLLM-Omni 0.30.0's pool: scratch slots for padding rows, per-layer offsets, whole-ring write-back.
+
+    Offsets: ``offset_table`` ``(R, S)`` int64 in upstream's row layout (docs/memory.md).
+    """
 
     kind = "legacy"
 
-    def _slots_for(self, state_capacity: int, scratch_capacity: int) -> int:
-        self.scratch_capacity = scratch_capacity
-        return state_capacity + scratch_capacity
-
-    def _allocate_offsets(self) -> None:
-        # Row layout as upstream: v2 lists, per group, (attention offset, ring end
-        # offset) for each layer and then the group's own offsets; v1 one row per layer.
-        self._layer_rows: list[tuple[int, int]] = []
-        self._group_rows: list[int] = []
+    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None, ring_semantics: str | None = None):
+        super().__init__(decoder, dtype, ring_semantics)
+        self.offset_table: torch.Tensor | None = None
+        # Row layout as upstream: v2 lists, per group, (attention offset, ring end offset)
+        # for each layer and then the group's own offset; v1 one row per layer.
+        self.layer_rows: list[tuple[int, int]] = []
+        self.group_rows: dict[int, int] = {}  # a group's last layer -> the group's own row
         row = 0
-        for spec in self.config.groups:
+        for g, spec in enumerate(self.config.groups):
             for _ in range(spec.num_layers):
                 if self.config.version == "v2":
-                    self._layer_rows.append((row, row + 1))
+                    self.layer_rows.append((row, row + 1))
                     row += 2
                 else:
-                    self._layer_rows.append((row, row))
+                    self.layer_rows.append((row, row))
                     row += 1
             if self.config.version == "v2":
-                self._group_rows.append(row)
+                self.group_rows[self.config.group_first_layers[g] + spec.num_layers - 1] = row
                 row += 1
-        assert row == _legacy_bank_rows(self.config)
-        self.bank = torch.zeros(row, self.num_slots, dtype=torch.long, device=self.device)
+        assert row == _legacy_table_rows(self.config)
+
+    def _scratch_capacity(self, requested: int) -> int:
+        return requested
+
+    def scratch_slots_for(self, padding_rows: int) -> int:
+        # Padding rows write their whole ring back: each needs a scratch slot of its own.
+        self._check_count(padding_rows)
+        return padding_rows
+
+    def padding_slot_ids(self, count: int) -> torch.Tensor:
+        self._require_initialized()
+        self._check_count(count)
+        if count > self.scratch_capacity:
+            raise ValueError(f"{count} padding rows need {count} scratch slots; this pool has {self.scratch_capacity}")
+        return torch.arange(self.state_capacity, self.state_capacity + count, device=self.device)
+
+    def slots_dirtied_by_padding(self, count: int) -> list[int]:
+        return self.padding_slot_ids(count).tolist()
+
+    def _allocate_offsets(self) -> None:
+        rows = _legacy_table_rows(self.config)
+        self.offset_table = torch.zeros(rows, self.num_slots, dtype=torch.long, device=self.device)
 
     def _drop_offsets(self) -> None:
-        self.bank = None
+        self.offset_table = None
 
-    def _offset_tensors(self) -> list[torch.Tensor]:
-        return [self.bank] if getattr(self, "bank", None) is not None else []
+    def offset_tensors(self) -> list[torch.Tensor]:
+        return [] if self.offset_table is None else [self.offset_table]
 
     def _reset_offsets(self, ids: torch.Tensor) -> None:
-        self.bank.index_fill_(1, ids, 0)  # every offset of these slots in one kernel
+        self.offset_table.index_fill_(1, ids, 0)  # every offset of these slots in one kernel
 
     def _resettable_limit(self) -> int:
         return self.num_slots
@@ -368,83 +499,41 @@ class LegacyDecoderStatePool(DecoderStatePool):
         if dupes:
             raise ValueError(f"duplicate scratch slot ids among padding rows: {dupes}")
 
-    def padding_slot_ids(self, count: int) -> torch.Tensor:
-        self._require_initialized()
-        _check_count(count)
-        if count > self.scratch_capacity:
-            raise ValueError(f"{count} padding rows need {count} scratch slots; this pool has {self.scratch_capacity}")
-        return torch.arange(self.state_capacity, self.state_capacity + count, device=self.device)
-
     def _route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
         return slot_ids
 
-    def _plan(self, slots, valid_rows, frames):
-        return _LegacyPlan(self, slots, valid_rows)
-
-    def _bank_rows(self, layer: int) -> tuple[int, int]:
-        """Bank rows of a layer: (attention offset, ring end offset); one shared row for v1."""
-        return self._layer_rows[layer]
+    def step_plan(self, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+        attention = LegacyRingAttention(
+            self.rings, self.offset_table, self.layer_rows, self.group_rows, self.ring_semantics, slots
+        )
+        return StepPlan(group_steps(self.config, num_frames, lengths), attention)
 
     def _layer_offsets(self, slot: int) -> torch.Tensor:
-        return torch.stack([self.bank[self._bank_rows(i)[0], slot] for i in range(self.config.num_layers)]).cpu()
+        return self.offset_table[[attn for attn, _ in self.layer_rows], slot].cpu()
 
 
-class _LegacyPlan:
-    """One legacy step: every layer gathers its offsets and builds its own metadata."""
-
-    def __init__(self, pool: LegacyDecoderStatePool, slots: torch.Tensor, valid: torch.Tensor):
-        self.pool, self.slots, self.valid = pool, slots, valid
-
-    def group(self, g: int, n_tokens: int):
-        pool, cfg = self.pool, self.pool.config
-        spec = cfg.groups[g]
-        first = cfg.group_first_layers[g]
-
-        def attend(i, q, k, v):
-            li = first + i
-            attn_row, ring_row = pool._bank_rows(li)
-            offsets = pool.bank[attn_row].index_select(0, self.slots)
-            meta = step_metadata.build_ring_metadata(
-                offsets, self.valid, n_tokens, spec.context, spec.context, cfg.version, spec.head_dim, spec.max_period
-            )
-            ring = pool.rings[li]
-            rows = ring.index_select(1, self.slots)
-            out = ring_attend(cfg.version, rows, meta, q, k, v)
-            ring.index_copy_(1, self.slots, rows)
-            pool.bank[attn_row].index_copy_(0, self.slots, meta.next_offsets)
-            if ring_row != attn_row:
-                pool.bank[ring_row].index_copy_(0, self.slots, meta.next_offsets)
-            if i == spec.num_layers - 1 and cfg.version == "v2":
-                group_row = pool._group_rows[g]
-                group_offsets = pool.bank[group_row].index_select(0, self.slots)
-                advanced = torch.where(self.valid, group_offsets + n_tokens, group_offsets)
-                pool.bank[group_row].index_copy_(0, self.slots, advanced)
-            return out
-
-        return attend
-
-    def finish(self) -> None:
-        pass
+# =============================================================================== compact
 
 
-# =============================================================================== V2
-
-
-class V2DecoderStatePool(DecoderStatePool):
+class CompactDecoderStatePool(DecoderStatePool):
     """One slot per live stream plus a read-only null slot; shared group metadata; masked commits.
 
-    Offsets: ``frames`` ``(S,)`` int64, code frames decoded per slot since reset. The
-    token offset of group ``g`` is ``frames * tokens_per_frame[g]``.
+    Offsets: ``frames_decoded`` ``(S,)`` int64, code frames decoded per slot since reset;
+    the token offset of group ``g`` is ``frames_decoded * tokens_per_frame[g]``.
+
+    Raises:
+        ValueError: a v1 codec (whose per-layer offsets the legacy pool keeps).
     """
 
-    kind = "v2"
+    kind = "compact"
 
-    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None):
+    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None, ring_semantics: str | None = None):
         if decoder.config.version != "v2":
             raise ValueError(
-                f"the V2 pool serves v2 codecs; this codec is {decoder.config.version} and keeps the legacy pool"
+                f"the compact pool serves v2 codecs; this codec is {decoder.config.version} and keeps the legacy pool"
             )
-        super().__init__(decoder, dtype)
+        super().__init__(decoder, dtype, ring_semantics)
+        self.frames_decoded: torch.Tensor | None = None
 
     @property
     def null_slot(self) -> int:
@@ -452,88 +541,70 @@ class V2DecoderStatePool(DecoderStatePool):
         self._require_initialized()
         return self.state_capacity
 
-    def _slots_for(self, state_capacity: int, scratch_capacity: int) -> int:
-        # Whatever scratch the caller asks for, all padding rows share the one null slot.
-        self.scratch_capacity = 1
-        return state_capacity + 1
+    def _scratch_capacity(self, requested: int) -> int:
+        return 1  # the null slot, whatever the caller asks for
+
+    def scratch_slots_for(self, padding_rows: int) -> int:
+        self._check_count(padding_rows)
+        return 0  # every padding row reads the null slot, which always exists
+
+    def padding_slot_ids(self, count: int) -> torch.Tensor:
+        self._check_count(count)
+        return torch.full((count,), self.null_slot, dtype=torch.long, device=self.device)
+
+    def slots_dirtied_by_padding(self, count: int) -> list[int]:
+        self._check_count(count)
+        return []  # padding rows write nothing
 
     def _allocate_offsets(self) -> None:
-        self.frames = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+        self.frames_decoded = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
 
     def _drop_offsets(self) -> None:
-        self.frames = None
+        self.frames_decoded = None
 
-    def _offset_tensors(self) -> list[torch.Tensor]:
-        return [self.frames] if getattr(self, "frames", None) is not None else []
+    def offset_tensors(self) -> list[torch.Tensor]:
+        return [] if self.frames_decoded is None else [self.frames_decoded]
 
     def _reset_offsets(self, ids: torch.Tensor) -> None:
-        self.frames.index_fill_(0, ids, 0)
+        self.frames_decoded.index_fill_(0, ids, 0)
 
     def _resettable_limit(self) -> int:
         return self.state_capacity  # the null slot is never written, not even by reset
-
-    def padding_slot_ids(self, count: int) -> torch.Tensor:
-        _check_count(count)
-        return torch.full((count,), self.null_slot, dtype=torch.long, device=self.device)
 
     def _route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
         # Invalid rows read the null slot whatever id they carry (even out of range).
         return torch.where(valid_rows, slot_ids, self.state_capacity)
 
-    def _plan(self, slots, valid_rows, frames):
-        return _V2Plan(self, slots, valid_rows, frames)
+    def step_plan(self, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+        start = self.frames_decoded.index_select(0, slots)
+        groups = group_steps(self.config, num_frames, lengths, self.ring_semantics, start)
+        attention = CompactRingAttention(self.rings, self.ring_semantics, slots)
+        # Rows that decoded nothing keep their counter and never write (the null slot included).
+        finish = functools.partial(commit_offsets, start + lengths, self.frames_decoded, slots, lengths > 0)
+        return StepPlan(groups, attention, finish)
 
     def _layer_offsets(self, slot: int) -> torch.Tensor:
-        f = self.frames[slot].cpu()
-        return torch.stack([f * self.config.groups[g].tokens_per_frame for g in self._layer_group])
-
-
-class _V2Plan:
-    """One V2 step: metadata once per group, masked touched-cell commits, one offset commit."""
-
-    def __init__(self, pool: V2DecoderStatePool, slots: torch.Tensor, valid: torch.Tensor, frames: int):
-        self.pool, self.slots, self.valid, self.frames = pool, slots, valid, frames
-        self.start_frames = pool.frames.index_select(0, slots)
-
-    def group(self, g: int, n_tokens: int):
-        pool, cfg = self.pool, self.pool.config
-        spec = cfg.groups[g]
-        first = cfg.group_first_layers[g]
-        meta = step_metadata.build_ring_metadata(
-            self.start_frames * spec.tokens_per_frame,
-            self.valid,
-            n_tokens,
-            spec.context,
-            spec.context,
-            cfg.version,
-            spec.head_dim,
-            spec.max_period,
+        frames = self.frames_decoded[slot].cpu()
+        return torch.tensor(
+            [int(frames) * spec.tokens_per_frame for spec in self.config.groups for _ in range(spec.num_layers)],
+            dtype=torch.long,
         )
-
-        def attend(i, q, k, v):
-            ring = pool.rings[first + i]
-            rows = ring.index_select(1, self.slots)
-            out = ring_attend(cfg.version, rows, meta, q, k, v)
-            commit_cache(rows, ring, self.slots, self.valid, meta.offsets, n_tokens)
-            return out
-
-        return attend
-
-    def finish(self) -> None:
-        commit_offsets(self.start_frames + self.frames, self.pool.frames, self.slots, self.valid)
 
 
 def make_state_pool(
-    decoder: CodecDecoder, kind: str | None = None, dtype: torch.dtype | None = None
+    decoder: CodecDecoder,
+    kind: str | None = None,
+    dtype: torch.dtype | None = None,
+    ring_semantics: str | None = None,
 ) -> DecoderStatePool:
-    """The pool for ``decoder``: ``"v2"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says otherwise.
+    """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says otherwise.
 
     Raises:
-        ValueError: unknown ``kind``, or ``"v2"`` for a v1 codec.
+        ValueError: unknown ``kind`` or ``ring_semantics``, or ``"compact"`` for a v1 codec.
     """
-    kind = kind or ("v2" if decoder.config.version == "v2" else "legacy")
-    if kind == "v2":
-        return V2DecoderStatePool(decoder, dtype)
+    kind = kind or ("compact" if decoder.config.version == "v2" else "legacy")
+    if kind == "compact":
+        return CompactDecoderStatePool(decoder, dtype, ring_semantics)
     if kind == "legacy":
-        return LegacyDecoderStatePool(decoder, dtype)
-    raise ValueError(f"unknown state pool kind {kind!r}; expected 'v2' or 'legacy'")
+        return LegacyDecoderStatePool(decoder, dtype, ring_semantics)
+    raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")

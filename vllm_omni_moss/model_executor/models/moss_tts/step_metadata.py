@@ -3,20 +3,26 @@
 
 A ring of capacity ``C`` holds the last ``C`` tokens of one stream in one layer:
 absolute token position ``p`` lives at ring index ``p mod C``. Offsets count the
-tokens a stream has written since its last reset (never reduced mod ``C``).
+tokens a stream has written since its last reset (never reduced mod ``C``). The
+facts behind both ring semantics are in ``docs/ring_semantics.md``.
 
-Two ring semantics exist (codec-facts §B.5 and §B.10):
+Two ring semantics exist, chosen once per pool (:data:`RING_SEMANTICS`):
 
-* ``v2`` (vLLM-Omni 0.30.0 v2 codec): scatter the whole chunk into the ring first,
-  then attend over the ``C`` ring cells in physical order. When ``T >= C`` several
-  tokens share a destination; whichever the scatter keeps is what everyone reads.
-* ``v1``: attend over ``[pre-write ring || chunk]`` (``C + T`` keys), then write the
-  last ``min(T, C)`` tokens.
+* ``"upstream"`` (vLLM-Omni 0.30.0's v2 codec, ``audio_tokenizer_v2.py``): write the
+  chunk into the ring first, then attend over the ``C`` ring cells. When a row writes
+  more than ``C`` tokens several share a cell; the later position owns it.
+* ``"exact"`` (the v1 codec, ``audio_tokenizer.py``): attend over
+  ``[pre-write ring || chunk]`` (``C + T`` keys), then write the chunk.
+
+Per-frame validity: row ``b`` writes only its first ``num_written[b]`` tokens (its
+real frames). Tokens at or beyond that count are padding: they write no ring cell,
+advance no offset and are visible to no query. Rows with ``num_written == 0``
+(graph padding rows, empty rows) change nothing.
 
 Within a resolution group every layer has the same offsets, so the same metadata
 serves all its layers. The legacy pool rebuilds it per layer (as upstream does);
-the V2 pool builds it once per group per step. Both call :func:`build_ring_metadata`
-so the values are identical bit for bit.
+the compact pool builds it once per group per step. Both call
+:func:`build_ring_metadata`, so the values are identical bit for bit.
 """
 
 from __future__ import annotations
@@ -26,38 +32,55 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RingMetadata", "build_ring_metadata", "rope_tables"]
+from .config import GroupSpec
+
+__all__ = ["RING_SEMANTICS", "RingMetadata", "build_ring_metadata", "default_ring_semantics", "rope_tables"]
+
+#: Ring semantics a pool can be built with (see the module docstring).
+RING_SEMANTICS = ("upstream", "exact")
 
 
-@dataclass
+def default_ring_semantics(codec_version: str) -> str:
+    """The ring semantics upstream uses for a codec version: ``"upstream"`` for v2, ``"exact"`` for v1.
+
+    Raises:
+        ValueError: an unknown codec version.
+    """
+    semantics = {"v2": "upstream", "v1": "exact"}.get(codec_version)
+    if semantics is None:
+        raise ValueError(f"unknown codec version {codec_version!r}; expected 'v1' or 'v2'")
+    return semantics
+
+
+@dataclass(frozen=True)
 class RingMetadata:
-    """Everything a layer needs for one streaming step of a group.
+    """What the attention layers of one group read in one streaming step.
 
     Attributes:
-        offsets: ``(B,)`` int64, pre-step token offsets (RoPE start, query positions).
-        next_offsets: ``(B,)`` int64, ``offsets + T`` for valid rows, ``offsets`` otherwise.
-        valid_lengths: ``(B,)`` int32, ``T`` for valid rows, 0 otherwise.
-        scatter_index: ``(B, W)`` int64 ring indices receiving the chunk's last ``W``
-            tokens (``W = T`` for v2, ``min(T, C)`` for v1).
-        positions: ``(B, K)`` int64 absolute position of each key, -1 when the cell
-            holds nothing attendable; ``K = C`` (v2) or ``C + T`` (v1).
+        offsets: ``(B,)`` int64 pre-step token offsets (RoPE start, query positions).
+        num_written: ``(B,)`` int64 valid tokens each row writes (0 for padding rows).
+        next_offsets: ``(B,)`` int64 ``offsets + num_written``.
+        token_cell: ``(B, T)`` int64 ring cell of chunk token ``t``: ``(offset + t) mod C``.
+        token_source: ``(B, T)`` int64 the chunk token whose K/V that cell holds after the
+            step: the latest valid token mapping to it (any value where ``token_keeps`` is True).
+        token_keeps: ``(B, T)`` bool, True where no valid token of this step lands in the
+            token's cell, which then keeps its old value. Every token of one cell thus
+            writes the same value, so the write is deterministic whatever the order.
         mask: ``(B, 1, T, K)`` bool, True where query ``t`` may attend key ``k``:
-            ``0 <= q - p_k < context`` and ``p_k >= 0``.
-        cos / sin: ``(B, 1, T, Dh/2)`` float32 RoPE tables for the queries/keys.
-        num_tokens: ``T``, tokens of this group in the step.
-        capacity: ring capacity ``C``.
+            ``0 <= q - p_k < context`` and key ``k`` holds a valid token; ``K = C``
+            (``upstream``) or ``C + T`` (``exact``).
+        cos / sin: ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions.
     """
 
     offsets: torch.Tensor
+    num_written: torch.Tensor
     next_offsets: torch.Tensor
-    valid_lengths: torch.Tensor
-    scatter_index: torch.Tensor
-    positions: torch.Tensor
+    token_cell: torch.Tensor
+    token_source: torch.Tensor
+    token_keeps: torch.Tensor
     mask: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    num_tokens: int
-    capacity: int
 
 
 def rope_tables(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_period: float):
@@ -67,9 +90,10 @@ def rope_tables(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_perio
         offsets: ``(B,)`` int64 start positions.
         num_tokens: ``T``.
         head_dim: ``Dh`` (even).
+        max_period: RoPE base (``max_period`` of the checkpoint's transformer config).
     Returns:
-        ``(cos, sin)``, each ``(B, 1, T, Dh/2)`` float32. Frequencies
-        ``exp(-ln(max_period) * 2i / Dh)`` as in the MOSS codec (codec-facts §A.6).
+        ``(cos, sin)``, each ``(B, 1, T, Dh/2)`` float32, with frequencies
+        ``exp(-ln(max_period) * 2i / Dh)`` (docs/codec_architecture.md).
     """
     device = offsets.device
     ds = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
@@ -79,66 +103,63 @@ def rope_tables(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_perio
     return torch.cos(angles), torch.sin(angles)
 
 
+def _latest_position(last: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``(B, C)``: the latest position ``<= last[b]`` stored at each ring index (negative if none)."""
+    ring = torch.arange(capacity, device=last.device, dtype=torch.long)
+    return last - torch.remainder(last - ring, capacity)
+
+
 def build_ring_metadata(
+    spec: GroupSpec,
+    semantics: str,
     offsets: torch.Tensor,
-    valid_rows: torch.Tensor,
+    num_written: torch.Tensor,
     num_tokens: int,
-    capacity: int,
-    context: int,
-    version: str,
-    head_dim: int,
-    max_period: float,
 ) -> RingMetadata:
     """Build the step metadata of one group (or one layer, for the legacy pool).
 
     Args:
+        spec: the resolution group (``context`` = ring capacity ``C`` = attention window,
+            ``head_dim``, ``max_period``).
+        semantics: ``"upstream"`` or ``"exact"`` (module docstring).
         offsets: ``(B,)`` int64 pre-step token offsets of the execution rows.
-        valid_rows: ``(B,)`` bool; invalid rows never advance.
-        num_tokens: ``T`` tokens in this step (frames x tokens per frame).
-        capacity: ring capacity ``C`` in tokens.
-        context: attention window in tokens.
-        version: ``"v1"`` or ``"v2"`` ring semantics (module docstring).
-        head_dim, max_period: for the RoPE tables.
+        num_written: ``(B,)`` int64 valid tokens per row, each in ``[0, num_tokens]``.
+        num_tokens: ``T`` tokens per row in this step (frames x tokens per frame).
+    Raises:
+        ValueError: unknown ``semantics``.
 
     Pure tensor code with no data-dependent Python branching (compile/graph safe).
     """
+    if semantics not in RING_SEMANTICS:
+        raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
     device = offsets.device
-    T, C = num_tokens, capacity
-    t = torch.arange(T, device=device, dtype=torch.long)
-    ring = torch.arange(C, device=device, dtype=torch.long)
-    next_offsets = torch.where(valid_rows, offsets + T, offsets)
-    valid_lengths = torch.where(valid_rows, T, 0).to(torch.int32)
-    query = offsets.view(-1, 1) + t  # (B, T)
-    if version == "v2":
-        scatter_index = query % C
-        last = offsets.view(-1, 1) + (T - 1)
-        delta = ring - last % C
-        positions = torch.where(delta <= 0, last + delta, last + delta - C)
-        # Cells at or beyond the post-step end were never written since reset.
-        positions = torch.where(ring >= next_offsets.view(-1, 1), -1, positions)
-    elif version == "v1":
-        kept = min(T, C)
-        scatter_index = (offsets.view(-1, 1) + (T - kept) + torch.arange(kept, device=device)) % C
-        last = offsets.view(-1, 1) - 1
-        delta = ring - last % C
-        cached = torch.where(delta <= 0, last + delta, last + delta - C)
-        cached = torch.where((ring < offsets.view(-1, 1)) & valid_rows.view(-1, 1), cached, -1)
-        current = torch.where(valid_rows.view(-1, 1), query, -1)
-        positions = torch.cat((cached, current), dim=1)
+    T, C = num_tokens, spec.context
+    start = offsets.view(-1, 1)
+    next_offsets = offsets + num_written
+    # The later position owns a cell: each cell takes the latest valid token mapping to it.
+    written_position = _latest_position(next_offsets.view(-1, 1) - 1, C)  # (B, C)
+    query = start + torch.arange(T, device=device, dtype=torch.long)  # (B, T)
+    token_cell = torch.remainder(query, C)
+    owner = written_position.gather(1, token_cell)  # (B, T) latest valid position in the token's cell
+    token_keeps = owner < start
+    token_source = torch.where(token_keeps, 0, owner - start)
+    if semantics == "upstream":
+        positions = written_position  # keys are the post-write ring; negative = never written
     else:
-        raise ValueError(f"unknown ring version {version!r}; expected 'v1' or 'v2'")
+        cached = _latest_position(start - 1, C)
+        current = torch.where(query < next_offsets.view(-1, 1), query, -1)
+        positions = torch.cat((cached, current), dim=1)
     rel = query.unsqueeze(-1) - positions.unsqueeze(1)  # (B, T, K)
-    mask = (positions.unsqueeze(1) >= 0) & (rel >= 0) & (rel < context)
-    cos, sin = rope_tables(offsets, T, head_dim, max_period)
+    mask = (positions.unsqueeze(1) >= 0) & (rel >= 0) & (rel < spec.context)
+    cos, sin = rope_tables(offsets, T, spec.head_dim, spec.max_period)
     return RingMetadata(
         offsets=offsets,
+        num_written=num_written,
         next_offsets=next_offsets,
-        valid_lengths=valid_lengths,
-        scatter_index=scatter_index,
-        positions=positions,
+        token_cell=token_cell,
+        token_source=token_source,
+        token_keeps=token_keeps,
         mask=mask.unsqueeze(1),
         cos=cos,
         sin=sin,
-        num_tokens=T,
-        capacity=C,
     )

@@ -3,9 +3,9 @@
 
 Two operations commit one decoder step into the persistent state pool:
 
-* ``commit_cache`` copies, for valid rows only, the ring positions this chunk touched from the gathered
-  rows ``(2, B, H, C, Dh)`` back into the pool ``(2, S, H, C, Dh)``.
-* ``commit_offsets`` stores the advanced token offsets of valid rows into an offset bank ``(S,)``.
+* ``commit_cache`` copies, per row, the ring cells that row's valid tokens wrote from the step's rings
+  ``(2, B, H, C, Dh)`` back into the pool ``(2, S, H, C, Dh)``; rows that wrote no token copy nothing.
+* ``commit_offsets`` stores the advanced offsets of valid rows into a per-slot table ``(S,)``.
 
 Both exist because the pool has one shared null slot: every padding row points at it, so a dense
 ``index_copy_`` would be a duplicate-destination write and would also mutate the null slot, which must
@@ -97,11 +97,11 @@ def _check_tensor(op: str, name: str, value, label: str, expected_shape, expecte
         raise ValueError(f"{op}: `{name}` must be on device {device}, got {value.device}")
 
 
-def _check_num_tokens(op: str, num_tokens) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)):
-        raise TypeError(f"{op}: `num_tokens` must be an int, got {type(num_tokens).__name__}")
-    if num_tokens < 0:
-        raise ValueError(f"{op}: `num_tokens` must be >= 0, got {num_tokens}")
+def _check_max_written(op: str, max_written) -> None:
+    if isinstance(max_written, bool) or not isinstance(max_written, (int, torch.SymInt)):
+        raise TypeError(f"{op}: `max_written` must be an int, got {type(max_written).__name__}")
+    if max_written < 0:
+        raise ValueError(f"{op}: `max_written` must be >= 0, got {max_written}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,9 +115,8 @@ if HAS_TRITON:
         rows_ptr,
         cache_ptr,
         slot_ids_ptr,
-        valid_rows_ptr,
+        num_written_ptr,
         offsets_ptr,
-        num_touched,  # min(T, C): every ring index is touched at most once per step.
         capacity,  # C
         head_dim,  # Dh
         rows_stride_p,
@@ -131,7 +130,7 @@ if HAS_TRITON:
         cache_stride_c,
         cache_stride_d,
         slot_ids_stride,
-        valid_rows_stride,
+        num_written_stride,
         offsets_stride,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -142,10 +141,10 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         tile = tl.program_id(2)
-        valid = tl.load(valid_rows_ptr + row * valid_rows_stride)
-        # Invalid rows write nothing, not even to their (typically null) slot; slot_ids of invalid rows
-        # may be anything, so they are not even read.
-        if valid:
+        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int64)
+        # Rows that wrote no token (padding rows, empty rows) write nothing, not even to their
+        # (typically null) slot; their slot ids may be anything, so they are not even read.
+        if written > 0:
             slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
             offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
             # Integer % truncates toward zero in Triton (and in its interpreter); fold into [0, C).
@@ -153,10 +152,11 @@ if HAS_TRITON:
             start = tl.where(start < 0, start + capacity, start)
             t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
             d = tl.arange(0, BLOCK_D)
-            # Token t of the chunk lands at ring index (offset + t) mod C. For t < min(T, C) these indices
-            # are distinct and are exactly the set {r : (r - offset) mod C < T}, so enumerating them
-            # writes every touched index once and nothing else. For T >= C that is the whole ring,
-            # holding whatever the (possibly duplicate-destination) reference scatter left.
+            # Valid token t of the chunk lands at ring index (offset + t) mod C. For t < min(n, C) (n the
+            # row's written tokens) these indices are distinct and are exactly the set
+            # {r : (r - offset) mod C < n}, so enumerating them writes every touched cell once and
+            # nothing else. For n >= C that is the whole ring, holding the latest token of each cell.
+            num_touched = tl.minimum(written, capacity)
             ring = start + t
             ring = tl.where(ring >= capacity, ring - capacity, ring)
             mask = (t < num_touched)[:, None] & (d < head_dim)[None, :]
@@ -184,19 +184,19 @@ def _launch_commit_cache_triton(
     rows: torch.Tensor,
     cache: torch.Tensor,
     slot_ids: torch.Tensor,
-    valid_rows: torch.Tensor,
     offsets: torch.Tensor,
-    num_tokens: int,
+    num_written: torch.Tensor,
+    max_written: int,
 ) -> None:
     """Launch the commit_cache Triton kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
     Arguments as in :func:`commit_cache`; not validated here. Uses the tensors' strides, so views work.
-    Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``. Raises RuntimeError when Triton is not installed.
+    Grid ``(B, H, ceil(min(max_written, C) / BLOCK_T))``. Raises RuntimeError when Triton is not installed.
     """
     if not HAS_TRITON:
         raise RuntimeError("commit_cache: the Triton kernel needs the `triton` package")
     _, num_rows, num_heads, capacity, head_dim = rows.shape
-    num_touched = min(int(num_tokens), capacity)
+    num_touched = min(int(max_written), capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or num_touched == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
@@ -207,47 +207,47 @@ def _launch_commit_cache_triton(
             rows,
             cache,
             slot_ids,
-            valid_rows,
+            num_written,
             offsets,
-            num_touched,
             capacity,
             head_dim,
             *rows.stride(),
             *cache.stride(),
             slot_ids.stride(0),
-            valid_rows.stride(0),
+            num_written.stride(0),
             offsets.stride(0),
             BLOCK_T=block_t,
             BLOCK_D=block_d,
         )
 
 
-def touched_ring_mask(offsets: torch.Tensor, num_tokens: int, capacity: int) -> torch.Tensor:
-    """Ring indices a chunk of ``num_tokens`` tokens writes, per row.
+def touched_ring_mask(offsets: torch.Tensor, num_written: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Ring cells each row's valid tokens write.
 
-    offsets: ``(B,)`` int64 pre-step token offsets. Returns ``(B, C)`` bool, True at ring index r iff
-    ``(r - offsets[b]) mod C < num_tokens``; all True when ``num_tokens >= C``.
+    offsets: ``(B,)`` int64 pre-step token offsets; num_written: ``(B,)`` int64 valid tokens per row.
+    Returns ``(B, C)`` bool, True at ring index r iff ``(r - offsets[b]) mod C < num_written[b]``; all
+    True when ``num_written[b] >= C``, none when it is 0.
     """
     ring = torch.arange(capacity, device=offsets.device, dtype=offsets.dtype)
     distance = torch.remainder(ring[None, :] - offsets[:, None], capacity)  # in [0, C)
-    return distance < num_tokens
+    return distance < num_written[:, None]
 
 
 def commit_cache_reference(
     rows: torch.Tensor,
     cache: torch.Tensor,
     slot_ids: torch.Tensor,
-    valid_rows: torch.Tensor,
     offsets: torch.Tensor,
-    num_tokens: int,
+    num_written: torch.Tensor,
+    max_written: int,
 ) -> None:
     """PyTorch oracle for :func:`commit_cache`; same arguments and effect.
 
     Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
     """
-    touched = touched_ring_mask(offsets, num_tokens, rows.shape[3]) & valid_rows[:, None]  # (B, C)
+    touched = touched_ring_mask(offsets, num_written.clamp(max=max_written), rows.shape[3])  # (B, C)
     row_idx, ring_idx = touched.nonzero(as_tuple=True)  # (N,), (N,)
-    # Only valid rows' slot ids are looked up: invalid rows may carry out-of-range ids.
+    # Only writing rows' slot ids are looked up: padding rows may carry out-of-range ids.
     slot_idx = slot_ids[row_idx]
     # Advanced indices split by a slice move to the front: both sides are (N, 2, H, Dh).
     cache[:, slot_idx, :, ring_idx] = rows[:, row_idx, :, ring_idx]
@@ -258,18 +258,18 @@ def _commit_cache_op(
     rows: torch.Tensor,
     cache: torch.Tensor,
     slot_ids: torch.Tensor,
-    valid_rows: torch.Tensor,
     offsets: torch.Tensor,
-    num_tokens: int,
+    num_written: torch.Tensor,
+    max_written: int,
 ) -> None:
     if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
-        _launch_commit_cache_triton(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+        _launch_commit_cache_triton(rows, cache, slot_ids, offsets, num_written, max_written)
     else:
-        commit_cache_reference(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+        commit_cache_reference(rows, cache, slot_ids, offsets, num_written, max_written)
 
 
 @_commit_cache_op.register_fake
-def _commit_cache_fake(rows, cache, slot_ids, valid_rows, offsets, num_tokens) -> None:
+def _commit_cache_fake(rows, cache, slot_ids, offsets, num_written, max_written) -> None:
     return None
 
 
@@ -277,30 +277,31 @@ def commit_cache(
     rows: torch.Tensor,
     cache: torch.Tensor,
     slot_ids: torch.Tensor,
-    valid_rows: torch.Tensor,
     offsets: torch.Tensor,
-    num_tokens: int,
+    num_written: torch.Tensor,
+    max_written: int,
 ) -> None:
-    """Write the ring positions this chunk touched, for valid rows only, from ``rows`` into ``cache``.
+    """Write the ring cells each row's valid tokens wrote from ``rows`` into ``cache``.
 
     Args:
-        rows: ``(2, B, H, C, Dh)`` gathered rings after the step's reference scatter (plane 0 keys,
-            plane 1 values).
+        rows: ``(2, B, H, C, Dh)`` the step's rings after its write (plane 0 keys, plane 1 values).
         cache: ``(2, S, H, C, Dh)`` persistent pool, same dtype and device as ``rows``; mutated.
-        slot_ids: ``(B,)`` int64 pool slot of each row. Among valid rows they must be distinct and in
-            ``[0, S)``; invalid rows' ids are never read.
-        valid_rows: ``(B,)`` bool; rows that are False write nothing (the null slot stays untouched).
+        slot_ids: ``(B,)`` int64 pool slot of each row. Among rows that wrote tokens they must be
+            distinct and in ``[0, S)``; other rows' ids are never read.
         offsets: ``(B,)`` int64 pre-step token offsets (tokens written before this chunk, not mod C).
-        num_tokens: T, tokens in this chunk (>= 0).
+        num_written: ``(B,)`` int64 valid tokens each row wrote this step, in ``[0, max_written]``;
+            rows with 0 (padding rows) write nothing, so the null slot stays untouched.
+        max_written: the step's tokens per row ``T`` (an upper bound of ``num_written``, >= 0).
 
-    For a valid row b, ring index r is touched iff ``(r - offsets[b]) mod C < T`` (every r when
-    ``T >= C``); ``rows[p, b, h, r, :]`` is copied to ``cache[p, slot_ids[b], h, r, :]`` for both planes and
-    all heads. Values are committed verbatim, including whatever a duplicate-destination scatter left.
+    For a row b, ring index r is touched iff ``(r - offsets[b]) mod C < num_written[b]`` (every r when
+    ``num_written[b] >= C``); ``rows[p, b, h, r, :]`` is copied to ``cache[p, slot_ids[b], h, r, :]`` for
+    both planes and all heads.
 
     Raises:
-        TypeError: a tensor argument is not a tensor, or ``num_tokens`` is not an int.
+        TypeError: a tensor argument is not a tensor, or ``max_written`` is not an int.
         ValueError: a shape, dtype or device is inconsistent (message names the argument), or
-            ``num_tokens < 0``. Data (slot ranges, uniqueness) is not checked: that would need a sync.
+            ``max_written < 0``. Data (slot ranges, uniqueness, counts) is not checked: that would
+            need a sync.
         RuntimeError: CUDA tensors without Triton installed.
     """
     op = "commit_cache"
@@ -313,10 +314,10 @@ def commit_cache(
         raise ValueError(f"{op}: `rows` must be on the device of `cache` ({cache.device}), got {rows.device}")
     num_rows = rows.shape[1]
     _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, cache.device)
     _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_num_tokens(op, num_tokens)
-    torch.ops.vllm_omni_moss.commit_cache(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    _check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_max_written(op, max_written)
+    torch.ops.vllm_omni_moss.commit_cache(rows, cache, slot_ids, offsets, num_written, max_written)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,12 +329,12 @@ if HAS_TRITON:
     @triton.jit
     def _commit_offsets_kernel(
         values_ptr,
-        bank_ptr,
+        table_ptr,
         slot_ids_ptr,
         valid_rows_ptr,
         num_rows,
         values_stride,
-        bank_stride,
+        table_stride,
         slot_ids_stride,
         valid_rows_stride,
         BLOCK: tl.constexpr,
@@ -345,12 +346,12 @@ if HAS_TRITON:
         write = in_range & valid
         slot = tl.load(slot_ids_ptr + rows * slot_ids_stride, mask=write, other=0).to(tl.int64)
         value = tl.load(values_ptr + rows * values_stride, mask=write)
-        tl.store(bank_ptr + slot * bank_stride, value, mask=write)
+        tl.store(table_ptr + slot * table_stride, value, mask=write)
 
 
 def _launch_commit_offsets_triton(
     values: torch.Tensor,
-    bank: torch.Tensor,
+    table: torch.Tensor,
     slot_ids: torch.Tensor,
     valid_rows: torch.Tensor,
 ) -> None:
@@ -365,15 +366,15 @@ def _launch_commit_offsets_triton(
     if num_rows == 0:
         return
     grid = (triton.cdiv(num_rows, _COMMIT_OFFSETS_BLOCK),)
-    with _device_guard(bank):
+    with _device_guard(table):
         _commit_offsets_kernel[grid](
             values,
-            bank,
+            table,
             slot_ids,
             valid_rows,
             num_rows,
             values.stride(0),
-            bank.stride(0),
+            table.stride(0),
             slot_ids.stride(0),
             valid_rows.stride(0),
             BLOCK=_COMMIT_OFFSETS_BLOCK,
@@ -382,44 +383,44 @@ def _launch_commit_offsets_triton(
 
 def commit_offsets_reference(
     values: torch.Tensor,
-    bank: torch.Tensor,
+    table: torch.Tensor,
     slot_ids: torch.Tensor,
     valid_rows: torch.Tensor,
 ) -> None:
     """PyTorch oracle for :func:`commit_offsets`; same arguments and effect (host sync on CUDA)."""
     (row_idx,) = valid_rows.nonzero(as_tuple=True)
-    bank[slot_ids[row_idx]] = values[row_idx]
+    table[slot_ids[row_idx]] = values[row_idx]
 
 
-@torch.library.custom_op("vllm_omni_moss::commit_offsets", mutates_args=("bank",))
+@torch.library.custom_op("vllm_omni_moss::commit_offsets", mutates_args=("table",))
 def _commit_offsets_op(
     values: torch.Tensor,
-    bank: torch.Tensor,
+    table: torch.Tensor,
     slot_ids: torch.Tensor,
     valid_rows: torch.Tensor,
 ) -> None:
-    if bank.is_cuda or (bank.device.type == "cpu" and cpu_uses_triton_interpreter()):
-        _launch_commit_offsets_triton(values, bank, slot_ids, valid_rows)
+    if table.is_cuda or (table.device.type == "cpu" and cpu_uses_triton_interpreter()):
+        _launch_commit_offsets_triton(values, table, slot_ids, valid_rows)
     else:
-        commit_offsets_reference(values, bank, slot_ids, valid_rows)
+        commit_offsets_reference(values, table, slot_ids, valid_rows)
 
 
 @_commit_offsets_op.register_fake
-def _commit_offsets_fake(values, bank, slot_ids, valid_rows) -> None:
+def _commit_offsets_fake(values, table, slot_ids, valid_rows) -> None:
     return None
 
 
 def commit_offsets(
     values: torch.Tensor,
-    bank: torch.Tensor,
+    table: torch.Tensor,
     slot_ids: torch.Tensor,
     valid_rows: torch.Tensor,
 ) -> None:
-    """Store ``bank[slot_ids[b]] = values[b]`` for every valid row b.
+    """Store ``table[slot_ids[b]] = values[b]`` for every valid row b.
 
     Args:
         values: ``(B,)`` int64 new offsets (typically the step's ``next_offsets``).
-        bank: ``(S,)`` int64 per-slot offsets (e.g. one group's row of the offset table); mutated.
+        table: ``(S,)`` int64 per-slot offsets (e.g. one group's row of the offset table); mutated.
         slot_ids: ``(B,)`` int64; among valid rows distinct and in ``[0, S)``; invalid rows' ids are
             never read.
         valid_rows: ``(B,)`` bool; rows that are False write nothing.
@@ -430,12 +431,12 @@ def commit_offsets(
         RuntimeError: CUDA tensors without Triton installed.
     """
     op = "commit_offsets"
-    _check_tensor(op, "bank", bank, "(S,)", (None,), torch.int64, None)
-    _check_tensor(op, "values", values, "(B,)", (None,), torch.int64, bank.device)
+    _check_tensor(op, "table", table, "(S,)", (None,), torch.int64, None)
+    _check_tensor(op, "values", values, "(B,)", (None,), torch.int64, table.device)
     num_rows = values.shape[0]
-    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, bank.device)
-    _check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, bank.device)
-    torch.ops.vllm_omni_moss.commit_offsets(values, bank, slot_ids, valid_rows)
+    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, table.device)
+    _check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, table.device)
+    torch.ops.vllm_omni_moss.commit_offsets(values, table, slot_ids, valid_rows)
 
 
 __all__ = [

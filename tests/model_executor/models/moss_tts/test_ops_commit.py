@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tests for ``moss_tts.kernels``: masked ring commit and offset commit.
+"""Tests for ``moss_tts.ops.commit``: masked ring commit and offset commit.
 
 How the Triton kernels are tested on CPU: Triton decides at ``@triton.jit`` time (i.e. when ``kernels``
 is imported) whether a kernel is compiled or interpreted, from ``TRITON_INTERPRET``. Setting the variable
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni_moss.model_executor.models.moss_tts import kernels
+from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as kernels
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 INTERPRETED = kernels.cpu_uses_triton_interpreter()
@@ -95,6 +95,11 @@ def make_case(capacity, num_tokens, head_dim=16, num_heads=2, num_slots=7, seed=
     return pool, rows, slot_ids, valid_rows, offsets, null_slot
 
 
+def written(valid_rows, num_tokens):
+    """Tokens each row writes: ``num_tokens`` for valid rows, 0 for padding rows."""
+    return torch.where(valid_rows, num_tokens, 0)
+
+
 CAPACITIES = (5, 10)
 CHUNKS = (1, 3, 5, 7, 12)
 
@@ -113,9 +118,37 @@ def test_commit_cache_matches_independent_construction(capacity, num_tokens, imp
     expected = expected_pool(pool, rows, slot_ids, valid_rows, offsets, num_tokens)
     cache = pool.clone()
     commit = kernels.commit_cache_reference if impl == "reference" else kernels.commit_cache
-    commit(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    commit(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(cache, expected)
     assert not cache[:, null_slot].any(), "invalid rows wrote into the null slot"
+
+
+#: Tokens written per row of make_case's 6 rows in a 12-token step: a full row, a partial row, one
+#: token, and padding rows (0) - per-frame validity inside one step.
+MIXED_COUNTS = (12, 0, 4, 0, 1, 0)
+
+
+def expected_mixed(pool, rows, slot_ids, offsets, counts):
+    expected = pool.clone()
+    capacity = pool.shape[3]
+    for b, n in enumerate(counts):
+        for t in range(n):
+            r = (int(offsets[b]) + t) % capacity
+            expected[:, int(slot_ids[b]), :, r] = rows[:, b, :, r]
+    return expected
+
+
+@cpu
+@pytest.mark.parametrize("impl", ["reference", "public_op"])
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_commit_cache_writes_each_rows_own_count(capacity, impl):
+    pool, rows, slot_ids, _, offsets, null_slot = make_case(capacity, 12, seed=5)
+    counts = torch.tensor(MIXED_COUNTS)
+    cache = pool.clone()
+    commit = kernels.commit_cache_reference if impl == "reference" else kernels.commit_cache
+    commit(rows, cache, slot_ids, offsets, counts, 12)
+    assert torch.equal(cache, expected_mixed(pool, rows, slot_ids, offsets, MIXED_COUNTS))
+    assert not cache[:, null_slot].any()
 
 
 @cpu
@@ -123,7 +156,7 @@ def test_commit_cache_matches_independent_construction(capacity, num_tokens, imp
 def test_commit_cache_replaces_whole_ring_when_chunk_covers_capacity(capacity, num_tokens):
     pool, rows, slot_ids, valid_rows, offsets, null_slot = make_case(capacity, num_tokens, seed=1)
     cache = pool.clone()
-    kernels.commit_cache_reference(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache_reference(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     untouched = torch.ones(pool.shape[1], dtype=torch.bool)
     for b in valid_rows.nonzero().flatten().tolist():
         slot = int(slot_ids[b])
@@ -135,14 +168,16 @@ def test_commit_cache_replaces_whole_ring_when_chunk_covers_capacity(capacity, n
 @cpu
 def test_touched_ring_mask_wraps_and_saturates():
     offsets = torch.tensor([0, 3, 1234])
-    mask = kernels.touched_ring_mask(offsets, 3, 5)
+    mask = kernels.touched_ring_mask(offsets, torch.tensor([3, 3, 3]), 5)
     assert mask.tolist() == [
         [True, True, True, False, False],
         [True, False, False, True, True],  # 3, 4, 0
         [True, True, False, False, True],  # 1234 % 5 = 4: 4, 0, 1
     ]
-    assert kernels.touched_ring_mask(offsets, 5, 5).all()
-    assert not kernels.touched_ring_mask(offsets, 0, 5).any()
+    assert kernels.touched_ring_mask(offsets, torch.tensor([5, 9, 5]), 5).all()
+    assert not kernels.touched_ring_mask(offsets, torch.tensor([0, 0, 0]), 5).any()
+    # Each row its own count: 2 cells, none, 1 cell.
+    assert kernels.touched_ring_mask(offsets, torch.tensor([2, 0, 1]), 5).sum(dim=1).tolist() == [2, 0, 1]
 
 
 @cpu
@@ -159,7 +194,7 @@ def test_commit_offsets_writes_valid_rows_only(impl):
 
 
 def _decode_step(rows, cache, slot_ids, valid_rows, offsets, bank, num_tokens: int):
-    kernels.commit_cache(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     next_offsets = torch.where(valid_rows, offsets + num_tokens, offsets)
     kernels.commit_offsets(next_offsets, bank, slot_ids, valid_rows)
     return cache.sum(dim=(0, 2, 3, 4))
@@ -191,16 +226,16 @@ def _good_cache_args():
         rows=rows,
         cache=cache,
         slot_ids=torch.zeros(3, dtype=torch.long),
-        valid_rows=torch.ones(3, dtype=torch.bool),
         offsets=torch.zeros(3, dtype=torch.long),
-        num_tokens=2,
+        num_written=torch.full((3,), 2, dtype=torch.long),
+        max_written=2,
     )
 
 
 def _good_offset_args():
     return dict(
         values=torch.zeros(3, dtype=torch.long),
-        bank=torch.zeros(4, dtype=torch.long),
+        table=torch.zeros(4, dtype=torch.long),
         slot_ids=torch.zeros(3, dtype=torch.long),
         valid_rows=torch.ones(3, dtype=torch.bool),
     )
@@ -217,9 +252,10 @@ def _good_offset_args():
         ("cache", torch.zeros(2, 4, 2, 5)),  # rank
         ("slot_ids", torch.zeros(3, dtype=torch.int32)),
         ("slot_ids", torch.zeros(4, dtype=torch.long)),
-        ("valid_rows", torch.ones(3, dtype=torch.uint8)),
+        ("num_written", torch.ones(3, dtype=torch.int32)),
+        ("num_written", torch.ones(2, dtype=torch.long)),
         ("offsets", torch.zeros(3, 1, dtype=torch.long)),
-        ("num_tokens", -1),
+        ("max_written", -1),
     ],
 )
 def test_commit_cache_rejects_bad_inputs(name, bad):
@@ -234,8 +270,8 @@ def test_commit_cache_rejects_bad_inputs(name, bad):
 @pytest.mark.parametrize(
     "name,bad",
     [
-        ("bank", torch.zeros(2, 4, dtype=torch.long)),
-        ("bank", torch.zeros(4, dtype=torch.int32)),
+        ("table", torch.zeros(2, 4, dtype=torch.long)),
+        ("table", torch.zeros(4, dtype=torch.int32)),
         ("values", torch.zeros(3, dtype=torch.float32)),
         ("slot_ids", torch.zeros(2, dtype=torch.long)),
         ("valid_rows", torch.ones(3, 1, dtype=torch.bool)),
@@ -287,19 +323,31 @@ def test_triton_interpreter_subprocess():
 
 @cpu
 @needs_interpreter
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_commit_cache_interpreted_writes_each_rows_own_count(capacity):
+    pool, rows, slot_ids, _, offsets, null_slot = make_case(capacity, 12, seed=6)
+    cache = pool.clone()
+    kernels._launch_commit_cache_triton(rows, cache, slot_ids, offsets, torch.tensor(MIXED_COUNTS), 12)
+    assert torch.equal(cache, expected_mixed(pool, rows, slot_ids, offsets, MIXED_COUNTS))
+
+
+@cpu
+@needs_interpreter
 @pytest.mark.parametrize("num_tokens", CHUNKS)
 @pytest.mark.parametrize("capacity,head_dim", [(5, 16), (10, 32)])
 def test_commit_cache_interpreted_matches_reference(capacity, head_dim, num_tokens):
     pool, rows, slot_ids, valid_rows, offsets, null_slot = make_case(capacity, num_tokens, head_dim=head_dim)
     reference = pool.clone()
-    kernels.commit_cache_reference(rows, reference, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     triton_cache = pool.clone()
-    kernels._launch_commit_cache_triton(rows, triton_cache, slot_ids, valid_rows, offsets, num_tokens)
+    kernels._launch_commit_cache_triton(
+        rows, triton_cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens
+    )
     assert torch.equal(triton_cache, reference)
     assert not triton_cache[:, null_slot].any()
     # The public op routes CPU tensors to the interpreted kernel in this process.
     op_cache = pool.clone()
-    kernels.commit_cache(rows, op_cache, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache(rows, op_cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(op_cache, reference)
 
 
@@ -309,12 +357,14 @@ def test_commit_cache_interpreted_follows_strides():
     capacity, num_tokens = 10, 7
     pool, rows, slot_ids, valid_rows, offsets, _ = make_case(capacity, num_tokens, head_dim=16)
     reference = pool.clone()
-    kernels.commit_cache_reference(rows, reference, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     # Same logical tensors, stored with heads innermost but one and planes last.
     rows_view = rows.permute(1, 3, 2, 4, 0).contiguous().permute(4, 0, 2, 1, 3)
     cache_view = pool.permute(1, 3, 2, 4, 0).contiguous().permute(4, 0, 2, 1, 3)
     assert not rows_view.is_contiguous() and not cache_view.is_contiguous()
-    kernels._launch_commit_cache_triton(rows_view, cache_view, slot_ids[::1], valid_rows, offsets, num_tokens)
+    kernels._launch_commit_cache_triton(
+        rows_view, cache_view, slot_ids[::1], offsets, written(valid_rows, num_tokens), num_tokens
+    )
     assert torch.equal(cache_view, reference)
 
 
@@ -366,7 +416,7 @@ def test_masked_commit_preserves_reference_scatter(num_tokens):
     if num_tokens >= capacity:
         assert torch.equal(expected[:, 2], rows[:, 0]) and torch.equal(expected[:, 0], rows[:, 1])
     cache = pool.clone()
-    kernels.commit_cache(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(cache, expected)
     assert torch.equal(cache[:, 4], pool[:, 4]), "invalid rows wrote into the null slot"
 
@@ -384,9 +434,9 @@ def test_cuda_kernels_match_reference(capacity, head_dim, num_tokens):
     pool, rows, slot_ids, valid_rows, offsets = (t.to(device) for t in case[:5])
     null_slot = case[5]
     reference = pool.clone()
-    kernels.commit_cache_reference(rows, reference, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     cache = pool.clone()
-    kernels.commit_cache(rows, cache, slot_ids, valid_rows, offsets, num_tokens)
+    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(cache, reference)
     assert not cache[:, null_slot].any()
 
@@ -407,12 +457,12 @@ def test_ops_capture_in_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        kernels.commit_cache(s_rows, cache.clone(), s_slots, s_valid, s_offsets, num_tokens)
+        kernels.commit_cache(s_rows, cache.clone(), s_slots, s_offsets, written(s_valid, num_tokens), num_tokens)
         kernels.commit_offsets(s_next, bank.clone(), s_slots, s_valid)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.commit_cache(s_rows, cache, s_slots, s_valid, s_offsets, num_tokens)
+        kernels.commit_cache(s_rows, cache, s_slots, s_offsets, written(s_valid, num_tokens), num_tokens)
         kernels.commit_offsets(s_next, bank, s_slots, s_valid)
     for seed in range(3):
         new_pool, new_rows, new_slots, new_valid, new_offsets, _ = make_case(
@@ -462,7 +512,7 @@ def test_commit_cache_addresses_beyond_int32():
     slot_ids = torch.tensor([num_slots - 1, num_slots - 2], device=device)
     valid_rows = torch.tensor([True, False], device=device)
     offsets = torch.tensor([17, 0], device=device)
-    kernels.commit_cache(rows, cache, slot_ids, valid_rows, offsets, capacity)
+    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, capacity), capacity)
     assert torch.equal(cache[:, num_slots - 1], rows[:, 0])
     assert not cache[:, num_slots - 2].any()
     assert not cache[:, : num_slots - 1].any()

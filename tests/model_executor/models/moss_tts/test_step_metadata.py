@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""step_metadata.build_ring_metadata: hand-computed cells, sources and masks for both ring semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import GroupSpec
+from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import (
+    build_ring_metadata,
+    default_ring_semantics,
+    rope_tables,
+)
+
+pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
+
+C = 5
+
+
+def _spec(context: int = C) -> GroupSpec:
+    return GroupSpec(
+        index=0,
+        input_dim=8,
+        output_dim=8,
+        d_model=8,
+        num_heads=2,
+        num_layers=1,
+        dim_feedforward=8,
+        context=context,
+        tokens_per_frame=1,
+        upsample=1,
+        layer_scale=None,
+        max_period=10_000.0,
+        input_proj=False,
+        output_proj=False,
+    )
+
+
+def _meta(semantics, offsets, written, T):
+    return build_ring_metadata(_spec(), semantics, torch.tensor(offsets), torch.tensor(written), T)
+
+
+def test_tokens_write_the_latest_valid_token_of_their_cell():
+    # Row 0: offset 3, 4 of 4 tokens (positions 3..6 -> cells 3, 4, 0, 1), each its own source.
+    # Row 1: offset 0, 7 valid tokens of 8 (positions 0..6): tokens 0 and 1 share cells 0 and 1
+    #        with tokens 5 and 6, which win; padding token 7 (cell 2) carries token 2's value.
+    # Row 2: a padding row: every token keeps its cell's old value.
+    meta = _meta("upstream", [3, 0, 9], [4, 7, 0], 4)
+    assert meta.next_offsets.tolist() == [7, 7, 9]
+    assert meta.token_cell.tolist() == [[3, 4, 0, 1], [0, 1, 2, 3], [4, 0, 1, 2]]
+    assert meta.token_keeps.tolist() == [[False] * 4, [False] * 4, [True] * 4]
+    assert meta.token_source[:2].tolist() == [[0, 1, 2, 3], [5, 6, 2, 3]]
+    wide = _meta("upstream", [0], [7], 8)
+    assert wide.token_cell.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert wide.token_source.tolist() == [[5, 6, 2, 3, 4, 5, 6, 2]] and not wide.token_keeps.any()
+    fresh_tail = _meta("upstream", [0], [2], 4)  # padding tokens 2, 3 land in unwritten cells
+    assert fresh_tail.token_keeps.tolist() == [[False, False, True, True]]
+
+
+def test_upstream_semantics_attend_over_the_post_write_ring():
+    # Offset 3, 2 of 3 tokens valid: positions 3, 4 written; position 5 is padding.
+    meta = _meta("upstream", [3], [2], 3)
+    assert meta.mask.shape == (1, 1, 3, C)
+    # Ring after the write holds positions 0..4 at cells 0..4.
+    assert meta.mask[0, 0].tolist() == [
+        [True, True, True, True, False],  # query 3 sees positions 0..3
+        [True, True, True, True, True],  # query 4 sees 0..4
+        [False, True, True, True, True],  # padding query 5 sees valid keys 1..4 (its output is discarded)
+    ]
+
+
+def test_exact_semantics_attend_over_ring_and_valid_chunk_tokens():
+    meta = _meta("exact", [6], [2], 3)
+    assert meta.mask.shape == (1, 1, 3, C + 3)
+    # Cached cells hold positions 5, 1, 2, 3, 4 (cells 0..4); chunk tokens are positions 6, 7 and padding.
+    assert meta.mask[0, 0].tolist() == [
+        [True, False, True, True, True, True, False, False],  # query 6: positions 2..6
+        [True, False, False, True, True, True, True, False],  # query 7: positions 3..7
+        [True, False, False, False, True, True, True, False],  # padding query 8: never sees padding
+    ]
+    # Padding rows see no chunk token at all.
+    pad = _meta("exact", [6], [0], 3)
+    assert not pad.mask[0, 0, :, C:].any()
+
+
+def test_fresh_rows_mask_unwritten_cells():
+    meta = _meta("upstream", [0], [2], 2)
+    assert meta.mask[0, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+    exact = _meta("exact", [0], [2], 2)
+    assert not exact.mask[0, 0, :, :C].any()
+
+
+def test_rope_tables_follow_absolute_positions():
+    cos, sin = rope_tables(torch.tensor([0, 7]), 3, 4, 10_000.0)
+    assert cos.shape == (2, 1, 3, 2)
+    angle = torch.tensor([8.0, 8.0 * 10_000.0 ** (-0.5)])  # row 1, token 1: position 8
+    torch.testing.assert_close(cos[1, 0, 1], torch.cos(angle))
+    torch.testing.assert_close(sin[1, 0, 1], torch.sin(angle))
+
+
+def test_bad_semantics_and_versions():
+    with pytest.raises(ValueError, match=r"unknown ring semantics 'v2'; expected one of \('upstream', 'exact'\)"):
+        _meta("v2", [0], [1], 1)
+    assert default_ring_semantics("v2") == "upstream" and default_ring_semantics("v1") == "exact"
+    with pytest.raises(ValueError, match="unknown codec version 'v3'"):
+        default_ring_semantics("v3")

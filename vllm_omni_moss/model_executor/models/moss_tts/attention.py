@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Attention of the codec decoder: the step plan and the attention backends.
+
+A decode step is ``run_decoder(decoder, codes, plan)`` (``decoder.py``). The
+:class:`StepPlan` is built once per step by whoever owns the state (a pool, the
+fixed-width reference stream, or offline decode) and holds:
+
+* one :class:`GroupStep` per resolution group: the group's ring metadata, built once
+  (``None`` for offline decode and for the legacy pool, which rebuilds it per layer);
+* the attention backend, an object chosen once when its owner is built, called as
+  ``backend(group_step, layer, qkv)`` for every attention layer;
+* ``finish()``, run after the last group (commits offsets).
+
+Backends here:
+
+* :class:`OfflineAttention` - whole sequences, exact sliding window, no state.
+* :class:`CompactRingAttention` - the compact pool: metadata once per group, masked
+  commits of the touched ring cells (``ops/commit.py``).
+* :class:`LegacyRingAttention` - vLLM-Omni 0.30.0's per-layer behaviour: offsets
+  gathered and metadata rebuilt per layer, whole ring written back per row.
+* :class:`FixedWidthAttention` - the reference streaming path: execution row ``b`` is
+  state row ``b``, each layer with its own ring and offsets.
+
+Every ring backend computes attention with :func:`ring_attention_reference` (native
+SDPA over the gathered ring, physical key order), so pools that share a ring
+semantics produce bit-identical audio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from . import step_metadata
+from .config import CodecConfig, GroupSpec
+from .ops.commit import commit_cache
+from .step_metadata import RingMetadata, rope_tables
+
+__all__ = [
+    "AttentionBackend",
+    "CompactRingAttention",
+    "FixedWidthAttention",
+    "GroupStep",
+    "LegacyRingAttention",
+    "OfflineAttention",
+    "StepPlan",
+    "apply_rope",
+    "ring_attention_reference",
+]
+
+#: Queries per block in offline attention: bounds the mask to ``block x (block + context)``.
+OFFLINE_QUERY_BLOCK = 4096
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One resolution group of one step.
+
+    Attributes:
+        spec: the group.
+        first_layer: index of the group's first attention layer in the whole decoder.
+        num_tokens: ``T`` tokens per row in this step (frames x ``spec.tokens_per_frame``).
+        num_written: ``(B,)`` int64 valid tokens per row (0 for padding rows); ``None`` offline.
+        meta: ring metadata shared by the group's layers, or ``None`` when the backend
+            builds its own (offline, legacy, fixed width).
+    """
+
+    spec: GroupSpec
+    first_layer: int
+    num_tokens: int
+    num_written: torch.Tensor | None = None
+    meta: RingMetadata | None = None
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, group: GroupStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v`` ``(B, H, T, Dh)`` before RoPE -> ``(B, H, T, Dh)``; ``layer`` indexes the whole decoder."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything one decode step needs besides the weights and the codes."""
+
+    groups: list[GroupStep]
+    attention: AttentionBackend
+    finish: Callable[[], None] | None = None
+
+
+def group_steps(
+    config: CodecConfig,
+    num_frames: int,
+    lengths: torch.Tensor | None,
+    semantics: str | None = None,
+    start_frames: torch.Tensor | None = None,
+) -> list[GroupStep]:
+    """The :class:`GroupStep` of every resolution group for a step of ``num_frames`` frames.
+
+    Args:
+        config: the codec.
+        num_frames: ``T`` frames per row.
+        lengths: ``(B,)`` int64 valid frames per row, or ``None`` (offline decode).
+        semantics, start_frames: when ``start_frames`` (``(B,)`` int64 frames decoded before
+            this step) is given, each group's :class:`~.step_metadata.RingMetadata` is built
+            here, once, with these ring semantics; otherwise ``meta`` stays ``None``.
+    """
+    steps = []
+    for g, spec in enumerate(config.groups):
+        num_tokens = num_frames * spec.tokens_per_frame
+        written = None if lengths is None else lengths * spec.tokens_per_frame
+        meta = None
+        if start_frames is not None:
+            meta = step_metadata.build_ring_metadata(
+                spec, semantics, start_frames * spec.tokens_per_frame, written, num_tokens
+            )
+        steps.append(GroupStep(spec, config.group_first_layers[g], num_tokens, written, meta))
+    return steps
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``(..., B, H, T, Dh)`` by GPT-J interleaved pairs in float32, cast back to ``x.dtype``.
+
+    ``cos``/``sin`` ``(B, 1, T, Dh/2)`` broadcast over the leading dims, so queries and keys
+    (``qkv[:2]``) rotate in one pass.
+    """
+    dims = x.shape[:-1]
+    half = x.shape[-1] // 2
+    pair = x.view(*dims, half, 2)
+    re, im = pair[..., 0].float(), pair[..., 1].float()
+    rot = torch.stack(((re * cos - im * sin).to(x.dtype), (re * sin + im * cos).to(x.dtype)), dim=-1)
+    return rot.view(*dims, 2 * half)
+
+
+def ring_attention_reference(semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor) -> torch.Tensor:
+    """One layer's streaming attention over gathered rings (the parity oracle).
+
+    Args:
+        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
+            (attend over ``[pre-write ring || chunk]``, then write); docs/ring_semantics.md.
+        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
+            place with this step's valid tokens (the caller persists them). Cells no valid
+            token reaches keep their values; a cell several valid tokens reach holds the
+            latest of them, whatever order the device scatters in.
+        meta: the group's :class:`~.step_metadata.RingMetadata`.
+        qkv: ``(3, B, H, T, Dh)`` projections before RoPE.
+    Returns:
+        ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask).
+    """
+    qk = apply_rope(qkv[:2], meta.cos, meta.sin)
+    kv = torch.stack((qk[1].to(rows.dtype), qkv[2].to(rows.dtype)))  # (2, B, H, T, Dh)
+    _, B, H, T, Dh = kv.shape
+    if semantics == "exact":
+        # Padding tokens may carry non-finite values (queries that saw no key); a masked key
+        # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
+        valid = (torch.arange(T, device=kv.device) < meta.num_written.view(B, 1)).view(1, B, 1, T, 1)
+        keys_values = torch.cat((rows, torch.where(valid, kv, 0)), dim=3)
+    # Every token of a cell writes the same value (its latest valid token's, or the cell's
+    # own when none), so duplicate destinations cannot make the scatter order matter.
+    cell = meta.token_cell.view(1, B, 1, T, 1).expand(2, B, H, T, Dh)
+    source = meta.token_source.view(1, B, 1, T, 1).expand(2, B, H, T, Dh)
+    rows.scatter_(
+        3, cell, torch.where(meta.token_keeps.view(1, B, 1, T, 1), rows.gather(3, cell), kv.gather(3, source))
+    )
+    if semantics == "upstream":
+        keys_values = rows
+    return F.scaled_dot_product_attention(qk[0].to(rows.dtype), keys_values[0], keys_values[1], attn_mask=meta.mask)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class OfflineAttention:
+    """Whole-sequence attention: positions ``0..N-1``, exact window ``0 <= q - k < context``.
+
+    Queries are processed in blocks of :data:`OFFLINE_QUERY_BLOCK` against only the keys
+    they can reach, so mask memory is ``O(block * (block + context))`` whatever the length.
+    """
+
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        spec, n = group.spec, group.num_tokens
+        ctx = spec.context
+        zero = torch.zeros(qkv.shape[1], dtype=torch.long, device=qkv.device)
+        q, k = apply_rope(qkv[:2], *rope_tables(zero, n, spec.head_dim, spec.max_period))
+        v = qkv[2]
+        outs = []
+        for start in range(0, n, OFFLINE_QUERY_BLOCK):
+            end = min(start + OFFLINE_QUERY_BLOCK, n)
+            k0 = max(0, start - ctx + 1)
+            rel = torch.arange(start, end, device=q.device).view(-1, 1) - torch.arange(k0, end, device=q.device)
+            mask = (rel >= 0) & (rel < ctx)
+            outs.append(
+                F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, k0:end], v[:, :, k0:end], attn_mask=mask)
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+class CompactRingAttention:
+    """Compact pool: reads the group's shared metadata, commits only touched cells of writing rows.
+
+    Args:
+        rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
+        semantics: the pool's ring semantics.
+        slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
+    """
+
+    def __init__(self, rings: list[torch.Tensor], semantics: str, slots: torch.Tensor):
+        self.rings, self.semantics, self.slots = rings, semantics, slots
+
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        ring, meta = self.rings[layer], group.meta
+        rows = ring.index_select(1, self.slots)
+        out = ring_attention_reference(self.semantics, rows, meta, qkv)
+        commit_cache(rows, ring, self.slots, meta.offsets, meta.num_written, group.num_tokens)
+        return out
+
+
+class LegacyRingAttention:
+    """vLLM-Omni 0.30.0's layer behaviour: per-layer offsets and metadata, whole-ring write-back.
+
+    Args:
+        rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
+        offset_table: ``(R, S)`` int64 offsets (rows per :class:`~.state_pool.LegacyDecoderStatePool`).
+        layer_rows: per layer, its (attention offset, ring end offset) rows of ``offset_table``.
+        group_rows: last layer of a group -> that group's own offset row (v2 codecs only).
+        semantics: the pool's ring semantics.
+        slots: ``(B,)`` int64 slot of each execution row (padding rows on scratch slots).
+    """
+
+    def __init__(self, rings, offset_table, layer_rows, group_rows, semantics: str, slots: torch.Tensor):
+        self.rings, self.offset_table = rings, offset_table
+        self.layer_rows, self.group_rows = layer_rows, group_rows
+        self.semantics, self.slots = semantics, slots
+
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        attn_row, ring_row = self.layer_rows[layer]
+        offsets = self.offset_table[attn_row].index_select(0, self.slots)
+        meta = step_metadata.build_ring_metadata(
+            group.spec, self.semantics, offsets, group.num_written, group.num_tokens
+        )
+        ring = self.rings[layer]
+        rows = ring.index_select(1, self.slots)
+        out = ring_attention_reference(self.semantics, rows, meta, qkv)
+        ring.index_copy_(1, self.slots, rows)
+        for row in {attn_row, ring_row}:
+            self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
+        group_row = self.group_rows.get(layer)
+        if group_row is not None:
+            advanced = self.offset_table[group_row].index_select(0, self.slots) + group.num_written
+            self.offset_table[group_row].index_copy_(0, self.slots, advanced)
+        return out
+
+
+class FixedWidthAttention:
+    """Reference streaming: per layer its own ring ``(2, B, H, C, Dh)`` and offsets ``(B,)``, all rows valid."""
+
+    def __init__(self, rings: list[torch.Tensor], offsets: list[torch.Tensor], semantics: str):
+        self.rings, self.offsets, self.semantics = rings, offsets, semantics
+
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        offsets = self.offsets[layer]
+        meta = step_metadata.build_ring_metadata(
+            group.spec, self.semantics, offsets, group.num_written, group.num_tokens
+        )
+        out = ring_attention_reference(self.semantics, self.rings[layer], meta, qkv)
+        offsets.copy_(meta.next_offsets)
+        return out

@@ -1,0 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Custom ops of the codec decoder: one file per op family, each holding its Triton kernel, its
+``torch.library.custom_op`` with ``register_fake``, and the PyTorch reference it is tested against.
+
+* :mod:`.commit` - ``commit_cache`` / ``commit_offsets``: masked write-back of a step's ring cells
+  and offsets into the state pool.
+"""
