@@ -28,9 +28,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "CodecConfig",
@@ -188,17 +187,20 @@ def _normalise(raw: dict) -> dict:
         qk["quantizer_type"] = d["quantizer_type"]
     d["quantizer_kwargs"] = qk
     if not d.get("decoder_kwargs") and d.get("reversed_decoder_kwargs"):
-        d["decoder_kwargs"] = _mirror_encoder(d)
+        encoder = d.get("encoder_kwargs")
+        if not isinstance(encoder, list) or not encoder:
+            raise _fail("reversed_decoder_kwargs", "needs a non-empty encoder_kwargs list to mirror")
+        d["decoder_kwargs"] = _mirror(encoder)
     return d
 
 
-def _mirror_encoder(d: dict) -> list[dict]:
-    """Decoder modules as the mirror image of ``encoder_kwargs`` (dims swapped)."""
-    enc = d.get("encoder_kwargs")
-    if not isinstance(enc, list) or not enc:
-        raise _fail("reversed_decoder_kwargs", "needs a non-empty encoder_kwargs list to mirror")
+def _mirror(modules: list[dict]) -> list[dict]:
+    """The modules in reverse order with each transformer's input and output dims swapped.
+
+    Turns an encoder list into its decoder (``reversed_decoder_kwargs``) and back (presets).
+    """
     out = []
-    for spec in reversed(enc):
+    for spec in reversed(modules):
         spec = dict(spec)
         if spec.get("module_type") == "Transformer":
             spec["input_dimension"], spec["output_dimension"] = spec["output_dimension"], spec["input_dimension"]
@@ -207,7 +209,13 @@ def _mirror_encoder(d: dict) -> list[dict]:
 
 
 def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
-    """Parse an official ``config.json`` dict (see :func:`_parse`).
+    """Parse an official ``config.json`` dict.
+
+    Args:
+        raw: the JSON object of the checkpoint's ``config.json``.
+        version: ``"v1"`` or ``"v2"``; taken from ``codec_version`` in ``raw``, else
+            detected from ``number_channels`` when ``None`` (two or more channels
+            means v2, as ``MossTTSCodecDecoder._build_codec`` decides in vLLM-Omni 0.30.0).
 
     Raises:
         ValueError: naming the field, for missing or inconsistent geometry, wrong
@@ -221,21 +229,46 @@ def parse_config(raw: dict, version: str | None = None) -> CodecConfig:
         raise ValueError(f"invalid codec config: malformed value ({type(exc).__name__}: {exc})") from exc
 
 
-def _parse(raw: dict, version: str | None = None) -> CodecConfig:
-    """Parse an official ``config.json`` dict.
+@dataclass(frozen=True)
+class _Header:
+    """Top-level fields of ``config.json`` that the groups depend on."""
 
-    Args:
-        raw: the JSON object of the checkpoint's ``config.json``.
-        version: ``"v1"`` or ``"v2"``; detected from ``number_channels`` when ``None``
-            (two or more channels means v2, as vLLM-Omni 0.30.0 decides).
+    version: str
+    sampling_rate: int
+    downsample_rate: int
+    channels: int
+    interleave_factor: int
+    default_duration: float
 
-    Raises:
-        ValueError: naming the field, for missing or inconsistent geometry or
-            unsupported module options.
-    """
+
+def _parse(raw: dict, version: str | None) -> CodecConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"invalid codec config: expected a JSON object, got {type(raw).__name__}")
     d = _normalise(raw)
+    header = _parse_header(d, version)
+    num_quantizers, codebook_size, codebook_dim, rvq_dim, latent_dim = _parse_quantizer(d["quantizer_kwargs"])
+    modules = d.get("decoder_kwargs")
+    if not isinstance(modules, list) or not modules:
+        raise _fail("decoder_kwargs", "expected a non-empty list of module dicts")
+    groups = _parse_groups(modules, header, latent_dim)
+    return CodecConfig(
+        version=header.version,
+        sampling_rate=header.sampling_rate,
+        downsample_rate=header.downsample_rate,
+        number_channels=header.channels,
+        channel_interleave=header.interleave_factor > 1,
+        num_quantizers=num_quantizers,
+        codebook_size=codebook_size,
+        codebook_dim=codebook_dim,
+        rvq_dim=rvq_dim,
+        latent_dim=latent_dim,
+        groups=groups,
+        raw=d,
+    )
+
+
+def _parse_header(d: dict, version: str | None) -> _Header:
+    """Rates, channels, interleave, codec version and the default context duration."""
     sampling_rate = _int_field(d, "sampling_rate", "sampling_rate")
     downsample_rate = _int_field(d, "downsample_rate", "downsample_rate")
     d.setdefault("number_channels", 1)
@@ -249,24 +282,33 @@ def _parse(raw: dict, version: str | None = None) -> CodecConfig:
         raise _fail("version", f"expected 'v1' or 'v2', got {version!r}")
     if channels > 1 and not interleave:
         raise _fail("enable_channel_interleave", "multi-channel codecs without interleave are not supported")
-    interleave_factor = channels if channels > 1 else 1
-    default_duration = _finite_field(
-        d, "causal_transformer_context_duration", "causal_transformer_context_duration", 10.0, positive=True
+    key = "causal_transformer_context_duration"
+    return _Header(
+        version=version,
+        sampling_rate=sampling_rate,
+        downsample_rate=downsample_rate,
+        channels=channels,
+        interleave_factor=channels if channels > 1 else 1,
+        default_duration=_finite_field(d, key, key, 10.0, positive=True),
     )
 
-    qk = d["quantizer_kwargs"]
+
+def _parse_quantizer(qk: dict) -> tuple[int, int, int, int, int]:
+    """``(num_quantizers, codebook_size, codebook_dim, rvq_dim, latent_dim)`` of ``quantizer_kwargs``."""
     qtype = qk.get("quantizer_type", "rlfq")
     if qtype not in _SUPPORTED_QUANTIZERS:
         raise _fail("quantizer_kwargs.quantizer_type", f"expected one of {_SUPPORTED_QUANTIZERS}, got {qtype!r}")
-    num_quantizers = _int_field(qk, "num_quantizers", "quantizer_kwargs.num_quantizers")
-    codebook_size = _int_field(qk, "codebook_size", "quantizer_kwargs.codebook_size")
-    codebook_dim = _int_field(qk, "codebook_dim", "quantizer_kwargs.codebook_dim")
-    rvq_dim = _int_field(qk, "rvq_dim", "quantizer_kwargs.rvq_dim")
-    latent_dim = _int_field(qk, "output_dim", "quantizer_kwargs.output_dim")
+    keys = ("num_quantizers", "codebook_size", "codebook_dim", "rvq_dim", "output_dim")
+    n, size, dim, rvq, latent = (_int_field(qk, k, f"quantizer_kwargs.{k}") for k in keys)
+    return n, size, dim, rvq, latent
 
-    modules = d.get("decoder_kwargs")
-    if not isinstance(modules, list) or not modules:
-        raise _fail("decoder_kwargs", "expected a non-empty list of module dicts")
+
+def _first_stage_rate(modules: list[dict], header: _Header) -> float:
+    """Tokens per second entering the first decoder module, after checking the upsampling product.
+
+    Starts from the interleaved sample rate and undoes the upsamplers in reverse, as
+    the encoder does, so the float rate matches vLLM-Omni's bit for bit.
+    """
     patches = []
     for i, spec in enumerate(modules):
         mtype = spec.get("module_type") if isinstance(spec, dict) else None
@@ -276,96 +318,89 @@ def _parse(raw: dict, version: str | None = None) -> CodecConfig:
             raise _fail(
                 f"decoder_kwargs[{i}].module_type", f"expected 'Transformer' or 'PatchedPretransform', got {mtype!r}"
             )
-    hop = downsample_rate * interleave_factor
+    hop = header.downsample_rate * header.interleave_factor
     if math.prod(patches) != hop:
         raise _fail(
             "decoder_kwargs",
             f"upsampling product {math.prod(patches)} != downsample_rate x interleaved channels = {hop}",
         )
-    # Start from the interleaved sample rate and undo the upsamplers in reverse, as
-    # the encoder does, so the float rate matches the reference bit for bit.
-    rate = float(sampling_rate * interleave_factor)
+    rate = float(header.sampling_rate * header.interleave_factor)
     for p in reversed(patches):
         rate /= p
+    return rate
 
+
+def _parse_groups(modules: list[dict], header: _Header, latent_dim: int) -> tuple[GroupSpec, ...]:
+    """Walk the decoder modules in order, tracking width, token rate and tokens per frame."""
+    rate = _first_stage_rate(modules, header)
     groups: list[GroupSpec] = []
-    tokens_per_frame = 1
-    width = latent_dim
+    tokens_per_frame, width = 1, latent_dim
     for i, spec in enumerate(modules):
-        f = f"decoder_kwargs[{i}]"
         if spec["module_type"] == "PatchedPretransform":
             p = spec["patch_size"]
             if width % p:
-                raise _fail(f"{f}.patch_size", f"{p} does not divide the {width} incoming channels")
+                raise _fail(f"decoder_kwargs[{i}].patch_size", f"{p} does not divide the {width} incoming channels")
             if groups and groups[-1].upsample == 1 and groups[-1].index == i - 1:
-                groups[-1] = _replace(groups[-1], upsample=p)
-            width //= p
-            tokens_per_frame *= p
-            rate *= p
+                groups[-1] = replace(groups[-1], upsample=p)
+            width, tokens_per_frame, rate = width // p, tokens_per_frame * p, rate * p
             continue
-        for key, expected in (("norm", "layer_norm"), ("positional_embedding", "rope"), ("gating", "none")):
-            if spec.get(key, expected) != expected:
-                raise _fail(f"{f}.{key}", f"only {expected!r} is supported, got {spec[key]!r}")
-        if not spec.get("causal", True):
-            raise _fail(f"{f}.causal", "the streaming decoder needs causal transformers")
-        in_dim = _int_field(spec, "input_dimension", f"{f}.input_dimension")
-        out_dim = _int_field(spec, "output_dimension", f"{f}.output_dimension")
-        d_model = _int_field(spec, "d_model", f"{f}.d_model")
-        heads = _int_field(spec, "num_heads", f"{f}.num_heads")
-        if d_model % heads or (d_model // heads) % 2:
-            raise _fail(f"{f}.num_heads", f"d_model {d_model} must split into {heads} heads of even size")
-        if in_dim != width:
-            raise _fail(f"{f}.input_dimension", f"expected {width} (channels reaching this module), got {in_dim}")
-        duration = _finite_field(spec, "context_duration", f"{f}.context_duration", default_duration, positive=True)
-        context = int(round(rate * duration))
-        if context < 1:
-            raise _fail(f"{f}.context_duration", f"{duration} s at {rate} tokens/s gives a context of {context} tokens")
-        layer_scale = spec.get("layer_scale")
-        groups.append(
-            GroupSpec(
-                index=i,
-                input_dim=in_dim,
-                output_dim=out_dim,
-                d_model=d_model,
-                num_heads=heads,
-                num_layers=_int_field(spec, "num_layers", f"{f}.num_layers"),
-                dim_feedforward=_int_field(spec, "dim_feedforward", f"{f}.dim_feedforward"),
-                context=context,
-                tokens_per_frame=tokens_per_frame,
-                upsample=1,
-                layer_scale=None
-                if layer_scale is None
-                else _finite_field(spec, "layer_scale", f"{f}.layer_scale", 0.0, positive=False),
-                max_period=_finite_field(spec, "max_period", f"{f}.max_period", 10000.0, positive=True),
-                input_proj=version == "v2" or in_dim != d_model,
-                output_proj=version == "v2" or out_dim != d_model,
-            )
-        )
-        width = out_dim
+        group = _parse_transformer(spec, i, width, rate, tokens_per_frame, header)
+        groups.append(group)
+        width = group.output_dim
     if not groups:
         raise _fail("decoder_kwargs", "no Transformer module")
     if width != 1:
         raise _fail("decoder_kwargs", f"the last module must leave 1 channel per interleaved sample, leaves {width}")
-    return CodecConfig(
-        version=version,
-        sampling_rate=sampling_rate,
-        downsample_rate=downsample_rate,
-        number_channels=channels,
-        channel_interleave=interleave and channels > 1,
-        num_quantizers=num_quantizers,
-        codebook_size=codebook_size,
-        codebook_dim=codebook_dim,
-        rvq_dim=rvq_dim,
-        latent_dim=latent_dim,
-        groups=tuple(groups),
-        raw=d,
+    return tuple(groups)
+
+
+def _parse_transformer(
+    spec: dict, i: int, width: int, rate: float, tokens_per_frame: int, header: _Header
+) -> GroupSpec:
+    """One ``Transformer`` entry of ``decoder_kwargs`` (at index ``i``) as a :class:`GroupSpec`.
+
+    ``width`` is the channel count reaching the module and ``rate`` its token rate in
+    tokens per second; the ring capacity is ``round(rate * context_duration)`` as in
+    ``MossAudioTokenizerModel.__init__`` of vLLM-Omni 0.30.0.
+    """
+    f = f"decoder_kwargs[{i}]"
+    for key, expected in (("norm", "layer_norm"), ("positional_embedding", "rope"), ("gating", "none")):
+        if spec.get(key, expected) != expected:
+            raise _fail(f"{f}.{key}", f"only {expected!r} is supported, got {spec[key]!r}")
+    if not spec.get("causal", True):
+        raise _fail(f"{f}.causal", "the streaming decoder needs causal transformers")
+    in_dim = _int_field(spec, "input_dimension", f"{f}.input_dimension")
+    out_dim = _int_field(spec, "output_dimension", f"{f}.output_dimension")
+    d_model = _int_field(spec, "d_model", f"{f}.d_model")
+    heads = _int_field(spec, "num_heads", f"{f}.num_heads")
+    if d_model % heads or (d_model // heads) % 2:
+        raise _fail(f"{f}.num_heads", f"d_model {d_model} must split into {heads} heads of even size")
+    if in_dim != width:
+        raise _fail(f"{f}.input_dimension", f"expected {width} (channels reaching this module), got {in_dim}")
+    duration = _finite_field(spec, "context_duration", f"{f}.context_duration", header.default_duration, positive=True)
+    context = int(round(rate * duration))
+    if context < 1:
+        raise _fail(f"{f}.context_duration", f"{duration} s at {rate} tokens/s gives a context of {context} tokens")
+    layer_scale = None
+    if spec.get("layer_scale") is not None:
+        layer_scale = _finite_field(spec, "layer_scale", f"{f}.layer_scale", 0.0, positive=False)
+    v2 = header.version == "v2"
+    return GroupSpec(
+        index=i,
+        input_dim=in_dim,
+        output_dim=out_dim,
+        d_model=d_model,
+        num_heads=heads,
+        num_layers=_int_field(spec, "num_layers", f"{f}.num_layers"),
+        dim_feedforward=_int_field(spec, "dim_feedforward", f"{f}.dim_feedforward"),
+        context=context,
+        tokens_per_frame=tokens_per_frame,
+        upsample=1,
+        layer_scale=layer_scale,
+        max_period=_finite_field(spec, "max_period", f"{f}.max_period", 10000.0, positive=True),
+        input_proj=v2 or in_dim != d_model,
+        output_proj=v2 or out_dim != d_model,
     )
-
-
-def _replace(spec: GroupSpec, **kw: Any) -> GroupSpec:
-    from dataclasses import replace
-
-    return replace(spec, **kw)
 
 
 def load_config(path: str | Path, version: str | None = None) -> CodecConfig:
@@ -416,16 +451,6 @@ def _transformer(
 
 def _patch(size: int) -> dict:
     return {"module_type": "PatchedPretransform", "patch_size": size}
-
-
-def _mirror(decoder: list[dict]) -> list[dict]:
-    enc = []
-    for spec in reversed(decoder):
-        spec = dict(spec)
-        if spec["module_type"] == "Transformer":
-            spec["input_dimension"], spec["output_dimension"] = spec["output_dimension"], spec["input_dimension"]
-        enc.append(spec)
-    return enc
 
 
 def _codec(
