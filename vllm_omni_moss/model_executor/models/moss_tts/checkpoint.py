@@ -6,26 +6,17 @@ sharded ``model.safetensors.index.json``. Only decoder and quantizer-decode tens
 are read; encoder tensors (and the quantizer's encode-side projections) are skipped
 by name, never materialised.
 
-Official tensor names (codec-facts §A.10):
-
-* decoder transformer ``decoder.{i}.``: ``input_proj.weight``, ``output_proj.weight``,
-  ``transformer.layers.{j}.{norm1,norm2}.{weight,bias}``, attention
-  ``self_attn.in_proj.weight`` / ``self_attn.out_proj.weight`` (v2) or
-  ``self_attn.in_projs.0.weight`` / ``self_attn.out_projs.0.weight`` (v1), FFN
-  ``ffn.0.weight`` / ``ffn.2.weight`` (v2) or ``linear1.weight`` / ``linear2.weight`` (v1),
-  ``layer_scale_{1,2}.scale``. Either spelling is accepted for either version.
-* quantizer: ``quantizer.output_proj`` and ``quantizer.quantizers.{k}.out_proj``
-  weight-normalised 1x1 convolutions stored as ``parametrizations.weight.original0``
-  (g, ``[out, 1, 1]``) and ``original1`` (v, ``[out, in, 1]``) plus ``bias``;
-  ``quantizer.quantizers.{k}.codebook.weight`` ``[codebook_size, codebook_dim]``.
-  Weight norm is folded (``W = g * v / ||v||`` per output row) and every codebook is
-  folded into one decode table ``lut[k] = W_o (W_k codebook_k + b_k)`` (float64 math).
+The tensor names, the weight-norm folding and the decode table are described in
+``docs/checkpoint.md`` (facts taken from ``MossTTSCodecDecoder.load_weights`` and
+``MossAudioTokenizerResidualLFQ.build_decode_lut`` of vLLM-Omni 0.30.0).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,9 +25,12 @@ from .config import CodecConfig, load_config, preset_config
 from .decoder import CodecDecoder
 
 __all__ = [
+    "FILE_MODE",
     "CheckpointError",
+    "checkpoint_files",
     "load_checkpoint",
     "official_decoder_names",
+    "random_checkpoint_bytes",
     "random_official_state_dict",
     "save_random_checkpoint",
 ]
@@ -127,9 +121,11 @@ class _TensorSource:
         from safetensors import safe_open
 
         self._open = safe_open
+        self._handles: dict[Path, object] = {}
+        #: tensor name -> file holding it
+        self.where: dict[str, Path] = {}
         index = directory / _INDEX
         single = directory / _SINGLE
-        self.where: dict[str, Path] = {}
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -149,14 +145,11 @@ class _TensorSource:
                 self.where[name] = single
         else:
             raise CheckpointError(f"no {_SINGLE} or {_INDEX} in {directory}")
-        self._handles: dict[Path, object] = {}
 
     def _keys(self, path: Path) -> list[str]:
         return list(self._handle(path).keys())
 
     def _handle(self, path: Path):
-        if not hasattr(self, "_handles"):
-            self._handles = {}
         if path not in self._handles:
             try:
                 self._handles[path] = self._open(str(path), framework="pt", device="cpu")
@@ -250,55 +243,15 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
     config = load_config(directory, version)
     src = _TensorSource(directory)
     decoder = CodecDecoder(config)
-    params = dict(decoder.named_parameters())
     problems: list[str] = []
-    used: set[str] = set()
-    for ours, names in official_decoder_names(config).items():
-        optional = ours.startswith("?")
-        ours = ours.lstrip("?")
-        found = [n for n in names if n in src.where]
-        used.update(found)
-        if len(found) > 1:
-            problems.append(f"duplicate spellings for one tensor: {', '.join(found)}")
-            continue
-        if not found:
-            if not optional:
-                problems.append(f"missing {names[0]}")
-            continue
-        tensor = src.get(found[0])
-        if optional:
-            g = int(ours.split(".")[1])
-            spec = config.groups[g]
-            proj = torch.nn.Linear(1, 1, bias=False)
-            shape = (spec.d_model, spec.input_dim) if ".input_proj." in ours else (spec.output_dim, spec.d_model)
-            if tuple(tensor.shape) != shape:
-                problems.append(f"{found[0]}: shape {tuple(tensor.shape)}, expected {shape}")
-                continue
-            proj.weight = torch.nn.Parameter(tensor.float().clone())
-            setattr(decoder.groups[g], ours.split(".")[2], proj)
-            continue
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            problems.append(f"{found[0]}: non-finite values (NaN or Inf)")
-            continue
-        target = params[ours]
-        if tuple(tensor.shape) != tuple(target.shape):
-            problems.append(f"{found[0]}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            continue
-        with torch.no_grad():
-            target.copy_(tensor)
+    used = _load_decoder_weights(decoder, src, problems)
     lut, bias = _build_lut(config, src, problems)
     # Catches NaN/Inf codebooks or projections and all-zero weight-norm directions (0/0).
     if not problems and not (torch.isfinite(lut).all() and torch.isfinite(bias).all()):
         problems.append(
             "quantizer decode table is not finite: NaN/Inf in a codebook or projection, or a zero weight-norm v row"
         )
-    quantizer_used = {f"quantizer.quantizers.{k}.codebook.weight" for k in range(config.num_quantizers)}
-    for prefix in _quantizer_names(config):
-        quantizer_used.update(_weight_norm_names(prefix))
-    unexpected = sorted(n for n in src.where if n not in used and n not in quantizer_used and not _is_skipped(n))
-    if unexpected:
-        shown = ", ".join(unexpected[:20]) + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else "")
-        problems.append(f"unexpected tensors: {shown}")
+    _check_unexpected(config, src, used, problems)
     if problems:
         raise CheckpointError(f"checkpoint {directory} does not fit its config.json:\n  - " + "\n  - ".join(problems))
     with torch.no_grad():
@@ -307,77 +260,221 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
     return decoder.to_serving(device)
 
 
+def _load_decoder_weights(decoder: CodecDecoder, src: _TensorSource, problems: list[str]) -> set[str]:
+    """Copy every decoder transformer tensor into ``decoder``; return the official names read.
+
+    Problems (missing, duplicated, mis-shaped or non-finite tensors) are appended to ``problems``.
+    """
+    params = dict(decoder.named_parameters())
+    used: set[str] = set()
+    for ours, names in official_decoder_names(decoder.config).items():
+        optional = ours.startswith("?")
+        ours = ours.lstrip("?")
+        found = [n for n in names if n in src.where]
+        used.update(found)
+        if len(found) > 1:
+            problems.append(f"duplicate spellings for one tensor: {', '.join(found)}")
+        elif not found:
+            if not optional:
+                problems.append(f"missing {names[0]}")
+        elif optional:
+            _load_optional_projection(decoder, ours, found[0], src.get(found[0]), problems)
+        else:
+            _copy_checked(params[ours], found[0], src.get(found[0]), problems)
+    return used
+
+
+def _copy_checked(target: torch.Tensor, name: str, tensor: torch.Tensor, problems: list[str]) -> None:
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        problems.append(f"{name}: non-finite values (NaN or Inf)")
+    elif tuple(tensor.shape) != tuple(target.shape):
+        problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    else:
+        with torch.no_grad():
+            target.copy_(tensor)
+
+
+def _load_optional_projection(
+    decoder: CodecDecoder, ours: str, name: str, tensor: torch.Tensor, problems: list[str]
+) -> None:
+    """Install a v1 projection whose dims match (identity by default) because the checkpoint has one.
+
+    ``ours`` is ``groups.{g}.input_proj.weight`` or ``groups.{g}.output_proj.weight``.
+    """
+    _, g, attr, _ = ours.split(".")
+    spec = decoder.config.groups[int(g)]
+    shape = (spec.d_model, spec.input_dim) if attr == "input_proj" else (spec.output_dim, spec.d_model)
+    if tuple(tensor.shape) != shape:
+        problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
+        return
+    proj = torch.nn.Linear(shape[1], shape[0], bias=False)
+    proj.weight = torch.nn.Parameter(tensor.float().clone())
+    setattr(decoder.groups[int(g)], attr, proj)
+
+
+def _check_unexpected(config: CodecConfig, src: _TensorSource, used: set[str], problems: list[str]) -> None:
+    """Report checkpoint tensors that are neither decoder, decode-table nor skipped encoder tensors."""
+    quantizer_used = {f"quantizer.quantizers.{k}.codebook.weight" for k in range(config.num_quantizers)}
+    for prefix in _quantizer_names(config):
+        quantizer_used.update(_weight_norm_names(prefix))
+    unexpected = sorted(n for n in src.where if n not in used and n not in quantizer_used and not _is_skipped(n))
+    if unexpected:
+        shown = ", ".join(unexpected[:20]) + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else "")
+        problems.append(f"unexpected tensors: {shown}")
+
+
 # --------------------------------------------------------------------------- writing
 
-
-def _conv_wn(gen: torch.Generator, out_dim: int, in_dim: int, prefix: str) -> dict[str, torch.Tensor]:
-    v = torch.randn(out_dim, in_dim, 1, generator=gen)
-    g = v.norm(dim=(1, 2), keepdim=True) * (1.0 + 0.1 * torch.randn(out_dim, 1, 1, generator=gen)) / math.sqrt(in_dim)
-    return {
-        f"{prefix}.parametrizations.weight.original0": g,
-        f"{prefix}.parametrizations.weight.original1": v,
-        f"{prefix}.bias": 0.02 * torch.randn(out_dim, generator=gen),
-    }
+#: Permission bits of every file :func:`save_random_checkpoint` writes: readable by everyone,
+#: like a downloaded checkpoint (safetensors alone creates owner-only files).
+FILE_MODE = 0o644
 
 
-def _transformer_tensors(gen, spec: dict, prefix: str, version: str, proj_always: bool) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class _Draw:
+    """Tensors drawn together from the RNG, in checkpoint order: their shapes and how to draw them."""
+
+    shapes: dict[str, tuple[int, ...]]
+    draw: Callable[[torch.Generator], dict[str, torch.Tensor]]
+
+
+def _one(name: str, shape: tuple[int, ...], make: Callable[[torch.Generator], torch.Tensor]) -> _Draw:
+    return _Draw({name: shape}, lambda gen: {name: make(gen)})
+
+
+def _linear(name: str, out_dim: int, in_dim: int) -> _Draw:
+    return _one(name, (out_dim, in_dim), lambda gen: torch.randn(out_dim, in_dim, generator=gen) / math.sqrt(in_dim))
+
+
+def _weight_norm_conv(out_dim: int, in_dim: int, prefix: str) -> _Draw:
+    """A weight-normalised 1x1 convolution: g ``[out, 1, 1]``, v ``[out, in, 1]``, bias ``[out]``."""
+    g_name, v_name = f"{prefix}.parametrizations.weight.original0", f"{prefix}.parametrizations.weight.original1"
+
+    def draw(gen: torch.Generator) -> dict[str, torch.Tensor]:
+        v = torch.randn(out_dim, in_dim, 1, generator=gen)
+        jitter = 1.0 + 0.1 * torch.randn(out_dim, 1, 1, generator=gen)
+        g = v.norm(dim=(1, 2), keepdim=True) * jitter / math.sqrt(in_dim)
+        return {g_name: g, v_name: v, f"{prefix}.bias": 0.02 * torch.randn(out_dim, generator=gen)}
+
+    return _Draw({g_name: (out_dim, 1, 1), v_name: (out_dim, in_dim, 1), f"{prefix}.bias": (out_dim,)}, draw)
+
+
+def _transformer_draws(spec: dict, prefix: str, version: str, proj_always: bool) -> Iterator[_Draw]:
+    """Tensors of one ``Transformer`` module entry, named as the official ``version`` spells them."""
     d, ff = spec["d_model"], spec["dim_feedforward"]
     i, o = spec["input_dimension"], spec["output_dimension"]
-    t: dict[str, torch.Tensor] = {}
-
-    def lin(out_dim, in_dim):
-        return torch.randn(out_dim, in_dim, generator=gen) / math.sqrt(in_dim)
-
     if proj_always or i != d:
-        t[f"{prefix}.input_proj.weight"] = lin(d, i)
+        yield _linear(f"{prefix}.input_proj.weight", d, i)
     if proj_always or o != d:
-        t[f"{prefix}.output_proj.weight"] = lin(o, d)
+        yield _linear(f"{prefix}.output_proj.weight", o, d)
     names = ("self_attn.in_proj", "self_attn.out_proj", "ffn.0", "ffn.2")
     if version == "v1":
         names = ("self_attn.in_projs.0", "self_attn.out_projs.0", "linear1", "linear2")
+    scale = spec.get("layer_scale")
     for j in range(spec["num_layers"]):
         p = f"{prefix}.transformer.layers.{j}."
         for n in ("norm1", "norm2"):
-            t[p + n + ".weight"] = 1.0 + 0.1 * torch.randn(d, generator=gen)
-            t[p + n + ".bias"] = 0.1 * torch.randn(d, generator=gen)
-        t[p + names[0] + ".weight"] = lin(3 * d, d)
-        t[p + names[1] + ".weight"] = lin(d, d)
-        t[p + names[2] + ".weight"] = lin(ff, d)
-        t[p + names[3] + ".weight"] = lin(d, ff)
-        if spec.get("layer_scale") is not None:
-            scale = float(spec["layer_scale"])
-            t[p + "layer_scale_1.scale"] = scale * (1.0 + 0.1 * torch.randn(d, generator=gen))
-            t[p + "layer_scale_2.scale"] = scale * (1.0 + 0.1 * torch.randn(d, generator=gen))
-    return t
+            yield _one(f"{p}{n}.weight", (d,), lambda gen: 1.0 + 0.1 * torch.randn(d, generator=gen))
+            yield _one(f"{p}{n}.bias", (d,), lambda gen: 0.1 * torch.randn(d, generator=gen))
+        for name, (rows, cols) in zip(names, ((3 * d, d), (d, d), (ff, d), (d, ff))):
+            yield _linear(f"{p}{name}.weight", rows, cols)
+        if scale is not None:
+            for n in ("layer_scale_1", "layer_scale_2"):
+                yield _one(
+                    f"{p}{n}.scale", (d,), lambda gen: float(scale) * (1.0 + 0.1 * torch.randn(d, generator=gen))
+                )
 
 
-def random_official_state_dict(config: CodecConfig, seed: int = 0):
+def _random_draws(config: CodecConfig) -> Iterator[_Draw]:
+    """Every tensor of a random official checkpoint of ``config``, encoder included, in writing order."""
+    raw = config.raw
+    proj_always = config.version == "v2"
+    for i, spec in enumerate(raw.get("encoder_kwargs") or []):
+        if spec.get("module_type") == "Transformer":
+            yield from _transformer_draws(spec, f"encoder.{i}", config.version, proj_always)
+    latent_in = raw["quantizer_kwargs"].get("input_dim", config.latent_dim)
+    if latent_in != config.rvq_dim:
+        yield _weight_norm_conv(config.rvq_dim, latent_in, "quantizer.input_proj")
+    if config.rvq_dim != config.latent_dim:
+        yield _weight_norm_conv(config.latent_dim, config.rvq_dim, "quantizer.output_proj")
+    book = (config.codebook_size, config.codebook_dim)
+    for k in range(config.num_quantizers):
+        p = f"quantizer.quantizers.{k}"
+        if config.rvq_dim != config.codebook_dim:
+            yield _weight_norm_conv(config.codebook_dim, config.rvq_dim, f"{p}.in_proj")
+            yield _weight_norm_conv(config.rvq_dim, config.codebook_dim, f"{p}.out_proj")
+        yield _one(f"{p}.codebook.weight", book, lambda gen: torch.randn(*book, generator=gen))
+    for spec in config.groups:
+        module = raw["decoder_kwargs"][spec.index]
+        yield from _transformer_draws(module, f"decoder.{spec.index}", config.version, proj_always)
+
+
+def random_official_state_dict(config: CodecConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of a random fp32 checkpoint in official naming.
 
     Includes encoder tensors and the quantizer's encode-side projections, so loaders
     exercise skipping them. Deterministic for a given ``seed``.
     """
     gen = torch.Generator().manual_seed(seed)
-    raw = config.raw
-    proj_always = config.version == "v2"
-    for i, spec in enumerate(raw.get("encoder_kwargs") or []):
-        if spec.get("module_type") == "Transformer":
-            yield from _transformer_tensors(gen, spec, f"encoder.{i}", config.version, proj_always).items()
-    qk = raw["quantizer_kwargs"]
-    latent_in = qk.get("input_dim", config.latent_dim)
-    if latent_in != config.rvq_dim:
-        yield from _conv_wn(gen, config.rvq_dim, latent_in, "quantizer.input_proj").items()
-    if config.rvq_dim != config.latent_dim:
-        yield from _conv_wn(gen, config.latent_dim, config.rvq_dim, "quantizer.output_proj").items()
-    for k in range(config.num_quantizers):
-        p = f"quantizer.quantizers.{k}"
-        if config.rvq_dim != config.codebook_dim:
-            yield from _conv_wn(gen, config.codebook_dim, config.rvq_dim, f"{p}.in_proj").items()
-            yield from _conv_wn(gen, config.rvq_dim, config.codebook_dim, f"{p}.out_proj").items()
-        yield f"{p}.codebook.weight", torch.randn(config.codebook_size, config.codebook_dim, generator=gen)
-    for spec in config.groups:
-        module = raw["decoder_kwargs"][spec.index]
-        yield from _transformer_tensors(gen, module, f"decoder.{spec.index}", config.version, proj_always).items()
+    for item in _random_draws(config):
+        yield from item.draw(gen).items()
+
+
+def random_checkpoint_bytes(config: CodecConfig) -> int:
+    """Bytes of fp32 tensor data in a random checkpoint of ``config`` (encoder included), computed
+    from shapes without drawing a tensor: 8,494,804,992 for the ``v2`` preset."""
+    return sum(4 * math.prod(shape) for item in _random_draws(config) for shape in item.shapes.values())
+
+
+def _shard_plan(draws: list[_Draw], max_shard_bytes: int) -> dict[str, int]:
+    """Tensor name -> shard index: tensors fill a shard in order until the next would pass the limit."""
+    plan: dict[str, int] = {}
+    shard, size, count = 0, 0, 0
+    for item in draws:
+        for name, shape in item.shapes.items():
+            nbytes = 4 * math.prod(shape)
+            if count and size + nbytes > max_shard_bytes:
+                shard, size, count = shard + 1, 0, 0
+            plan[name] = shard
+            size, count = size + nbytes, count + 1
+    return plan
+
+
+def _write_file(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    path.chmod(FILE_MODE)
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(FILE_MODE)
+
+
+def _write_shards(
+    draws: list[_Draw], plan: dict[str, int], paths: list[Path], seed: int, progress: Callable[[int], object] | None
+) -> None:
+    """Draw the tensors in order and write each shard as soon as its last tensor is drawn."""
+    gen = torch.Generator().manual_seed(seed)
+    shard, tensors = 0, {}
+    for item in draws:
+        for name, tensor in item.draw(gen).items():
+            if plan[name] != shard:
+                _save_shard(tensors, paths[shard])
+                shard, tensors = plan[name], {}
+            tensors[name] = tensor.contiguous()
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size())
+    _save_shard(tensors, paths[shard])
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The checkpoint files (``config.json``, ``model*.safetensors``, shard index) already in ``path``."""
+    out = Path(path)
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.name in ("config.json", _INDEX) or p.match("model*.safetensors"))
 
 
 def save_random_checkpoint(
@@ -385,8 +482,15 @@ def save_random_checkpoint(
     path: str | Path,
     seed: int = 0,
     max_shard_bytes: int = 2 * 1024**3,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[int], object] | None = None,
 ) -> Path:
     """Write a random checkpoint in the official format to directory ``path``.
+
+    Tensors are drawn shard by shard and each shard is written as soon as it is full,
+    so at most one shard (``max_shard_bytes``) of tensors is in memory. Every file gets
+    mode :data:`FILE_MODE` (0644).
 
     Args:
         preset: a preset name (``v2``, ``v1``, ``tiny-v2``, ``tiny-v1``) or a config.
@@ -394,35 +498,35 @@ def save_random_checkpoint(
         seed: RNG seed.
         max_shard_bytes: above this total size tensors are split into
             ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``.
+        overwrite: replace the checkpoint files already in ``path``.
+        progress: called with the byte count of each tensor as it is drawn (e.g. a tqdm
+            bar's ``update``); the counts add up to :func:`random_checkpoint_bytes`.
     Returns:
         The directory.
+    Raises:
+        FileExistsError: ``path`` already holds checkpoint files (:func:`checkpoint_files`)
+            and ``overwrite`` is false; nothing is written.
+        ValueError: unknown preset name.
+        OSError: the directory or a file cannot be written.
     """
-    from safetensors.torch import save_file
-
     config = preset_config(preset) if isinstance(preset, str) else preset
     out = Path(path)
+    existing = checkpoint_files(out)
+    if existing and not overwrite:
+        names = ", ".join(p.name for p in existing[:3]) + (", ..." if len(existing) > 3 else "")
+        raise FileExistsError(f"{out} already holds a checkpoint ({names}); refusing to overwrite it")
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in random_official_state_dict(config, seed):
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
-        size += nbytes
+    for stale in existing:
+        stale.unlink()
     raw = dict(config.raw)
     raw.setdefault("model_type", "moss-audio-tokenizer")
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    for stale in list(out.glob("model*.safetensors")) + [out / _INDEX]:
-        stale.unlink(missing_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / _SINGLE), metadata={"format": "pt"})
-        return out
-    weight_map = {}
-    for n, shard in enumerate(shards, 1):
-        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    (out / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
+    _write_file(out / "config.json", json.dumps(raw, indent=2) + "\n")
+    draws = list(_random_draws(config))
+    plan = _shard_plan(draws, max_shard_bytes)
+    count = max(plan.values()) + 1
+    files = [_SINGLE] if count == 1 else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    _write_shards(draws, plan, [out / f for f in files], seed, progress)
+    if count > 1:
+        weight_map = {name: files[k] for name, k in plan.items()}
+        _write_file(out / _INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
     return out
