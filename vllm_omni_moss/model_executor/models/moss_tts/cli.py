@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-omni-moss``: make random official-format checkpoints and stream codes to a WAV file.
 
-Examples::
+Examples (after ``bash scripts/install.sh``; or activate ``.venv`` and drop the prefix)::
 
-    vllm-omni-moss make-checkpoint --preset tiny-v2 /tmp/codec
-    vllm-omni-moss decode codes.npy -o out.wav --checkpoint /tmp/codec --chunks 1,15
+    .venv/bin/vllm-omni-moss make-checkpoint --preset tiny-v2 /tmp/codec
+    .venv/bin/vllm-omni-moss decode codes.npy -o out.wav --checkpoint /tmp/codec --chunks 1,15
+
+Codes are integers of shape ``(n_vq, T)``: MOSS-TTS-Local emits ``n_vq = 12`` codebooks of
+the v2 codec, each code in ``[0, 1024)``; ``T`` frames give ``T x 3840`` samples per channel.
 """
 
 from __future__ import annotations
@@ -22,26 +25,32 @@ class CliError(Exception):
 
 
 def _load_codes(path: Path):
+    """``(n_vq, T)`` int64 codes from a ``.pt``/``.pth`` tensor or (any other suffix) a ``.npy`` array.
+
+    Raises:
+        CliError: one line naming the file when it is missing, unreadable, not an
+            integer array, not 2-D, or empty.
+    """
     import numpy as np
     import torch
 
     if not path.is_file():
         raise CliError(f"codes file not found: {path}")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".npy":
-            array = np.load(path, allow_pickle=False)
-            codes = torch.from_numpy(np.ascontiguousarray(array))
-        elif suffix in (".pt", ".pth"):
+    if path.suffix.lower() in (".pt", ".pth"):
+        kind = ".pt tensor"
+        try:
             codes = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            raise CliError(f"unsupported codes file {path.name}: expected .npy or .pt")
-    except CliError:
-        raise
-    except Exception as exc:
-        raise CliError(f"cannot read codes from {path}: {exc}") from exc
+        except Exception:  # torch raises many types (and long multi-line messages) for foreign files
+            codes = None
+    else:
+        kind = ".npy array"
+        try:
+            array = np.load(path, allow_pickle=False)
+            codes = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else None
+        except Exception:  # numpy's messages advise allow_pickle, which a codes file never needs
+            codes = None
     if not isinstance(codes, torch.Tensor):
-        raise CliError(f"{path} holds a {type(codes).__name__}, expected one integer tensor of shape (n_vq, T)")
+        raise CliError(f"{path} is not a valid {kind} of integer codes (expected shape (n_vq, T))")
     if codes.dim() != 2:
         raise CliError(f"{path}: codes must have shape (n_vq, T), got {tuple(codes.shape)}")
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
@@ -97,25 +106,63 @@ def _open_wav(path: Path, sample_rate: int, channels: int):
         raise CliError(f"cannot write {path}: {exc}") from exc
 
 
+def _format_bytes(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _cmd_make_checkpoint(args) -> int:
-    from .checkpoint import save_random_checkpoint
-    from .config import PRESETS
+    from tqdm import tqdm
+
+    from .checkpoint import checkpoint_files, random_checkpoint_bytes, save_random_checkpoint
+    from .config import PRESETS, preset_config
 
     _check_preset(args.preset, PRESETS)
+    directory = Path(args.directory)
+    existing = checkpoint_files(directory)
+    if existing and not args.force:
+        raise CliError(f"{directory} already holds a checkpoint ({existing[0].name}, ...); pass --force to replace it")
+    config = preset_config(args.preset)
+    total = random_checkpoint_bytes(config)
+    print(
+        f"writing a random {args.preset} checkpoint (seed {args.seed}) to {directory}: "
+        f"{total:,} bytes ({_format_bytes(total)}) of fp32 tensors"
+    )
     try:
-        out = save_random_checkpoint(args.preset, args.directory, seed=args.seed)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="make-checkpoint") as bar:
+            save_random_checkpoint(config, directory, seed=args.seed, overwrite=args.force, progress=bar.update)
     except OSError as exc:
-        raise CliError(f"cannot write a checkpoint to {args.directory}: {exc}") from exc
-    size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
-    print(f"wrote random {args.preset} checkpoint (seed {args.seed}, {size:.1f} MiB) to {out}")
+        raise CliError(f"cannot write a checkpoint to {directory}: {exc}") from exc
+    written = sum(p.stat().st_size for p in checkpoint_files(directory))
+    print(f"wrote {len(checkpoint_files(directory))} files ({_format_bytes(written)}) to {directory}")
     return 0
+
+
+def _load_decoder(args, device):
+    """The decoder of ``--checkpoint``, or random weights of ``--preset``, and a phrase naming it."""
+    import tempfile
+
+    from .checkpoint import CheckpointError, load_checkpoint, save_random_checkpoint
+    from .config import PRESETS
+
+    if args.checkpoint:
+        try:
+            return load_checkpoint(args.checkpoint, device=device), f"checkpoint {args.checkpoint}"
+        except (CheckpointError, ValueError, FileNotFoundError, OSError) as exc:
+            raise CliError(str(exc)) from exc
+    _check_preset(args.preset, PRESETS)
+    print(
+        f"note: no --checkpoint given: using RANDOM weights (preset {args.preset}, seed {args.seed}); "
+        "the audio is noise, useful only to exercise the pipeline",
+        file=sys.stderr,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        decoder = load_checkpoint(save_random_checkpoint(args.preset, tmp, seed=args.seed), device=device)
+    return decoder, f"random {args.preset} weights"
 
 
 def _cmd_decode(args) -> int:
     import torch
 
-    from .checkpoint import CheckpointError, load_checkpoint, save_random_checkpoint
-    from .config import PRESETS
     from .decoder import chunk_schedule
 
     codes = _load_codes(Path(args.codes))
@@ -124,32 +171,15 @@ def _cmd_decode(args) -> int:
     out = Path(args.output)
     if out.suffix.lower() != ".wav" or out.is_dir():
         raise CliError(f"output {out} must be a .wav file path")
-    if args.checkpoint:
-        try:
-            decoder = load_checkpoint(args.checkpoint, device=device)
-        except (CheckpointError, ValueError, FileNotFoundError, OSError) as exc:
-            raise CliError(str(exc)) from exc
-        source = f"checkpoint {args.checkpoint}"
-    else:
-        import tempfile
-
-        _check_preset(args.preset, PRESETS)
-        print(
-            f"note: no --checkpoint given: using RANDOM weights (preset {args.preset}, seed {args.seed}); "
-            "the audio is noise, useful only to exercise the pipeline",
-            file=sys.stderr,
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            decoder = load_checkpoint(save_random_checkpoint(args.preset, tmp, seed=args.seed), device=device)
-        source = f"random {args.preset} weights"
+    decoder, source = _load_decoder(args, device)
     cfg = decoder.config
     try:
         decoder.validate_codes(codes[:, None])
     except ValueError as exc:
         raise CliError(f"{args.codes}: {exc}") from exc
     codes = codes[:, None].to(device)
-    frames = codes.shape[-1]
-    spans = chunk_schedule(frames, chunks)
+    num_frames = codes.shape[-1]
+    spans = chunk_schedule(num_frames, chunks)
     written = 0
     with _open_wav(out, cfg.sampling_rate, cfg.number_channels) as wav:
         start = time.perf_counter()
@@ -161,10 +191,10 @@ def _cmd_decode(args) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-    expected = frames * cfg.samples_per_frame
+    expected = num_frames * cfg.samples_per_frame
     assert written == expected, (written, expected)
     seconds = expected / cfg.sampling_rate
-    print(f"decoded {frames} frames in {len(spans)} chunks with {source} on {device}")
+    print(f"decoded {num_frames} frames in {len(spans)} chunks with {source} on {device}")
     print(
         f"wrote {out}: {seconds:.2f} s of audio, {cfg.sampling_rate} Hz, {cfg.number_channels} channel(s), "
         f"{expected} samples per channel; decode took {elapsed:.2f} s (real-time factor {elapsed / seconds:.3f})"
@@ -182,9 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("directory", help="output directory (config.json + model.safetensors)")
     make.add_argument("--preset", required=True, help=f"codec geometry: {presets}")
     make.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    make.add_argument("--force", action="store_true", help="replace a checkpoint already in the directory")
     make.set_defaults(func=_cmd_make_checkpoint)
     dec = sub.add_parser("decode", help="stream codes through the fixed-width decoder and write a WAV")
-    dec.add_argument("codes", help="integer codes of shape (n_vq, T) in a .npy or .pt file")
+    dec.add_argument(
+        "codes",
+        help="integer codes of shape (n_vq, T) in a .npy (numpy.save) or .pt file; "
+        "MOSS-TTS-Local with the v2 codec: n_vq = 12, codes in [0, 1024)",
+    )
     dec.add_argument("-o", "--output", required=True, help="output WAV path (32-bit float samples)")
     src = dec.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="official checkpoint directory (config.json + safetensors)")
