@@ -16,6 +16,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import (
     checkpoint_files,
     load_checkpoint,
     random_checkpoint_bytes,
+    random_checkpoint_shapes,
     random_official_state_dict,
     save_random_checkpoint,
 )
@@ -121,7 +122,9 @@ def test_random_checkpoint_bytes_without_drawing():
     # 2,123,701,248 fp32 parameters (encoder and decoder 1,061,177,344 each, quantizer 1,346,560).
     assert random_checkpoint_bytes(preset_config("v2")) == 8_494_804_992
     cfg = preset_config("tiny-v2")
-    assert random_checkpoint_bytes(cfg) == sum(t.numel() * 4 for _, t in random_official_state_dict(cfg))
+    drawn = list(random_official_state_dict(cfg))
+    assert random_checkpoint_bytes(cfg) == sum(t.numel() * 4 for _, t in drawn)
+    assert random_checkpoint_shapes(cfg) == [(name, tuple(t.shape)) for name, t in drawn]
 
 
 def _modes(path):

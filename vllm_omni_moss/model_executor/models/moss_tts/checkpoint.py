@@ -31,6 +31,7 @@ __all__ = [
     "load_checkpoint",
     "official_decoder_names",
     "random_checkpoint_bytes",
+    "random_checkpoint_shapes",
     "random_official_state_dict",
     "save_random_checkpoint",
 ]
@@ -420,10 +421,16 @@ def random_official_state_dict(config: CodecConfig, seed: int = 0) -> Iterator[t
         yield from item.draw(gen).items()
 
 
+def random_checkpoint_shapes(config: CodecConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor of a random checkpoint of ``config``, in writing order,
+    without drawing a tensor (all fp32)."""
+    return [(name, shape) for item in _random_draws(config) for name, shape in item.shapes.items()]
+
+
 def random_checkpoint_bytes(config: CodecConfig) -> int:
     """Bytes of fp32 tensor data in a random checkpoint of ``config`` (encoder included), computed
     from shapes without drawing a tensor: 8,494,804,992 for the ``v2`` preset."""
-    return sum(4 * math.prod(shape) for item in _random_draws(config) for shape in item.shapes.values())
+    return sum(4 * math.prod(shape) for _, shape in random_checkpoint_shapes(config))
 
 
 def _shard_plan(draws: list[_Draw], max_shard_bytes: int) -> dict[str, int]:

@@ -7,11 +7,11 @@ groups") separated by weight-free ``PatchedPretransform`` upsamplers. This modul
 parses that file into a frozen :class:`CodecConfig`, validates it, and holds the
 built-in presets.
 
-Sources of the facts used here:
+Sources of the facts used here (explained in ``docs/codec_architecture.md``):
 
 * v2 geometry (6 groups, rings 125/250/400/400/400/400 tokens, 48 kHz stereo,
-  3840 samples per channel per frame): checkpoint ``OpenMOSS-Team/MOSS-Audio-Tokenizer-v2``
-  as summarised in ``shared/docs/codec-facts.md`` §A.4.
+  3840 samples per channel per frame): checkpoint ``OpenMOSS-Team/MOSS-Audio-Tokenizer-v2``,
+  see ``docs/codec_architecture.md#resolution-groups``.
 * v1 geometry (24 kHz mono, 1920 samples per frame, global 10 s context): the
   default ``decoder_kwargs`` of the official configuration class in
   ``OpenMOSS/MOSS-Audio-Tokenizer`` (four transformers, patches 2·2·2·240).
@@ -20,7 +20,7 @@ Sources of the facts used here:
   read from their own ``config.json``, so only the preset depends on this.
 * ``context = int(round(stage_rate * context_duration))`` tokens, where the stage
   rate is the frame rate times the upsampling applied before the stage
-  (vLLM-Omni 0.30.0 model construction, codec-facts §A.4).
+  (``MossAudioTokenizerModel.__init__`` in vLLM-Omni 0.30.0's ``audio_tokenizer_v2.py``).
 """
 
 from __future__ import annotations
@@ -521,7 +521,8 @@ def _v1(d1: int, d: int, heads1: int, heads: int, layers1: int, layers: int, lat
 
 
 PRESETS: dict[str, dict] = {
-    # MOSS-Audio-Tokenizer-v2: 92 layers, rings 125/250/400/400/400/400 (codec-facts §A.4).
+    # MOSS-Audio-Tokenizer-v2: 92 layers, rings 125/250/400/400/400/400
+    # (docs/codec_architecture.md#resolution-groups).
     "v2": _codec(
         sampling_rate=48000,
         downsample_rate=3840,

@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""docs/: every citation of a docs page resolves, and the numbers the pages state match the code."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import random_checkpoint_bytes, random_checkpoint_shapes
+from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+
+pytestmark = [pytest.mark.cpu]
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+CITATION = re.compile(r"docs/([a-z_]+\.md)(?:#([a-z0-9-]+))?")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)}
+
+
+def _tracked_text_files() -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [ROOT / n for n in out.stdout.split() if n.endswith((".py", ".md", ".sh", ".yaml", ".toml"))]
+
+
+def test_every_docs_citation_resolves():
+    cited = 0
+    for path in _tracked_text_files():
+        if not path.is_file():
+            continue
+        for m in CITATION.finditer(path.read_text(encoding="utf-8")):
+            page = DOCS / m.group(1)
+            where = f"{path.relative_to(ROOT)} cites {m.group(0)}"
+            assert page.is_file(), where
+            assert m.group(2) is None or m.group(2) in _anchors(page), where
+            cited += 1
+    assert cited >= 5
+
+
+def test_docs_are_self_contained():
+    for page in DOCS.glob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        assert "codec-facts" not in text and "shared/docs" not in text, page.name
+
+
+def _text(name: str) -> str:
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
+def test_memory_numbers_match_the_v2_geometry():
+    cfg = preset_config("v2")
+    text = _text("memory.md")
+    for i, g in enumerate(cfg.groups):
+        per_layer = g.ring_bytes(2) // g.num_layers
+        row = f"| {i} | {g.num_layers} | {g.num_heads} | {g.context} | {per_layer:,} | {g.ring_bytes(2):,} |"
+        assert row in text
+    slot = cfg.state_bytes_per_slot(2)
+    assert f"**{slot:,} bytes = {slot / 2**20:.2f} MiB per v2 slot in bf16**" in text
+    assert f"({cfg.state_bytes_per_slot(4):,} bytes in fp32)" in text
+    v1 = preset_config("v1")
+    assert f"{v1.state_bytes_per_slot(2):,} bytes in bf16 and {v1.state_bytes_per_slot(4):,} bytes in fp32" in text
+    for n in (32, 64, 128, 256):
+        legacy, compact = 2 * n * slot, (n + 1) * slot
+        row = (
+            f"| {n} | {2 * n} | {legacy:,} B ({legacy / 2**30:.2f} GiB) | {n + 1} | "
+            f"{compact:,} B ({compact / 2**30:.2f} GiB) | {(legacy - compact) / 2**30:.2f} GiB |"
+        )
+        assert row in text
+    rows = 2 * cfg.num_layers + len(cfg.groups)
+    assert f"`R = 2 x {cfg.num_layers} + {len(cfg.groups)} = {rows}` rows" in text
+    assert f"`{rows} x 256 x 8 = {rows * 256 * 8:,}` bytes" in text
+    assert f"`R = {v1.num_layers}` rows" in text
+
+
+def test_architecture_table_matches_the_v2_preset():
+    cfg = preset_config("v2")
+    text = _text("codec_architecture.md")
+    rate = cfg.frame_rate
+    for i, g in enumerate(cfg.groups):
+        tokens_per_s = rate * g.tokens_per_frame
+        duration = g.context / tokens_per_s
+        row = (
+            f"| {i} | `decoder.{g.index}` | {g.input_dim} -> {g.d_model} -> {g.output_dim} | {g.num_layers} | "
+            f"{g.num_heads} x {g.head_dim} | {g.dim_feedforward} | {tokens_per_s:g} | {duration:g} s | {g.context} | "
+            f"{g.tokens_per_frame} | x{g.upsample} |"
+        )
+        assert row in text
+    assert cfg.num_layers == 92 and cfg.samples_per_frame == 3840 and "**3840 samples per channel**" in text
+    assert [g.context for g in preset_config("v1").groups] == [125, 250, 500, 1000]
+    assert "rings of 125, 250, 500 and 1000 tokens" in text
+
+
+def test_checkpoint_sizes_match_the_random_writer():
+    cfg = preset_config("v2")
+    params: dict[str, int] = {}
+    for name, shape in random_checkpoint_shapes(cfg):
+        params[name.split(".")[0]] = params.get(name.split(".")[0], 0) + math.prod(shape)
+    text = _text("checkpoint.md")
+    total = random_checkpoint_bytes(cfg)
+    assert f"is {total:,} bytes of\ntensors ({total // 4:,} parameters" in text
+    assert f"encoder and decoder {params['decoder']:,} each, quantizer {params['quantizer']:,})" in text
+    assert params["encoder"] == params["decoder"]
