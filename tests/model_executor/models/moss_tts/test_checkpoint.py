@@ -162,11 +162,11 @@ def test_refuses_to_overwrite_a_checkpoint(tmp_path):
     path = save_random_checkpoint("tiny-v2", tmp_path / "ck", seed=1, max_shard_bytes=300_000)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     with pytest.raises(FileExistsError, match=r"ck already holds a checkpoint \(config.json, model-00001-of-00007"):
-        save_random_checkpoint("tiny-v2", path, seed=2)
+        save_random_checkpoint("tiny-v2", path, seed=2, overwrite=False)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
-    # overwrite=True replaces every checkpoint file (stale shards included) and keeps other files.
+    # By default (overwrite=True) every checkpoint file is replaced, stale shards included; other files stay.
     (path / "notes.txt").write_text("mine")
-    save_random_checkpoint("tiny-v2", path, seed=2, overwrite=True)
+    save_random_checkpoint("tiny-v2", path, seed=2)
     assert [p.name for p in checkpoint_files(path)] == ["config.json", "model.safetensors"]
     assert (path / "notes.txt").read_text() == "mine"
     fresh = load_checkpoint(save_random_checkpoint("tiny-v2", tmp_path / "fresh", seed=2))

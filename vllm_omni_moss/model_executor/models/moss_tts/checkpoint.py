@@ -490,7 +490,7 @@ def save_random_checkpoint(
     seed: int = 0,
     max_shard_bytes: int = 2 * 1024**3,
     *,
-    overwrite: bool = False,
+    overwrite: bool = True,
     progress: Callable[[int], object] | None = None,
 ) -> Path:
     """Write a random checkpoint in the official format to directory ``path``.
@@ -505,7 +505,9 @@ def save_random_checkpoint(
         seed: RNG seed.
         max_shard_bytes: above this total size tensors are split into
             ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``.
-        overwrite: replace the checkpoint files already in ``path``.
+        overwrite: replace the checkpoint files already in ``path`` (the default, which test
+            fixtures rely on); ``False`` refuses, as ``vllm-omni-moss make-checkpoint`` does
+            without ``--force``.
         progress: called with the byte count of each tensor as it is drawn (e.g. a tqdm
             bar's ``update``); the counts add up to :func:`random_checkpoint_bytes`.
     Returns:
