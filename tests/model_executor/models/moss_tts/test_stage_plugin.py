@@ -3,9 +3,13 @@
 
 * ``load_omni_general_plugins()`` makes ``OmniModelRegistry`` resolve ``MossTTSCodecDecoder``
   to our class, in this process and in a fresh one.
-* Our class has upstream's model-interface flags (vLLM reads them from upstream's class).
+* Our class has upstream's model-interface flags (vLLM reads them from upstream's class),
+  plus ``requires_request_ids``, the flag vLLM-Omni's generation runner reads.
 * The stage builds from a stub ``vllm_config``, loads a tiny official-format checkpoint,
-  and one ``forward`` batch of several streams gives each request its own solo decode.
+  and ``forward`` batches of several streams give each request its own solo decode.
+
+Stream keys, split and malformed payloads: ``test_stage_streams.py``; precision and chunk
+schedules: ``test_stage_config.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stage_helpers import build_stage, raw_info, run, use_session_api, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
@@ -94,51 +99,54 @@ def test_model_interface_flags_equal_upstream():
         assert getattr(ours, flag) == getattr(upstream, flag), flag
     a, b = _ModelInfo.from_model_cls(ours), _ModelInfo.from_model_cls(upstream)
     assert dataclasses.replace(a, architecture="") == dataclasses.replace(b, architecture="")
+    # Ours adds one flag; upstream's class leaves it unset (streams keyed by batch position).
+    assert ours.requires_request_ids is True and getattr(upstream, "requires_request_ids", False) is False
+
+
+def test_generation_runner_passes_request_ids_for_our_flag():
+    import inspect
+
+    from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
+
+    source = inspect.getsource(GPUGenerationModelRunner.execute_model)
+    assert 'getattr(self.model, "requires_request_ids", False)' in source
+    assert 'model_kwargs["request_ids"] = list(req_ids)' in source
 
 
 # ----------------------------------------------------------------------------- stage
 
 
-def _vllm_config(codec_dir, n_vq: int, *, max_num_seqs: int = 4, enforce_eager: bool = True):
-    return SimpleNamespace(
-        model_config=SimpleNamespace(
-            hf_config=SimpleNamespace(n_vq=n_vq, codec_model_name_or_path=str(codec_dir)),
-            async_chunk=True,
-            enforce_eager=enforce_eager,
-            stage_connector_config={"extra": {"initial_codec_chunk_frames": 1, "codec_chunk_frames": 3}},
-        ),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-        compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16]),
-        device_config=SimpleNamespace(device=torch.device("cpu")),
-        load_config=SimpleNamespace(download_dir=None),
-    )
+@pytest.fixture(autouse=True)
+def _session_api(monkeypatch):
+    use_session_api(monkeypatch)
 
 
 @pytest.fixture
 def stage(tmp_path):
+    return build_stage(tmp_path)
+
+
+def test_stage_loads_only_the_codec_decoder(tmp_path):
     from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import save_random_checkpoint
     from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
     from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
 
-    cfg = preset_config("tiny-v2")
-    codec_dir = save_random_checkpoint(cfg, tmp_path / "codec", seed=3)
-    n_vq = max(1, cfg.num_quantizers - 1)  # like Local: fewer codebooks than the codec has
-    model = MossTTSCodecDecoder(vllm_config=_vllm_config(codec_dir, n_vq))
+    codec_dir = save_random_checkpoint(preset_config("tiny-v2"), tmp_path / "codec", seed=3)
+    model = MossTTSCodecDecoder(vllm_config=vllm_config(codec_dir, 11))
     talker_weights = iter([("talker.w", torch.zeros(2))])
     loaded = model.load_weights(talker_weights)
     assert next(talker_weights, None) is None  # drained
     assert loaded == {n for n, _ in model.named_parameters()} and all(n.startswith("_codec.") for n in loaded)
     assert not any("encoder" in n for n in loaded)
-    return model
 
 
 def test_stage_config_is_read_like_upstream(tmp_path):
     from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
 
-    eager = MossTTSCodecDecoder(vllm_config=_vllm_config(tmp_path, 12, max_num_seqs=8))
-    assert eager.graph_batch_sizes == [] and eager.graph_frames == [1, 3] and eager.max_step_frames == 3
+    eager = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 12, max_num_seqs=8))
+    assert eager.graph_batch_sizes == [] and eager.graph_frame_sizes == [1, 3] and eager.max_step_frames == 3
     assert eager.state_capacity == 8 and eager.n_vq == 12 and eager.codec_path == str(tmp_path)
-    graphs = MossTTSCodecDecoder(vllm_config=_vllm_config(tmp_path, 12, max_num_seqs=8, enforce_eager=False))
+    graphs = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 12, max_num_seqs=8, enforce_eager=False))
     assert graphs.graph_batch_sizes == [1, 2, 4, 8]
     ids = torch.arange(5)
     assert graphs.embed_input_ids(ids).shape == (5, 1) and graphs.compute_logits(torch.zeros(1)) is None
@@ -150,10 +158,11 @@ def test_stage_config_is_read_like_upstream(tmp_path):
 def _payload(rid_field: str, rid: str, finished: bool) -> dict:
     if rid_field == "req_id":
         return {"meta": {"req_id": [rid], "stream_finished": torch.tensor([finished]), "left_context_size": 0}}
-    return {"request_id": rid, "meta": {"finished": finished}}
+    return {"request_id": rid, "meta": {"stream_finished": finished}}
 
 
-def test_forward_batches_give_each_request_its_solo_decode(stage):
+@pytest.mark.parametrize("runner_ids", [True, False], ids=["runner-ids", "payload-ids"])
+def test_forward_batches_give_each_request_its_solo_decode(stage, runner_ids):
     dec, n_vq = stage._codec, stage.n_vq
     K, spf, ch = dec.config.codebook_size, dec.config.samples_per_frame, dec.config.number_channels
     gen = torch.Generator().manual_seed(0)
@@ -164,18 +173,19 @@ def test_forward_batches_give_each_request_its_solo_decode(stage):
     audio: dict[str, list[torch.Tensor]] = {r: [] for r in total}
 
     def forward(batch):
-        ids, counts, infos = [], [], []
+        segs, infos = [], []
         for rid, T, finished, field in batch:
-            chunk = codes[rid][:, pos[rid] : pos[rid] + T]
+            segs.append(codes[rid][:, pos[rid] : pos[rid] + T])
             pos[rid] += T
-            ids.append(chunk.reshape(-1))
-            counts.append(chunk.numel())
             infos.append(_payload(field, rid, finished))
+        # The runner's ids are vLLM's internal ones: the payload's id plus a random suffix.
+        ids = [f"{rid}-0123abcd" for rid, *_ in batch] if runner_ids else None
         out = stage(
-            input_ids=torch.cat(ids),
+            input_ids=torch.cat([s.reshape(-1) for s in segs]),
             positions=None,
             runtime_additional_information=infos,
-            seq_token_counts=counts,
+            seq_token_counts=[s.numel() for s in segs],
+            **({"request_ids": ids} if runner_ids else {}),
         )
         wavs, srs = out.multimodal_outputs["model_outputs"], out.multimodal_outputs["sr"]
         assert len(wavs) == len(batch) == len(srs)
@@ -198,7 +208,7 @@ def test_forward_batches_give_each_request_its_solo_decode(stage):
             ("d", 2, False, "request_id"),
         ]
     )
-    stage.on_requests_finished({"b"})  # abort
+    stage.on_requests_finished({"b-0123abcd" if runner_ids else "b"})  # abort
     late = forward([("b", 0, False, "request_id"), ("c", 0, True, "req_id"), ("d", 3, True, "request_id")])
     assert late[0].numel() == 0
     session = stage._session
@@ -221,6 +231,8 @@ def test_forward_clamps_pad_codes_and_requires_token_counts(stage):
     info = [_payload("req_id", "p", True)]
     with pytest.raises(RuntimeError, match="seq_token_counts"):
         stage(input_ids=codes.reshape(-1), runtime_additional_information=info)
+    with pytest.raises(RuntimeError, match=r"^2 request_ids for 1 requests \(seq_token_counts\)$"):
+        run(stage, [codes], info, request_ids=["p", "q"])
     wav = stage(input_ids=codes.reshape(-1), runtime_additional_information=info, seq_token_counts=[codes.numel()])
     ref = dec.decode(codes.clamp(0, K - 1)[:, None], chunk_frames=[2])[0]
     got = wav.multimodal_outputs["model_outputs"][0]
@@ -230,16 +242,8 @@ def test_forward_clamps_pad_codes_and_requires_token_counts(stage):
 
 def test_meta_only_terminal_batch_releases_its_stream(stage):
     codes = torch.zeros(stage.n_vq, 2, dtype=torch.long)
-    stage(
-        input_ids=codes.reshape(-1),
-        runtime_additional_information=[_payload("req_id", "m", False)],
-        seq_token_counts=[codes.numel()],
-    )
+    run(stage, [codes], [raw_info("m", 2, stage.n_vq)], request_ids=["m"])
     assert "m" in stage._session.live_requests
-    out = stage(
-        input_ids=torch.zeros(0, dtype=torch.long),
-        runtime_additional_information=[_payload("req_id", "m", True)],
-        seq_token_counts=[0],
-    )
-    assert out.multimodal_outputs["model_outputs"][0].numel() == 0
+    out = run(stage, [torch.zeros(0)], [raw_info("m", 0, stage.n_vq, finished=True)], request_ids=["m"])
+    assert out[0].numel() == 0
     assert "m" not in stage._session.live_requests and stage._session.free_slots == stage.state_capacity

@@ -1,17 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM-Omni Stage 1 for MOSS-TTS: codes from Stage 0 in, waveform out.
 
-Drop-in replacement for vLLM-Omni 0.30.0's ``MossTTSCodecDecoder`` (same constructor,
-``forward`` contract, model-interface flags and architecture name; codec-facts §C).
-The plugin (``vllm_omni_moss.plugin``) registers it on ``OmniModelRegistry``.
-Differences in behaviour:
+Drop-in replacement for vLLM-Omni 0.30.0's ``MossTTSCodecDecoder``
+(``vllm_omni/model_executor/models/moss_tts/modeling_moss_tts_codec.py``): same
+constructor, ``forward`` contract and architecture name, upstream's model-interface
+flags plus ``requires_request_ids``. The plugin (``vllm_omni_moss.plugin``) registers it
+on ``OmniModelRegistry``. Differences in behaviour (details in ``docs/serving_stage.md``):
 
 * Only the codec decoder is loaded (:func:`~.checkpoint.load_checkpoint`); the
   encoder is never built.
-* Streaming goes through :class:`~.session.CodecStreamSession` with the default pool
-  (V2 for v2 codecs: one null slot instead of one scratch slot per graph padding row).
-* A meta-only terminal payload (zero frames) releases its stream's slot at once;
-  late chunks of aborted streams are dropped instead of re-creating state.
+* Streams are keyed by the runner's request ids (the strings ``on_requests_finished``
+  receives), never by batch position; the payload's own id is a logged cross-check.
+* A request fails alone: a malformed payload, a missing stream id or a session error
+  is logged once for that request, which gets empty audio; the others decode. A
+  terminal payload always ends its stream and frees its slot, even when malformed.
+* A chunk the engine's token budget split across steps is buffered until the size its
+  payload declares is complete.
 * Codec attention is always this package's SDPA path; ``codec_attention_backend``
   hf overrides are accepted and ignored.
 
@@ -22,7 +26,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +42,54 @@ from vllm_omni.model_executor.models.output_templates import OmniOutput
 from .checkpoint import load_checkpoint
 from .compile import DYNAMIC_ARG_DIMS, adapter_class_for
 from .decoder import CodecDecoder
-from .session import ChunkRequest, CodecStreamSession
+from .session import ChunkRequest, ChunkResult, CodecStreamSession
 from .state_pool import DecoderStatePool
 
-__all__ = ["MossTTSCodecDecoder"]
+__all__ = ["MossTTSCodecDecoder", "connector_chunk_frames"]
 
 logger = init_logger(__name__)
 
 _DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
 _DEFAULT_MAX_STEP_FRAMES = 100
 _CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _positive_frames(name: str, value: Any) -> list[int]:
+    """``value`` (an int, a list of ints or a comma-separated string) as a list of frame counts >= 0."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    try:
+        frames = [int(str(v).strip()) for v in items]
+    except ValueError:
+        raise ValueError(f"connector extra {name} must hold integer frame counts, got {value!r}") from None
+    if any(f < 0 for f in frames):
+        raise ValueError(f"connector extra {name} must hold frame counts >= 0, got {value!r}")
+    return frames
+
+
+def connector_chunk_frames(extra: dict[str, Any]) -> list[int]:
+    """Every chunk size (frames) Stage 0 may send under the connector's chunk schedule.
+
+    Reads the connector ``extra`` fields vLLM-Omni 0.30.0 uses for codec chunking:
+    ``initial_codec_chunk_frames`` (first chunk), ``codec_chunk_frames`` (steady chunks)
+    and ``codec_chunk_ramp`` (a list, or a comma-separated string, of per-chunk sizes for
+    the first chunks, e.g. ``[1, 4, 15]``; see ``stage_input_processors/chunk_size_utils.py``).
+    The union is returned so that a ramp an upstream processor ignores still leaves
+    graphs for the sizes it does send. A terminal chunk may be shorter than any of them.
+
+    Returns:
+        Sorted distinct sizes ``> 0``; empty when the connector names none.
+    Raises:
+        ValueError: a field holds a non-integer or negative frame count.
+    """
+    sizes: set[int] = set()
+    for name in ("initial_codec_chunk_frames", "codec_chunk_frames", "codec_chunk_ramp"):
+        sizes.update(_positive_frames(name, extra.get(name)))
+    return sorted(s for s in sizes if s > 0)
 
 
 # --------------------------------------------------------------------------- compile
@@ -54,8 +99,9 @@ _CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 def _vllm_adapter_class(base: type[nn.Module]) -> type[nn.Module]:
     """``support_torch_compile`` subclass of the core adapter class ``base``.
 
-    Built once per adapter class: the decorator rewrites the class it is given (bases
-    and ``__init__``), so it gets a subclass owned by this module, never the core class.
+    Built once per base class (:func:`~.compile.adapter_class_for` picks it for a pool):
+    the decorator rewrites the class it is given (bases and ``__init__``), so it gets a
+    subclass owned by this module, never the core class.
     """
     from vllm.compilation.decorators import support_torch_compile
 
@@ -93,7 +139,7 @@ def _vllm_compile_factory(vllm_config: VllmConfig):
     return factory
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- payloads
 
 
 def _meta_scalar(value: Any) -> Any:
@@ -103,6 +149,46 @@ def _meta_scalar(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.reshape(-1)[0].item() if value.numel() else None
     return value
+
+
+def _meta_flag(meta: dict, *names: str) -> bool:
+    """The first of ``names`` present in ``meta``, as a bool (False when none is)."""
+    for name in names:
+        if name in meta:
+            return bool(_meta_scalar(meta[name]))
+    return False
+
+
+def _placeholder(meta: dict) -> bool:
+    # The connector turns a segment end without new codes into one `[0]` token
+    # (distributed/omni_connectors/transfer_adapter/chunk_transfer_adapter.py).
+    return _meta_flag(meta, "is_segment_finished")
+
+
+def _payload_id(info: dict, meta: dict) -> str | None:
+    """The stream id a payload names itself (``meta.req_id``, else ``request_id``), or None."""
+    for value in (meta.get("req_id"), info.get("request_id")):
+        value = _meta_scalar(value)
+        if value is not None:
+            return str(value)
+    return None
+
+
+def _same_request(runner_id: str, payload_id: str) -> bool:
+    # vLLM's internal id is the external one plus "-" and 8 random characters
+    # (vllm/v1/engine/input_processor.py, assign_request_id); payloads carry the external one.
+    return runner_id == payload_id or runner_id.startswith(payload_id + "-")
+
+
+@dataclass
+class _StreamChunk:
+    """One batch row of an ``async_chunk`` step, ready for the session (or not)."""
+
+    index: int  # batch position
+    key: str | None  # stream key; None when the row has no usable id
+    codes: torch.Tensor | None  # (n_vq, T); None: nothing to hand to the session this step
+    finished: bool
+    error: str | None = None
 
 
 def _resolve_codec_dir(path: str, download_dir: str | None) -> Path:
@@ -130,17 +216,22 @@ def _resolve_codec_dir(path: str, download_dir: str | None) -> Path:
 class MossTTSCodecDecoder(nn.Module):
     """Stage 1 of MOSS-TTS: ``(n_vq, T)`` codes per request -> float32 audio.
 
-    Built by vLLM from ``vllm_config``: ``n_vq`` (fallback ``rvq``, default 16) and the
-    codec checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``)
-    from the stage hf_config; stream capacity = ``scheduler_config.max_num_seqs``;
-    connector extras ``initial_codec_chunk_frames`` / ``codec_chunk_frames`` give the
-    graph frame sizes and the longest step (``codec_chunk_frames`` or 100); graph batch
-    buckets are ``compilation_config.cudagraph_capture_sizes`` up to ``max_num_seqs``,
-    none under ``enforce_eager`` (which defaults to true when absent).
+    Built by vLLM from ``vllm_config``: ``n_vq`` (fallback ``rvq``, default 16), the codec
+    checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``) from
+    the stage hf_config;
+    stream capacity = ``scheduler_config.max_num_seqs``; the connector's chunk schedule
+    (:func:`connector_chunk_frames`) gives the graph frame sizes and the longest step (its
+    largest size, or 100); graph batch buckets are ``compilation_config.cudagraph_capture_sizes``
+    up to ``max_num_seqs``, none under ``enforce_eager`` (which defaults to true when absent).
+
+    Raises:
+        ValueError: bad connector chunk sizes.
     """
 
-    # Model-interface flags: identical to vLLM-Omni 0.30.0's class. vLLM reads them from
-    # the class in its global registry (upstream's), the omni runner from this one.
+    # Model-interface flags: upstream's, read by vLLM from the class in its global registry
+    # (upstream's) and by the omni runner from this one; plus requires_request_ids, which
+    # makes vLLM-Omni's generation runner pass `request_ids` to forward
+    # (vllm_omni/worker/gpu_generation_model_runner.py).
     input_modalities = "audio"
     have_multimodal_outputs: bool = True
     has_preprocess: bool = False
@@ -148,8 +239,11 @@ class MossTTSCodecDecoder(nn.Module):
     enable_update_additional_information: bool = True
     requires_raw_input_tokens: bool = True
     requires_exact_input_shape: bool = True
+    requires_request_ids: bool = True
 
     _OUTPUT_SAMPLE_RATE: int = 24_000
+    #: Seconds between two session statistics lines in the log.
+    STATS_INTERVAL_S: float = 30.0
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -165,29 +259,31 @@ class MossTTSCodecDecoder(nn.Module):
             logger.info("codec_attention_backend=%r ignored: this codec stage always uses its own SDPA path", backend)
         scheduler = getattr(vllm_config, "scheduler_config", None)
         self.state_capacity = max(1, int(getattr(scheduler, "max_num_seqs", 1) or 1))
-        initial = self._connector_int("initial_codec_chunk_frames")
-        steady = self._connector_int("codec_chunk_frames")
-        self.max_step_frames = steady or _DEFAULT_MAX_STEP_FRAMES
-        self.graph_frames = sorted({t for t in (initial, steady) if t > 0})
+        self.graph_frame_sizes = connector_chunk_frames(self._connector_extra())
+        self.max_step_frames = max(self.graph_frame_sizes, default=_DEFAULT_MAX_STEP_FRAMES)
         self.async_chunk = bool(getattr(model_config, "async_chunk", False))
         self.enforce_eager = bool(getattr(model_config, "enforce_eager", True))
         self.graph_batch_sizes = self._graph_batch_sizes()
+        self.stats_interval_s = self.STATS_INTERVAL_S
 
         self._codec: CodecDecoder | None = None
         self._session: CodecStreamSession | None = None
         self._channels = 1
         self._sr_tensor = torch.tensor(self._OUTPUT_SAMPLE_RATE, dtype=torch.int32)
+        self._partial: dict[str, torch.Tensor] = {}  # stream key -> buffered prefix of a split chunk
+        self._held: dict[str, list[torch.Tensor]] = {}  # stream key -> audio decoded while it was not batched
+        self._reported: set[str] = set()  # stream keys whose error was logged
+        self._mismatch_warned: set[str] = set()  # stream keys whose payload names another request
+        self._stats_logged_at = time.monotonic()
 
     # ------------------------------------------------------------------ config
-    def _connector_int(self, name: str, default: int = 0) -> int:
+    def _connector_extra(self) -> dict[str, Any]:
         connector = getattr(self.vllm_config.model_config, "stage_connector_config", None)
         if isinstance(connector, dict):
             extra = connector.get("extra", connector)
         else:
             extra = getattr(connector, "extra", None)
-        if isinstance(extra, dict) and name in extra:
-            return int(extra[name])
-        return default
+        return extra if isinstance(extra, dict) else {}
 
     def _graph_batch_sizes(self) -> list[int]:
         if self.enforce_eager:
@@ -236,27 +332,27 @@ class MossTTSCodecDecoder(nn.Module):
             self.n_vq,
             self.state_capacity,
             self.graph_batch_sizes,
-            self.graph_frames,
+            self.graph_frame_sizes,
         )
-        if self.async_chunk and self.graph_batch_sizes and self.graph_frames:
+        if self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes:
             self._ensure_session()  # compile and capture at load, not on the first request
         return {f"_codec.{name}" for name, _ in codec.named_parameters()}
 
     def _ensure_session(self) -> CodecStreamSession:
         if self._session is None:
-            graphs = bool(self.graph_batch_sizes and self.graph_frames)
+            graphs = bool(self.graph_batch_sizes and self.graph_frame_sizes)
             self._session = CodecStreamSession(
                 self._codec,
                 self.state_capacity,
                 graph_batch_sizes=self.graph_batch_sizes,
-                graph_frame_sizes=self.graph_frames,
+                graph_frame_sizes=self.graph_frame_sizes,
                 max_step_frames=self.max_step_frames,
                 n_vq=self.n_vq,
                 compile=_vllm_compile_factory(self.vllm_config) if graphs else False,
             )
         return self._session
 
-    # ------------------------------------------------------------------ decode
+    # ------------------------------------------------------------------ output
     def _empty_audio(self) -> torch.Tensor:
         return torch.zeros((self._channels, 0) if self._channels > 1 else (0,), dtype=torch.float32)
 
@@ -270,6 +366,7 @@ class MossTTSCodecDecoder(nn.Module):
         # Mono codecs return (samples,), multi-channel ones (channels, samples), as upstream.
         return wav.reshape(-1) if wav.shape[0] == 1 else wav
 
+    # ------------------------------------------------------------------ decode
     @torch.no_grad()
     def forward(
         self,
@@ -285,15 +382,19 @@ class MossTTSCodecDecoder(nn.Module):
         Args:
             input_ids: every request's codebook-major flat codes ``[n_vq * T_i]``, concatenated.
             seq_token_counts: (kwarg, required when ``input_ids`` is non-empty) tokens per request.
+            request_ids: (kwarg) the runner's request id per request: the stream keys.
             runtime_additional_information: per request dict; ``meta`` may hold
-                ``stream_finished`` / ``finished``, ``left_context_size`` and ``req_id``.
+                ``stream_finished`` / ``finished``, ``req_id``, ``codec_chunk_frames`` /
+                ``code_flat_numel`` (the chunk's declared size), ``is_segment_finished``
+                and ``left_context_size`` (see ``docs/serving_stage.md``).
         Returns:
             ``OmniOutput`` with ``multimodal_outputs["model_outputs"]``: per request float32
-            CPU audio, ``(channels, samples)`` or ``(samples,)`` for mono; and ``["sr"]``:
+            CPU audio, ``(channels, samples)`` or ``(samples,)`` for mono, empty for a
+            request that failed (logged) or has nothing to decode yet; and ``["sr"]``:
             per request int32 scalar tensors.
         Raises:
-            RuntimeError: ``seq_token_counts`` missing or longer than ``input_ids``;
-                stream capacity exhausted (see :class:`CodecStreamSession`).
+            RuntimeError: ``seq_token_counts`` missing or longer than ``input_ids``, or
+                ``request_ids`` of another length than ``seq_token_counts``.
             TypeError / ValueError: malformed ``seq_token_counts``.
         """
         infos = list(runtime_additional_information or [{}])
@@ -302,58 +403,32 @@ class MossTTSCodecDecoder(nn.Module):
             return self._output([self._empty_audio() for _ in infos])
         if self.async_chunk and runtime_additional_information is None:
             return self._output([self._empty_audio() for _ in infos])  # profiling run
+        batch = self._split_batch(input_ids, kwargs.get("seq_token_counts"), infos)
+        if batch is None:
+            return self._output([self._empty_audio() for _ in infos])
+        if not self.async_chunk:
+            return self._output([self._decode_offline(i, seg, info) for i, (seg, info) in enumerate(batch)])
+        audios = self._decode_streams(batch, kwargs.get("request_ids"))
+        self._maybe_log_stats()
+        return self._output(audios)
+
+    def _split_batch(
+        self, input_ids: torch.Tensor | None, counts_value: Any, infos: list[Any]
+    ) -> list[tuple[torch.Tensor, dict]] | None:
+        """Per request ``(flat codes, info dict)``; None when there is nothing to split."""
         flat = input_ids.reshape(-1) if input_ids is not None else torch.zeros(0, dtype=torch.long)
-        counts = self._token_counts(kwargs.get("seq_token_counts"))
+        counts = self._token_counts(counts_value)
         if counts is None:
             if flat.numel() == 0:
-                return self._output([self._empty_audio() for _ in infos])
+                return None
             raise RuntimeError("MOSS codec needs seq_token_counts to split the concatenated codes per request")
         # Carries on with zero tokens too: a batch of meta-only terminal payloads must
         # still release its streams.
         if sum(counts) > flat.numel():
             raise RuntimeError(f"seq_token_counts {counts} sum to more than the {flat.numel()} input tokens")
         infos = (infos + [{}] * len(counts))[: len(counts)]
-        audios = [self._empty_audio() for _ in counts]
-
-        chunks: list[tuple[int, ChunkRequest]] = []
-        start = 0
-        for i, (n, info) in enumerate(zip(counts, infos)):
-            seg = flat[start : start + n]
-            start += n
-            info = info if isinstance(info, dict) else {}
-            meta = info.get("meta") or {}
-            finished = bool(_meta_scalar(meta.get("stream_finished", meta.get("finished", False))))
-            if seg.numel() % self.n_vq:
-                logger.warning(
-                    "MOSS codec: %d codes for request %d are not a multiple of n_vq=%d; skipped",
-                    seg.numel(),
-                    i,
-                    self.n_vq,
-                )
-                continue
-            codes = seg.reshape(self.n_vq, -1)
-            if self.async_chunk:
-                chunks.append((i, ChunkRequest(self._request_key(info, meta, i), codes, finished)))
-            elif codes.shape[1]:
-                audios[i] = self._decode_offline(codes, meta)
-
-        if chunks:
-            results = self._ensure_session().decode([req for _, req in chunks])
-            for i, req in chunks:
-                res = results[req.request_id]
-                if res.frames:
-                    audios[i] = self._shape_audio(res.audio)
-        return self._output(audios)
-
-    def _decode_offline(self, codes: torch.Tensor, meta: dict) -> torch.Tensor:
-        """Whole-utterance decode (``async_chunk`` off), minus ``left_context_size`` frames."""
-        K = self._codec.config.codebook_size
-        codes = codes.to(self._codec.device, torch.long).clamp(0, K - 1)
-        wav = self._codec.decode(codes[:, None])[0].float().cpu()
-        left = int(_meta_scalar(meta.get("left_context_size", 0)) or 0)
-        if left > 0:
-            wav = wav[..., left * self._codec.config.samples_per_frame :]
-        return self._shape_audio(wav)
+        bounds = list(itertools.accumulate(counts, initial=0))
+        return [(flat[a:b], info if isinstance(info, dict) else {}) for a, b, info in zip(bounds, bounds[1:], infos)]
 
     @staticmethod
     def _token_counts(value: Any) -> list[int] | None:
@@ -366,17 +441,168 @@ class MossTTSCodecDecoder(nn.Module):
             raise ValueError(f"seq_token_counts must be non-negative, got {counts}")
         return counts or None
 
-    @staticmethod
-    def _request_key(info: dict, meta: dict, index: int) -> str:
-        for value in (meta.get("req_id"), info.get("request_id")):
-            value = _meta_scalar(value)
-            if value is not None:
-                return str(value)
-        return f"moss-codec-stream-{index}"
+    def _decode_offline(self, index: int, seg: torch.Tensor, info: dict) -> torch.Tensor:
+        """Whole-utterance decode (``async_chunk`` off), minus ``left_context_size`` frames."""
+        if seg.numel() % self.n_vq:
+            self._report(None, index, f"{seg.numel()} codes are not a multiple of n_vq={self.n_vq}")
+            return self._empty_audio()
+        if seg.numel() == 0:
+            return self._empty_audio()
+        K = self._codec.config.codebook_size
+        codes = seg.reshape(self.n_vq, -1).to(self._codec.device, torch.long).clamp(0, K - 1)
+        wav = self._codec.decode(codes[:, None])[0].float().cpu()
+        left = int(_meta_scalar((info.get("meta") or {}).get("left_context_size", 0)) or 0)
+        if left > 0:
+            wav = wav[..., left * self._codec.config.samples_per_frame :]
+        return self._shape_audio(wav)
+
+    # ------------------------------------------------------------------ streams
+    def _decode_streams(self, batch: list[tuple[torch.Tensor, dict]], runner_ids: Any) -> list[torch.Tensor]:
+        """One ``async_chunk`` step: every row through the session, each failing alone."""
+        keys = self._stream_keys(batch, runner_ids)
+        chunks = [self._stream_chunk(i, seg, info, key) for i, ((seg, info), key) in enumerate(zip(batch, keys))]
+        for c in chunks:
+            if c.error is not None:
+                self._report(c.key, c.index, c.error)
+        requests = [ChunkRequest(c.key, c.codes, c.finished) for c in chunks if c.codes is not None]
+        results = self._ensure_session().decode(requests) if requests else {}
+        audios = [self._empty_audio() for _ in batch]
+        for c in chunks:
+            result = results.pop(c.key, None) if c.key is not None else None
+            if result is not None:
+                audios[c.index] = self._deliver(c, result)
+        for key, result in results.items():  # streams decoded from the admission queue, not in this batch
+            if result.error is None and result.frames:
+                self._held.setdefault(key, []).append(result.audio)
+        for c in chunks:
+            if c.finished and c.codes is not None:
+                self._reported.discard(c.key)  # the stream ended: the id may start a new one
+        return audios
+
+    def _stream_keys(self, batch: list[tuple[torch.Tensor, dict]], runner_ids: Any) -> list[str | tuple[str]]:
+        """Per row the stream key, or a 1-tuple holding the error that row gets instead.
+
+        Keys are the runner's request ids; without them (an older runner, a direct call)
+        the payload's own id; never the batch position, which would hand one request's
+        decoder state to the next.
+        """
+        if runner_ids is not None and len(runner_ids) != len(batch):
+            raise RuntimeError(f"{len(runner_ids)} request_ids for {len(batch)} requests (seq_token_counts)")
+        keys: list[str | tuple[str]] = []
+        for i, (_, info) in enumerate(batch):
+            own = _payload_id(info, info.get("meta") or {})
+            key = str(runner_ids[i]) if runner_ids is not None else own
+            if key is None:
+                keys.append(("no stream id: the runner passed no request_ids and the payload names no req_id",))
+                continue
+            if own is not None and not _same_request(key, own) and key not in self._mismatch_warned:
+                self._mismatch_warned.add(key)
+                logger.warning(
+                    "MOSS codec request %s: its payload names request %s; keyed by the runner's id", key, own
+                )
+            keys.append(("request id appears twice in one batch",) if key in keys else key)
+        return keys
+
+    def _stream_chunk(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple[str]) -> _StreamChunk:
+        meta = info.get("meta") or {}
+        finished = _meta_flag(meta, "stream_finished", "finished")
+        if isinstance(key, tuple):
+            return _StreamChunk(index, None, None, finished, key[0])
+        codes, error = self._assemble(key, seg, meta, finished)
+        if error is not None:
+            # A terminal payload still ends its stream: a zero-frame terminal chunk.
+            codes = seg.new_zeros(self.n_vq, 0) if finished else None
+        return _StreamChunk(index, key, codes, finished, error)
+
+    def _declared_numel(self, meta: dict) -> int | None:
+        """The chunk's size as its payload declares it, in codes, or None.
+
+        ``codec_chunk_frames * n_vq`` when the payload names its frame count, else
+        ``code_flat_numel``. Frames win because the connector merges each payload's
+        ``meta`` into the previous one and a payload that omits a field inherits the old
+        value: the raw processor's terminal placeholder declares ``codec_chunk_frames=0``
+        but omits ``code_flat_numel`` (``stage_input_processors/moss_tts.py``).
+        """
+        frames = _meta_scalar(meta.get("codec_chunk_frames"))
+        if frames is not None:
+            return int(frames) * self.n_vq
+        numel = _meta_scalar(meta.get("code_flat_numel"))
+        return None if numel is None else int(numel)
+
+    def _assemble(
+        self, key: str, seg: torch.Tensor, meta: dict, finished: bool
+    ) -> tuple[torch.Tensor | None, str | None]:
+        """``((n_vq, T) codes or None while a split chunk is incomplete, error or None)``."""
+        pending = self._partial.pop(key, None)
+        tokens = seg if pending is None else torch.cat([pending, seg])
+        declared = self._declared_numel(meta)
+        n = tokens.numel()
+        single = n == 1 and pending is None
+        if n == 0 or (single and (declared == 0 or (self.n_vq > 1 and (finished or _placeholder(meta))))):
+            # Meta-only payload or the connector's one-token `[0]` boundary placeholder.
+            return seg.new_zeros(self.n_vq, 0), None
+        if declared is not None:
+            if declared % self.n_vq:
+                return None, f"the payload declares {declared} codes, not a multiple of n_vq={self.n_vq}"
+            if n < declared:
+                self._partial[key] = tokens  # the token budget split the chunk: wait for the rest
+                return None, None
+            if n > declared:
+                return None, f"{n} codes exceed the {declared} the payload declares"
+        if n % self.n_vq:
+            return None, f"{n} codes are not a multiple of n_vq={self.n_vq}"
+        return tokens.reshape(self.n_vq, -1), None
+
+    def _deliver(self, chunk: _StreamChunk, result: ChunkResult) -> torch.Tensor:
+        """The audio a batch row returns: anything held for its stream, then this step's."""
+        if result.error is not None:
+            self._report(chunk.key, chunk.index, result.error)
+        parts = self._held.pop(chunk.key, [])
+        if result.error is None and result.frames:
+            parts.append(result.audio)
+        if not parts:
+            return self._empty_audio()
+        return self._shape_audio(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+
+    def _report(self, key: str | None, index: int, error: str) -> None:
+        """Log a request's error: once per stream key (every time for a row without one)."""
+        if key is not None:
+            if key in self._reported:
+                return
+            self._reported.add(key)
+        logger.warning("MOSS codec request %s (batch row %d): %s; returning empty audio", key, index, error)
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if self._session is None or now - self._stats_logged_at < self.stats_interval_s:
+            return
+        self._stats_logged_at = now
+        s = self._session.stats()
+        logger.info(
+            "MOSS codec stage: steps graph=%d eager=%d; frames decoded=%d padded=%d; waiting streams=%d "
+            "(%d frames), admitted from queue=%d, longest queue wait %.3f s; clamped codes=%d, request errors=%d",
+            s["steps_by_path"]["graph"],
+            s["steps_by_path"]["eager"],
+            s["decoded_frames"],
+            s["padded_frames"],
+            s["waiting_streams"],
+            s["waiting_frames"],
+            s["admitted_from_queue"],
+            s["queue_wait_s_max"],
+            s["clamped_codes"],
+            s["request_errors"],
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def on_requests_finished(self, finished_req_ids: Iterable[str]) -> None:
         """Called by the runner for every finished request (normal, abort, disconnect):
-        releases and resets any codec slot those requests still hold."""
+        releases and resets any codec slot those requests still hold and drops what the
+        stage buffered for them (split-chunk prefixes, undelivered audio)."""
+        ids = [str(rid) for rid in finished_req_ids]
+        for rid in ids:
+            self._partial.pop(rid, None)
+            self._held.pop(rid, None)
+            self._reported.discard(rid)
+            self._mismatch_warned.discard(rid)
         if self._session is not None:
-            self._session.on_requests_finished(finished_req_ids)
+            self._session.on_requests_finished(ids)

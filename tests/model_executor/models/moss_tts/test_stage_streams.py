@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 1 streams: keyed by the runner's request ids, each request failing alone.
+
+* Payloads of the delay processor (no id, no finished flag) decoded one after the other
+  in one batch position, or side by side in one forward, each equal their fresh decode.
+* Without runner ids a payload's own id keys its stream; without either the request
+  gets a logged error, never a batch-position key.
+* A terminal payload always ends its stream (malformed, or the `[0]` placeholder); a
+  chunk split by the token budget is buffered until its declared size; a malformed
+  payload fails alone. Session errors are logged once per request; session statistics
+  are logged periodically.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from stage_helpers import build_stage, delay_info, error_result, fresh_decode, raw_info, run, use_session_api
+
+pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
+
+STAGE_LOGGER = "vllm_omni_moss.model_executor.models.moss_tts.stage"
+
+
+@pytest.fixture(autouse=True)
+def _session_api(monkeypatch):
+    use_session_api(monkeypatch)
+
+
+@pytest.fixture
+def stage(tmp_path):
+    return build_stage(tmp_path)
+
+
+def _codes(stage, frames: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, stage._codec.config.codebook_size, (stage.n_vq, frames), generator=gen)
+
+
+def _assert_audio(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert got.shape == ref.shape, what
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == STAGE_LOGGER and r.levelno == logging.WARNING]
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def test_delay_requests_in_one_batch_position_each_equal_their_fresh_decode(stage):
+    a, b = _codes(stage, 5, seed=1), _codes(stage, 4, seed=2)
+    got_a = [run(stage, [a[:, :2]], [delay_info()], ["A-0123abcd"])[0]]
+    got_a += run(stage, [a[:, 2:]], [delay_info()], ["A-0123abcd"])
+    # B takes batch position 0 while A is still live, then again after A finished.
+    got_b = run(stage, [b[:, :1]], [delay_info()], ["B-4567ef01"])
+    stage.on_requests_finished(["A-0123abcd"])
+    got_b += run(stage, [b[:, 1:]], [delay_info()], ["B-4567ef01"])
+    stage.on_requests_finished(["B-4567ef01"])
+    _assert_audio(torch.cat(got_a, dim=-1), fresh_decode(stage, a, [2, 3]), "A")
+    _assert_audio(torch.cat(got_b, dim=-1), fresh_decode(stage, b, [1, 3]), "B")
+    assert not stage._session.live_requests and stage._session.free_slots == stage.state_capacity
+
+
+def test_two_delay_payloads_in_one_forward_keep_their_streams(stage):
+    x, y = _codes(stage, 6, seed=3), _codes(stage, 5, seed=4)
+    got = {"x": [], "y": []}
+    for order, (xs, ys) in (("xy", ((0, 2), (0, 1))), ("yx", ((2, 3), (1, 4))), ("xy", ((3, 6), (4, 5)))):
+        parts = {"x": x[:, xs[0] : xs[1]], "y": y[:, ys[0] : ys[1]]}
+        outs = run(stage, [parts[k] for k in order], [delay_info(), delay_info()], list(order))
+        for k, wav in zip(order, outs):
+            if parts[k].shape[1]:
+                got[k].append(wav)
+    _assert_audio(torch.cat(got["x"], dim=-1), fresh_decode(stage, x, [2, 1, 3]), "x")
+    _assert_audio(torch.cat(got["y"], dim=-1), fresh_decode(stage, y, [1, 3, 1]), "y")
+
+
+def test_without_runner_ids_a_payload_without_id_fails_alone(stage, caplog):
+    d, r = _codes(stage, 2, seed=5), _codes(stage, 2, seed=6)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [d, r], [delay_info(), raw_info("r", 2, stage.n_vq)])
+    assert out[0].numel() == 0
+    _assert_audio(out[1], fresh_decode(stage, r, [2]), "r")
+    assert set(stage._session.live_requests) == {"r"}
+    assert _warnings(caplog) == [
+        "MOSS codec request None (batch row 0): no stream id: the runner passed no request_ids and the payload "
+        "names no req_id; returning empty audio"
+    ]
+
+
+def test_payload_id_is_a_cross_check_logged_once(stage, caplog):
+    c = _codes(stage, 4, seed=7)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        run(stage, [c[:, :2]], [raw_info("other", 2, stage.n_vq)], ["runner-1"])
+        run(stage, [c[:, 2:]], [raw_info("other", 2, stage.n_vq)], ["runner-1"])
+        run(stage, [c[:, :1]], [raw_info("same", 1, stage.n_vq)], ["same-89abcdef"])  # vLLM's suffix: no warning
+    assert set(stage._session.live_requests) == {"runner-1", "same-89abcdef"}
+    assert _warnings(caplog) == [
+        "MOSS codec request runner-1: its payload names request other; keyed by the runner's id"
+    ]
+
+
+def test_a_payload_id_twice_in_one_batch_fails_the_second(stage, caplog):
+    c = _codes(stage, 2, seed=8)
+    info = raw_info("dup", 2, stage.n_vq)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [c, c], [info, info])
+    _assert_audio(out[0], fresh_decode(stage, c, [2]), "first")
+    assert out[1].numel() == 0
+    assert _warnings(caplog) == [
+        "MOSS codec request None (batch row 1): request id appears twice in one batch; returning empty audio"
+    ]
+
+
+# ----------------------------------------------------------------------------- malformed and split payloads
+
+
+def test_malformed_terminal_payload_fails_alone_and_frees_its_slot(stage, caplog):
+    good, bad, again = _codes(stage, 3, seed=9), _codes(stage, 1, seed=10), _codes(stage, 2, seed=11)
+    run(stage, [good[:, :1], bad], [raw_info("g", 1, stage.n_vq), raw_info("b", 1, stage.n_vq)], ["g", "b"])
+    terminal = {"meta": {"stream_finished": torch.tensor(True)}}  # no declared size
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [good[:, 1:], torch.arange(23)], [raw_info("g", 2, stage.n_vq), terminal], ["g", "b"])
+    assert out[1].numel() == 0
+    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    assert set(stage._session.live_requests) == {"g"} and stage._session.free_slots == stage.state_capacity - 1
+    assert _warnings(caplog) == [
+        f"MOSS codec request b (batch row 1): 23 codes are not a multiple of n_vq={stage.n_vq}; returning empty audio"
+    ]
+    # The id starts a fresh stream afterwards.
+    _assert_audio(run(stage, [again], [raw_info("b", 2, stage.n_vq)], ["b"])[0], fresh_decode(stage, again, [2]), "b")
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["raw-placeholder", "undeclared"])
+def test_segment_end_placeholder_ends_the_stream(stage, declared):
+    first, second = _codes(stage, 2, seed=12), _codes(stage, 3, seed=13)
+    info = raw_info("r", 2, stage.n_vq)
+    run(stage, [first], [info], ["r-1"])
+    if declared:  # codec_chunk_frames=0; code_flat_numel is the previous chunk's
+        end = raw_info("r", 0, stage.n_vq, finished=True, segment_end=True, previous=info)
+        assert end["meta"]["code_flat_numel"] == 2 * stage.n_vq
+    else:
+        end = {"meta": {"stream_finished": torch.tensor(True)}}
+    out = run(stage, [torch.zeros(1)], [end], ["r-1"])
+    assert out[0].numel() == 0
+    assert not stage._session.live_requests and stage._session.free_slots == stage.state_capacity
+    got = run(stage, [second], [raw_info("r", 3, stage.n_vq, previous=end)], ["r-1"])[0]
+    _assert_audio(got, fresh_decode(stage, second, [3]), "next segment")
+
+
+def test_split_chunk_is_buffered_until_its_declared_size(stage, caplog):
+    codes = _codes(stage, 5, seed=14)
+    head, tail = codes[:, :2], codes[:, 2:].reshape(-1)
+    got = run(stage, [head], [raw_info("s", 2, stage.n_vq)], ["s"])
+    # A terminal 3-frame chunk split by the token budget: both parts carry its meta.
+    terminal = raw_info("s", 3, stage.n_vq, finished=True)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        part = run(stage, [tail[:7]], [terminal], ["s"])
+        assert part[0].numel() == 0 and set(stage._session.live_requests) == {"s"}
+        got += run(stage, [tail[7:]], [terminal], ["s"])
+    assert not _warnings(caplog)
+    assert not stage._session.live_requests
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, codes, [2, 3]), "split")
+
+
+def test_finished_request_drops_its_buffered_prefix(stage):
+    codes = _codes(stage, 2, seed=15)
+    run(stage, [codes.reshape(-1)[:5]], [raw_info("s", 2, stage.n_vq)], ["s"])
+    stage.on_requests_finished(["s"])
+    got = run(stage, [codes], [raw_info("s", 2, stage.n_vq)], ["s"])[0]
+    _assert_audio(got, fresh_decode(stage, codes, [2]), "after abort")
+
+
+def test_chunk_longer_than_declared_fails_alone_and_leaves_the_stream(stage, caplog):
+    a, bad, c = _codes(stage, 2, seed=16), _codes(stage, 3, seed=17), _codes(stage, 2, seed=18)
+    n = stage.n_vq
+    got = run(stage, [a], [raw_info("s", 2, n)], ["s"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [bad], [raw_info("s", 2, n)], ["s"])
+    assert out[0].numel() == 0
+    got += run(stage, [c], [raw_info("s", 2, n)], ["s"])
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, torch.cat([a, c], dim=1), [2, 2]), "s")
+    assert _warnings(caplog) == [
+        f"MOSS codec request s (batch row 0): {3 * n} codes exceed the {2 * n} the payload declares; "
+        "returning empty audio"
+    ]
+
+
+# ----------------------------------------------------------------------------- session results
+
+
+def test_session_error_is_logged_once_and_empties_only_that_request(stage, caplog, monkeypatch):
+    session = stage._ensure_session()
+    decode = session.decode
+
+    def failing(requests):
+        results = decode(requests)
+        return {k: error_result(r, "boom") if k == "bad" else r for k, r in results.items()}
+
+    monkeypatch.setattr(session, "decode", failing)
+    good, bad = _codes(stage, 3, seed=19), _codes(stage, 3, seed=20)
+    got = []
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        for sl in (slice(0, 1), slice(1, 3)):
+            out = run(stage, [good[:, sl], bad[:, sl]], [delay_info(), delay_info()], ["good", "bad"])
+            assert out[1].numel() == 0
+            got.append(out[0])
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, good, [1, 2]), "good")
+    assert _warnings(caplog) == ["MOSS codec request bad (batch row 1): boom; returning empty audio"]
+
+
+def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, monkeypatch):
+    session = stage._ensure_session()
+    decode = session.decode
+    ch, spf = stage._channels, stage._codec.config.samples_per_frame
+    held = torch.full((ch, spf), 0.5)
+    calls = []
+
+    def with_queued(requests):
+        results = decode(requests)
+        if not calls:  # the first call also decoded one frame of "q", waiting in the admission queue
+            first = results[requests[0].request_id]
+            results["q"] = type(first)(held, first.sample_rate, 1)
+        calls.append(len(requests))
+        return results
+
+    monkeypatch.setattr(session, "decode", with_queued)
+    p, q = _codes(stage, 1, seed=21), _codes(stage, 2, seed=22)
+    run(stage, [p], [delay_info()], ["p"])
+    got = run(stage, [q], [delay_info()], ["q"])[0]
+    ref = fresh_decode(stage, q, [2])
+    assert got.shape[-1] == ref.shape[-1] + spf
+    assert torch.equal(got[..., :spf], held.reshape(got[..., :spf].shape))
+    _assert_audio(got[..., spf:], ref, "q")
+
+
+def test_session_stats_are_logged_every_interval(stage, caplog):
+    c = _codes(stage, 2, seed=23)
+    stage.stats_interval_s = 0.0
+    with caplog.at_level(logging.INFO, logger=STAGE_LOGGER):
+        run(stage, [c[:, :1]], [delay_info()], ["a"])
+        s = stage._session.stats()  # what the forward above logged
+        stage.stats_interval_s = 3600.0
+        run(stage, [c[:, 1:]], [delay_info()], ["a"])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MOSS codec stage:")]
+    assert s["decoded_frames"] == 1 and stage._session.stats()["decoded_frames"] == 2
+    assert lines == [
+        f"MOSS codec stage: steps graph={s['steps_by_path']['graph']} eager={s['steps_by_path']['eager']}; "
+        f"frames decoded=1 padded={s['padded_frames']}; waiting streams=0 (0 frames), admitted from queue=0, "
+        f"longest queue wait 0.000 s; clamped codes=0, request errors=0"
+    ]
