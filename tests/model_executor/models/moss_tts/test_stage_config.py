@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 1 configuration: the connector's chunk schedule, compile adapters.
+"""Stage 1 configuration: precision per codec, the connector's chunk schedule, compile adapters.
 
+* ``codec_dtype`` (hf_overrides) picks weights, decode table and ring dtype; ``"auto"`` is
+  upstream's policy (v1 float32; v2 bfloat16 on CUDA, float32 elsewhere); a bad value is
+  a ValueError listing the choices; the precision is in the startup log.
 * Graph frame sizes cover the whole chunk schedule (initial, steady, ramp).
 * The vLLM-decorated adapter class is built once per core adapter class.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from stage_helpers import build_stage, delay_info, run, use_session_api
+from stage_helpers import build_stage, delay_info, run, use_session_api, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
@@ -36,6 +41,71 @@ def session_kwargs(monkeypatch):
 
     monkeypatch.setattr(stage_module, "CodecStreamSession", Recording)
     return seen
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize(
+    ("choice", "version", "device", "expected"),
+    [
+        ("auto", "v1", "cuda", torch.float32),
+        ("auto", "v2", "cuda", torch.bfloat16),
+        ("auto", "v2", "cpu", torch.float32),
+        ("auto", "v1", "cpu", torch.float32),
+        ("float32", "v2", "cuda", torch.float32),
+        ("bfloat16", "v1", "cuda", torch.bfloat16),
+        ("bfloat16", "v2", "cpu", torch.bfloat16),
+    ],
+)
+def test_codec_dtype_policy(choice, version, device, expected):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import codec_dtype_for
+
+    assert codec_dtype_for(choice, version, device) == expected
+
+
+def test_bad_codec_dtype_is_rejected_at_construction(tmp_path):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_dtype="fp16"))
+    assert str(err.value) == "codec_dtype must be one of 'auto', 'bfloat16', 'float32'; got 'fp16'"
+
+
+@pytest.mark.parametrize("preset", ["tiny-v1", "tiny-v2"])
+def test_auto_precision_on_cpu_is_float32_and_logged(tmp_path, caplog, session_kwargs, preset):
+    with caplog.at_level(logging.INFO, logger=STAGE):
+        stage = build_stage(tmp_path, preset)
+    assert {p.dtype for p in stage._codec.parameters()} == {torch.float32}
+    assert stage._codec.lut.dtype == torch.float32
+    run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
+    assert session_kwargs["state_dtype"] == torch.float32
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MOSS codec decoder loaded")]
+    assert "precision float32 (weights, decode table and state rings; codec_dtype=auto)" in line
+
+
+def test_codec_dtype_override_casts_weights_table_and_rings(tmp_path, caplog, session_kwargs):
+    with caplog.at_level(logging.INFO, logger=STAGE):
+        stage = build_stage(tmp_path, "tiny-v2", codec_dtype="bfloat16")
+    assert {p.dtype for p in stage._codec.parameters()} == {torch.bfloat16}
+    assert stage._codec.lut.dtype == torch.bfloat16
+    wav = run(stage, [torch.ones(stage.n_vq, 2)], [delay_info()], ["a"])[0]
+    assert session_kwargs["state_dtype"] == torch.bfloat16
+    assert wav.dtype == torch.float32 and wav.shape[-1] == 2 * stage._codec.config.samples_per_frame
+    assert any(
+        "precision bfloat16 (weights, decode table and state rings; codec_dtype=bfloat16)" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("preset", "dtype"), [("tiny-v1", torch.float32), ("tiny-v2", torch.bfloat16)])
+def test_auto_precision_on_cuda_follows_upstream(tmp_path, session_kwargs, preset, dtype):
+    stage = build_stage(tmp_path, preset, device="cuda")
+    assert {p.dtype for p in stage._codec.parameters()} == {dtype} and stage._codec.lut.dtype == dtype
+    assert stage._codec.device.type == "cuda"
+    run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
+    assert session_kwargs["state_dtype"] == dtype
 
 
 # ----------------------------------------------------------------------------- chunk schedule
@@ -102,3 +172,22 @@ def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
     for base, cls in zip(bases, built):
         assert issubclass(cls, base) and cls is not base
         assert cls.__name__ == f"Vllm{base.__name__}" and cls.__module__ == STAGE
+
+
+# ----------------------------------------------------------------------------- deploy files
+
+
+@pytest.mark.parametrize("name", ["moss_tts_local_c64.yaml", "moss_tts_local_c128.yaml"])
+def test_deploy_files_name_a_codec_dtype_and_a_token_budget_for_full_batches(name):
+    from pathlib import Path
+
+    import yaml
+
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import CODEC_DTYPES, connector_chunk_frames
+
+    deploy = yaml.safe_load((Path(__file__).parents[4] / "deploy" / name).read_text())
+    (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]
+    assert codec["hf_overrides"]["codec_dtype"] in CODEC_DTYPES
+    chunk = max(connector_chunk_frames(deploy["connectors"]["shm"]["extra"]))
+    n_vq = 12  # MOSS-TTS Local Transformer v1.5, the model these files serve
+    assert codec["max_num_batched_tokens"] >= codec["max_num_seqs"] * n_vq * chunk  # docs/serving_stage.md

@@ -16,6 +16,8 @@ on ``OmniModelRegistry``. Differences in behaviour (details in ``docs/serving_st
   terminal payload always ends its stream and frees its slot, even when malformed.
 * A chunk the engine's token budget split across steps is buffered until the size its
   payload declares is complete.
+* Precision per codec as upstream (v1 in float32, v2 in bfloat16 on CUDA), overridable
+  with ``hf_overrides: {codec_dtype: ...}``.
 * Codec attention is always this package's SDPA path; ``codec_attention_backend``
   hf overrides are accepted and ignored.
 
@@ -41,11 +43,12 @@ from vllm_omni.model_executor.models.output_templates import OmniOutput
 
 from .checkpoint import load_checkpoint
 from .compile import DYNAMIC_ARG_DIMS, adapter_class_for
+from .config import load_config
 from .decoder import CodecDecoder
 from .session import ChunkRequest, ChunkResult, CodecStreamSession
 from .state_pool import DecoderStatePool
 
-__all__ = ["MossTTSCodecDecoder", "connector_chunk_frames"]
+__all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames"]
 
 logger = init_logger(__name__)
 
@@ -53,8 +56,39 @@ _DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
 _DEFAULT_MAX_STEP_FRAMES = 100
 _CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 
+#: ``hf_overrides`` ``codec_dtype`` values: ``"auto"`` is upstream's policy (:func:`codec_dtype_for`).
+CODEC_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
 
 # --------------------------------------------------------------------------- config
+
+
+def codec_dtype_for(choice: str, version: str, device: torch.device | str) -> torch.dtype:
+    """Dtype of the codec's weights, decode table and state rings.
+
+    Args:
+        choice: ``"auto"``, ``"bfloat16"`` or ``"float32"`` (``hf_overrides`` ``codec_dtype``).
+        version: codec version, ``"v1"`` or ``"v2"`` (``CodecConfig.version``).
+        device: the stage device.
+    Returns:
+        For ``"auto"``, upstream's policy (``load_weights`` of vLLM-Omni 0.30.0's
+        ``modeling_moss_tts_codec.py``): v1 codecs entirely float32 (their quantizer emits
+        float32); v2 codecs bfloat16 on CUDA (decoder and decode table), float32 elsewhere.
+        Otherwise the named dtype.
+    Raises:
+        ValueError: ``choice`` is not one of :data:`CODEC_DTYPES` (the message lists them).
+    """
+    dtype = CODEC_DTYPES[_codec_dtype_choice(choice)]
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if version == "v2" and torch.device(device).type == "cuda" else torch.float32
+
+
+def _codec_dtype_choice(choice: Any) -> str:
+    """``choice`` if it names a :data:`CODEC_DTYPES` entry; ValueError listing them otherwise."""
+    if choice not in CODEC_DTYPES:
+        raise ValueError(f"codec_dtype must be one of {', '.join(map(repr, CODEC_DTYPES))}; got {choice!r}")
+    return choice
 
 
 def _positive_frames(name: str, value: Any) -> list[int]:
@@ -217,15 +251,15 @@ class MossTTSCodecDecoder(nn.Module):
     """Stage 1 of MOSS-TTS: ``(n_vq, T)`` codes per request -> float32 audio.
 
     Built by vLLM from ``vllm_config``: ``n_vq`` (fallback ``rvq``, default 16), the codec
-    checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``) from
-    the stage hf_config;
+    checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``) and
+    ``codec_dtype`` (:data:`CODEC_DTYPES`, default ``"auto"``) from the stage hf_config;
     stream capacity = ``scheduler_config.max_num_seqs``; the connector's chunk schedule
     (:func:`connector_chunk_frames`) gives the graph frame sizes and the longest step (its
     largest size, or 100); graph batch buckets are ``compilation_config.cudagraph_capture_sizes``
     up to ``max_num_seqs``, none under ``enforce_eager`` (which defaults to true when absent).
 
     Raises:
-        ValueError: bad connector chunk sizes.
+        ValueError: bad ``codec_dtype`` or connector chunk sizes.
     """
 
     # Model-interface flags: upstream's, read by vLLM from the class in its global registry
@@ -254,6 +288,7 @@ class MossTTSCodecDecoder(nn.Module):
         self.codec_path = str(
             getattr(hf, "codec_model_name_or_path", getattr(hf, "audio_tokenizer_name_or_path", _DEFAULT_CODEC))
         )
+        self.codec_dtype = _codec_dtype_choice(getattr(hf, "codec_dtype", None) or "auto")
         backend = getattr(hf, "codec_attention_backend", "sdpa")
         if backend not in ("sdpa", None):
             logger.info("codec_attention_backend=%r ignored: this codec stage always uses its own SDPA path", backend)
@@ -267,6 +302,7 @@ class MossTTSCodecDecoder(nn.Module):
         self.stats_interval_s = self.STATS_INTERVAL_S
 
         self._codec: CodecDecoder | None = None
+        self._dtype = torch.float32
         self._session: CodecStreamSession | None = None
         self._channels = 1
         self._sr_tensor = torch.tensor(self._OUTPUT_SAMPLE_RATE, dtype=torch.int32)
@@ -302,7 +338,8 @@ class MossTTSCodecDecoder(nn.Module):
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Drain ``weights`` (the talker's checkpoint; nothing here needs it) and load the
-        codec decoder from its own checkpoint onto the stage device.
+        codec decoder from its own checkpoint onto the stage device, in the dtype of
+        :func:`codec_dtype_for`.
 
         Returns:
             Names of the loaded parameters as seen from this module (``_codec.*``).
@@ -315,7 +352,7 @@ class MossTTSCodecDecoder(nn.Module):
         device = torch.device(self.vllm_config.device_config.device)
         download_dir = getattr(getattr(self.vllm_config, "load_config", None), "download_dir", None)
         directory = _resolve_codec_dir(self.codec_path, download_dir)
-        codec = load_checkpoint(directory, device=device)
+        codec = self._load_codec(directory, device)
         cfg = codec.config
         if self.n_vq > cfg.num_quantizers:
             raise ValueError(f"n_vq={self.n_vq} exceeds the codec's {cfg.num_quantizers} quantizers ({directory})")
@@ -323,13 +360,16 @@ class MossTTSCodecDecoder(nn.Module):
         self._channels = int(cfg.number_channels)
         self._sr_tensor = torch.tensor(int(cfg.sampling_rate), dtype=torch.int32)
         logger.info(
-            "MOSS codec decoder loaded from %s on %s: %s, %d Hz, %d channel(s), n_vq=%d, streams=%d, graphs B=%s T=%s",
+            "MOSS codec decoder loaded from %s on %s: %s, %d Hz, %d channel(s), n_vq=%d, precision %s "
+            "(weights, decode table and state rings; codec_dtype=%s), streams=%d, graphs B=%s T=%s",
             directory,
             device,
             cfg.version,
             cfg.sampling_rate,
             cfg.number_channels,
             self.n_vq,
+            str(self._dtype).removeprefix("torch."),
+            self.codec_dtype,
             self.state_capacity,
             self.graph_batch_sizes,
             self.graph_frame_sizes,
@@ -337,6 +377,15 @@ class MossTTSCodecDecoder(nn.Module):
         if self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes:
             self._ensure_session()  # compile and capture at load, not on the first request
         return {f"_codec.{name}" for name, _ in codec.named_parameters()}
+
+    def _load_codec(self, directory: Path, device: torch.device) -> CodecDecoder:
+        """The decoder on ``device`` in the precision :func:`codec_dtype_for` picks (kept in ``_dtype``)."""
+        self._dtype = codec_dtype_for(self.codec_dtype, load_config(directory).version, device)
+        # load_checkpoint casts to bfloat16 on CUDA: a float32 codec is read on the CPU
+        # and moved, so no precision is lost on the way.
+        staging = torch.device("cpu") if self._dtype == torch.float32 else device
+        codec = load_checkpoint(directory, device=staging)
+        return codec.to(device=device, dtype=self._dtype).eval()
 
     def _ensure_session(self) -> CodecStreamSession:
         if self._session is None:
@@ -349,6 +398,7 @@ class MossTTSCodecDecoder(nn.Module):
                 max_step_frames=self.max_step_frames,
                 n_vq=self.n_vq,
                 compile=_vllm_compile_factory(self.vllm_config) if graphs else False,
+                state_dtype=self._dtype,
             )
         return self._session
 
