@@ -213,7 +213,7 @@ def test_session_error_is_logged_once_and_empties_only_that_request(stage, caplo
     assert _warnings(caplog) == ["MOSS codec request bad (batch row 1): boom; returning empty audio"]
 
 
-def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, monkeypatch):
+def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, caplog, monkeypatch):
     session = stage._ensure_session()
     decode = session.decode
     ch, spf = stage._channels, stage._codec.config.samples_per_frame
@@ -222,15 +222,18 @@ def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, monk
 
     def with_queued(requests):
         results = decode(requests)
+        first = results[requests[0].request_id]
         if not calls:  # the first call also decoded one frame of "q", waiting in the admission queue
-            first = results[requests[0].request_id]
             results["q"] = type(first)(held, first.sample_rate, 1)
+            results["z"] = error_result(first, "queue full")
         calls.append(len(requests))
         return results
 
     monkeypatch.setattr(session, "decode", with_queued)
     p, q = _codes(stage, 1, seed=21), _codes(stage, 2, seed=22)
-    run(stage, [p], [delay_info()], ["p"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        run(stage, [p], [delay_info()], ["p"])
+    assert _warnings(caplog) == ["MOSS codec request z (not in this batch): queue full; returning empty audio"]
     got = run(stage, [q], [delay_info()], ["q"])[0]
     ref = fresh_decode(stage, q, [2])
     assert got.shape[-1] == ref.shape[-1] + spf

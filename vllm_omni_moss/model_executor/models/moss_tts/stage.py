@@ -522,7 +522,9 @@ class MossTTSCodecDecoder(nn.Module):
             if result is not None:
                 audios[c.index] = self._deliver(c, result)
         for key, result in results.items():  # streams decoded from the admission queue, not in this batch
-            if result.error is None and result.frames:
+            if result.error is not None:
+                self._report(key, None, result.error)
+            elif result.frames:
                 self._held.setdefault(key, []).append(result.audio)
         for c in chunks:
             if c.finished and c.codes is not None:
@@ -614,13 +616,17 @@ class MossTTSCodecDecoder(nn.Module):
             return self._empty_audio()
         return self._shape_audio(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
 
-    def _report(self, key: str | None, index: int, error: str) -> None:
-        """Log a request's error: once per stream key (every time for a row without one)."""
+    def _report(self, key: str | None, index: int | None, error: str) -> None:
+        """Log a request's error: once per stream key (every time for a row without one).
+
+        ``index`` is the request's batch row, None for a stream outside the batch.
+        """
         if key is not None:
             if key in self._reported:
                 return
             self._reported.add(key)
-        logger.warning("MOSS codec request %s (batch row %d): %s; returning empty audio", key, index, error)
+        where = "not in this batch" if index is None else f"batch row {index}"
+        logger.warning("MOSS codec request %s (%s): %s; returning empty audio", key, where, error)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
