@@ -8,14 +8,11 @@
   (``stage_input_processors/moss_tts.py``) after the chunk transfer adapter merged the
   payload (``meta.finished`` is dropped on receipt, other ``meta`` fields persist).
 * :func:`run` : one ``forward`` call from per-request code tensors.
-* :func:`use_session_api`: runs the stage on main's pre-refactor session under the new
-  session names until the refactored :class:`CodecStreamSession` lands (then a no-op).
+* :func:`error_result`: a session result turned into a refused request's result.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from types import SimpleNamespace
 
 import torch
@@ -118,71 +115,7 @@ def fresh_decode(stage, codes: torch.Tensor, chunks: list[int]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- session bridge
 
-_NEW_PARAMETERS = {"graph_frame_sizes", "state_dtype"}
-
-
-def new_session_api() -> bool:
-    """Whether :class:`CodecStreamSession` has the refactored names the stage is written against."""
-    params = set(inspect.signature(session_module.CodecStreamSession).parameters)
-    fields = {f.name for f in dataclasses.fields(session_module.ChunkResult)}
-    return _NEW_PARAMETERS <= params and "error" in fields and hasattr(session_module.CodecStreamSession, "stats")
-
-
-@dataclasses.dataclass(frozen=True)
-class _BridgeResult:
-    audio: torch.Tensor
-    sample_rate: int
-    frames: int
-    error: str | None = None
-
-
-def _bridge_class():
-    base = session_module.CodecStreamSession
-
-    class BridgeSession(base):
-        """Main's pre-refactor session under the new constructor names, result field and
-        ``stats()``. Test-only; unused once the refactored session is in main."""
-
-        def __init__(self, decoder, state_capacity, *, graph_frame_sizes=(), state_dtype=None, **kwargs):
-            for name in ("max_waiting_streams", "max_waiting_frames"):
-                kwargs.pop(name, None)
-            super().__init__(decoder, state_capacity, graph_frames=graph_frame_sizes, **kwargs)
-            self.state_dtype = state_dtype
-            self._frames = 0
-
-        def decode(self, requests):
-            out = {k: _BridgeResult(r.audio, r.sample_rate, r.frames) for k, r in super().decode(requests).items()}
-            self._frames += sum(r.frames for r in out.values())
-            return out
-
-        def stats(self):
-            return {
-                "steps_by_path": {"graph": 0, "eager": 0},
-                "decoded_frames": self._frames,
-                "padded_frames": 0,
-                "waiting_streams": 0,
-                "waiting_frames": 0,
-                "admitted_from_queue": 0,
-                "queue_wait_s_max": 0.0,
-                "clamped_codes": self.clamped_codes,
-                "request_errors": 0,
-            }
-
-    return BridgeSession
-
-
-def use_session_api(monkeypatch) -> None:
-    """Give the stage a session with the refactored names (the real one once main has it)."""
-    if new_session_api():
-        return
-    from vllm_omni_moss.model_executor.models.moss_tts import stage as stage_module
-
-    monkeypatch.setattr(stage_module, "CodecStreamSession", _bridge_class())
-
 
 def error_result(result, message: str):
     """``result`` turned into a failed request's result (zero frames, ``error`` set)."""
-    empty = result.audio[..., :0]
-    if new_session_api():
-        return session_module.ChunkResult(empty, result.sample_rate, 0, error=message)
-    return _BridgeResult(empty, result.sample_rate, 0, message)
+    return session_module.ChunkResult(result.audio[..., :0], result.sample_rate, 0, error=message)

@@ -14,16 +14,11 @@ import logging
 
 import pytest
 import torch
-from stage_helpers import build_stage, delay_info, run, use_session_api, vllm_config
+from stage_helpers import build_stage, delay_info, run, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
 STAGE = "vllm_omni_moss.model_executor.models.moss_tts.stage"
-
-
-@pytest.fixture(autouse=True)
-def _session_api(monkeypatch):
-    use_session_api(monkeypatch)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stage_helpers import build_stage, raw_info, run, use_session_api, vllm_config
+from stage_helpers import build_stage, raw_info, run, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
@@ -114,11 +114,6 @@ def test_generation_runner_passes_request_ids_for_our_flag():
 
 
 # ----------------------------------------------------------------------------- stage
-
-
-@pytest.fixture(autouse=True)
-def _session_api(monkeypatch):
-    use_session_api(monkeypatch)
 
 
 @pytest.fixture
@@ -237,7 +232,8 @@ def test_forward_clamps_pad_codes_and_requires_token_counts(stage):
     wav = stage(input_ids=codes.reshape(-1), runtime_additional_information=info, seq_token_counts=[codes.numel()])
     ref = dec.decode(codes.clamp(0, K - 1)[:, None], chunk_frames=[2])[0]
     got = wav.multimodal_outputs["model_outputs"][0]
-    assert torch.allclose(got, ref.reshape(got.shape), rtol=1e-5, atol=1e-6)
+    # The 2-frame chunk runs padded to the graph frame size 3: equal up to GEMM rounding.
+    assert (got - ref.reshape(got.shape)).abs().max() <= 1e-5 * ref.abs().max()
     assert stage._session.clamped_codes == codes.numel()
 
 

@@ -17,16 +17,11 @@ import logging
 
 import pytest
 import torch
-from stage_helpers import build_stage, delay_info, error_result, fresh_decode, raw_info, run, use_session_api
+from stage_helpers import build_stage, delay_info, error_result, fresh_decode, raw_info, run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
 STAGE_LOGGER = "vllm_omni_moss.model_executor.models.moss_tts.stage"
-
-
-@pytest.fixture(autouse=True)
-def _session_api(monkeypatch):
-    use_session_api(monkeypatch)
 
 
 @pytest.fixture
