@@ -172,7 +172,10 @@ def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
 # ----------------------------------------------------------------------------- deploy files
 
 
-@pytest.mark.parametrize("name", ["moss_tts_local_c64.yaml", "moss_tts_local_c128.yaml"])
+DEPLOY_FILES = ["moss_tts_local_c64.yaml", "moss_tts_local_c128.yaml", "moss_tts_local_h200.yaml"]
+
+
+@pytest.mark.parametrize("name", DEPLOY_FILES)
 def test_deploy_files_name_a_codec_dtype_and_a_token_budget_for_full_batches(name):
     from pathlib import Path
 
@@ -186,3 +189,41 @@ def test_deploy_files_name_a_codec_dtype_and_a_token_budget_for_full_batches(nam
     chunk = max(connector_chunk_frames(deploy["connectors"]["shm"]["extra"]))
     n_vq = 12  # MOSS-TTS Local Transformer v1.5, the model these files serve
     assert codec["max_num_batched_tokens"] >= codec["max_num_seqs"] * n_vq * chunk  # docs/serving_stage.md
+
+
+@pytest.mark.parametrize("name", DEPLOY_FILES)
+def test_deploy_files_capture_a_graph_for_every_batch(name):
+    from pathlib import Path
+
+    import yaml
+
+    deploy = yaml.safe_load((Path(__file__).parents[4] / "deploy" / name).read_text())
+    (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]
+    sizes = codec["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == codec["max_num_seqs"]
+    assert codec["enforce_eager"] is False
+
+
+def test_h200_deploy_file_fits_stage_1_state_in_its_share():
+    """The arithmetic stated in deploy/moss_tts_local_h200.yaml (docs/memory.md)."""
+    from pathlib import Path
+
+    import yaml
+
+    from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+    from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
+
+    deploy = yaml.safe_load((Path(__file__).parents[4] / "deploy" / "moss_tts_local_h200.yaml").read_text())
+    (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]
+    share = codec["gpu_memory_utilization"] * 139.8 * 2**30
+    weights, graphs = 2.1 * 2**30, 4 * 2**30
+    cfg = preset_config("v2")
+    ours = state_bytes_for(cfg, codec["max_num_seqs"] + 1, "compact")
+    assert ours + weights + graphs <= share
+    assert (
+        state_bytes_for(cfg, 433, "compact") + weights + graphs
+        <= share
+        < state_bytes_for(cfg, 434, "compact") + weights + graphs
+    )
+    # Upstream's 256 streams on 2 x 256 slots do not fit the same share.
+    assert state_bytes_for(cfg, 512, "legacy") > share
