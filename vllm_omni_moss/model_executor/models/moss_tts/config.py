@@ -520,6 +520,10 @@ def _v1(d1: int, d: int, heads1: int, heads: int, layers1: int, layers: int, lat
     ]
 
 
+# Quantizer and context settings shared by the real (v1, v2) and by the tiny presets.
+_REAL_QUANTIZER = dict(latent=768, rvq=512, quantizers=32, codebook=1024, codebook_dim=8, duration=10.0)
+_TINY_QUANTIZER = dict(latent=24, rvq=16, quantizers=12, codebook=1024, codebook_dim=8, duration=0.8)
+
 PRESETS: dict[str, dict] = {
     # MOSS-Audio-Tokenizer-v2: 92 layers, rings 125/250/400/400/400/400
     # (docs/codec_architecture.md#resolution-groups).
@@ -528,12 +532,7 @@ PRESETS: dict[str, dict] = {
         downsample_rate=3840,
         channels=2,
         decoder=_v2(1280, 768, 20, 12, 32, 12, 768, (10.0, 10.0, 8.0, 4.0, 2.0, 1.0)),
-        latent=768,
-        rvq=512,
-        quantizers=32,
-        codebook=1024,
-        codebook_dim=8,
-        duration=10.0,
+        **_REAL_QUANTIZER,
     ),
     # MOSS-Audio-Tokenizer (v1): official configuration-class defaults.
     "v1": _codec(
@@ -541,12 +540,7 @@ PRESETS: dict[str, dict] = {
         downsample_rate=1920,
         channels=1,
         decoder=_v1(1280, 768, 20, 12, 32, 12, 768),
-        latent=768,
-        rvq=512,
-        quantizers=32,
-        codebook=1024,
-        codebook_dim=8,
-        duration=10.0,
+        **_REAL_QUANTIZER,
     ),
     # Same structure, small widths, one or two layers per group. Rings of 10, 20,
     # 32, 32, 32 and 40 tokens (10 down to 1.25 frames) wrap within a
@@ -557,24 +551,14 @@ PRESETS: dict[str, dict] = {
         downsample_rate=3840,
         channels=2,
         decoder=_v2(64, 32, 4, 2, 2, 1, 24, (0.8, 0.8, 0.64, 0.32, 0.16, 0.1)),
-        latent=24,
-        rvq=16,
-        quantizers=12,
-        codebook=1024,
-        codebook_dim=8,
-        duration=0.8,
+        **_TINY_QUANTIZER,
     ),
     "tiny-v1": _codec(
         sampling_rate=24000,
         downsample_rate=1920,
         channels=1,
         decoder=_v1(64, 32, 4, 2, 2, 1, 24),
-        latent=24,
-        rvq=16,
-        quantizers=12,
-        codebook=1024,
-        codebook_dim=8,
-        duration=0.8,
+        **_TINY_QUANTIZER,
     ),
 }
 

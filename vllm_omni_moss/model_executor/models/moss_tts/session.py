@@ -115,6 +115,66 @@ class _Counters:
     clamped_codes: int = 0
 
 
+class AdmissionQueue:
+    """New streams waiting for a slot, oldest first, with their buffered chunks.
+
+    Args:
+        max_streams: streams that may wait.
+        max_frames: code frames that waiting streams may buffer in total.
+    """
+
+    def __init__(self, max_streams: int, max_frames: int):
+        self.max_streams = max_streams
+        self.max_frames = max_frames
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._streams)
+
+    @property
+    def buffered_frames(self) -> int:
+        return sum(s.buffered_frames for s in self._streams.values())
+
+    def get(self, request_id: str) -> _Stream | None:
+        return self._streams.get(request_id)
+
+    def refusal(self, frames: int, *, new_stream: bool, capacity: int) -> str | None:
+        """Why ``frames`` more frames (of a new stream, or of a waiting one) cannot wait, or None."""
+        if new_stream and len(self._streams) >= self.max_streams:
+            return (
+                f"all {capacity} decoder slots are busy and the admission queue is full "
+                f"({len(self._streams)} of max_waiting_streams={self.max_streams} streams waiting)"
+            )
+        buffered = self.buffered_frames + frames
+        if buffered > self.max_frames:
+            return (
+                f"all {capacity} decoder slots are busy and waiting streams would buffer "
+                f"{buffered} frames, over max_waiting_frames={self.max_frames}"
+            )
+        return None
+
+    def push(self, stream: _Stream) -> None:
+        stream.waiting_since = time.monotonic()
+        self._streams[stream.request_id] = stream
+
+    def pop_oldest(self) -> _Stream:
+        _, stream = self._streams.popitem(last=False)
+        return stream
+
+    def drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._streams.clear()
+
+
 class CodecStreamSession:
     """Request-level streaming on top of a :class:`~.state_pool.DecoderStatePool`.
 
@@ -175,8 +235,6 @@ class CodecStreamSession:
         self.decoder = decoder
         self.state_capacity = state_capacity
         self.max_step_frames = max_step_frames
-        self.max_waiting_streams = max_waiting_streams
-        self.max_waiting_frames = max_waiting_frames
         self.sample_rate = int(cfg.sampling_rate)
         self.channels = int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
@@ -194,7 +252,7 @@ class CodecStreamSession:
         self.runner = self._capture_graphs() if use_graphs else None
 
         self._live: dict[str, _Stream] = {}
-        self._waiting: OrderedDict[str, _Stream] = OrderedDict()
+        self._waiting = AdmissionQueue(max_waiting_streams, max_waiting_frames)
         self._counters = _Counters()
         self._closed = False
 
@@ -223,7 +281,7 @@ class CodecStreamSession:
     @property
     def waiting_requests(self) -> list[str]:
         """Request ids waiting for a slot, oldest first."""
-        return list(self._waiting)
+        return self._waiting.request_ids
 
     @property
     def free_slots(self) -> int:
@@ -246,7 +304,7 @@ class CodecStreamSession:
             "decoded_frames": c.decoded_frames,
             "padded_frames": c.padded_frames,
             "waiting_streams": len(self._waiting),
-            "waiting_frames": sum(s.buffered_frames for s in self._waiting.values()),
+            "waiting_frames": self._waiting.buffered_frames,
             "admitted_from_queue": c.admitted_from_queue,
             "queue_wait_s_max": c.queue_wait_s_max,
             "clamped_codes": c.clamped_codes,
@@ -262,7 +320,7 @@ class CodecStreamSession:
         released = []
         for rid in request_ids:
             rid = str(rid)
-            self._waiting.pop(rid, None)
+            self._waiting.drop(rid)
             stream = self._live.pop(rid, None)
             if stream is not None:
                 released.append(stream.slot)
@@ -370,42 +428,28 @@ class CodecStreamSession:
                 return None  # nothing to decode and no stream to end
             stream = _Stream(rid)
             if self._waiting or not self.pool.free_slot_count:
-                error = self._queue_error(frames, new_stream=True)
+                error = self._waiting.refusal(frames, new_stream=True, capacity=self.state_capacity)
                 if error is not None:
                     return error
-                stream.waiting_since = time.monotonic()
-                self._waiting[rid] = stream
+                self._waiting.push(stream)
                 logger.info("MOSS codec: stream %r waits for a slot (%d waiting)", rid, len(self._waiting))
             else:
                 stream.slot = self.pool.acquire()
                 self._live[rid] = stream
         elif stream.slot is None and frames:
-            error = self._queue_error(frames, new_stream=False)
+            error = self._waiting.refusal(frames, new_stream=False, capacity=self.state_capacity)
             if error is not None:
-                del self._waiting[rid]
+                self._waiting.drop(rid)
                 return f"{error}; the waiting stream's buffered chunks were dropped"
         if frames:
             stream.chunks.append(req.codes.to(self.device, torch.long).clamp(0, self.codebook_size - 1))
         stream.finished = stream.finished or req.finished
         return None
 
-    def _queue_error(self, frames: int, *, new_stream: bool) -> str | None:
-        if new_stream and len(self._waiting) >= self.max_waiting_streams:
-            return (
-                f"all {self.state_capacity} decoder slots are busy and the admission queue is full "
-                f"({len(self._waiting)} of max_waiting_streams={self.max_waiting_streams} streams waiting)"
-            )
-        buffered = sum(s.buffered_frames for s in self._waiting.values())
-        if buffered + frames > self.max_waiting_frames:
-            return (
-                f"all {self.state_capacity} decoder slots are busy and waiting streams would buffer "
-                f"{buffered + frames} frames, over max_waiting_frames={self.max_waiting_frames}"
-            )
-        return None
-
     def _admit_waiting(self) -> None:
         while self._waiting and self.pool.free_slot_count:
-            rid, stream = self._waiting.popitem(last=False)
+            stream = self._waiting.pop_oldest()
+            rid = stream.request_id
             stream.slot = self.pool.acquire()
             waited = time.monotonic() - stream.waiting_since
             stream.waiting_since = None
