@@ -68,14 +68,14 @@ def _pool_kind_slots(arm: str, streams: int) -> tuple[int, int]:
 def _measure_ours(decoder, arm: str, streams: int, device: torch.device) -> dict[str, Any]:
     capacity, scratch = _pool_kind_slots(arm, streams)
     before = common.cuda_memory(device) if device.type == "cuda" else None
-    pool = make_state_pool(decoder, arm, dtype=torch.bfloat16)
+    pool = make_state_pool(decoder, common.pool_kind(arm), dtype=torch.bfloat16)
     pool.initialize(capacity, scratch)
     entry: dict[str, Any] = {
         "state_capacity": capacity,
         "scratch_requested": scratch,
         "slots": int(pool.num_slots),
         "state_bytes": int(pool.state_bytes()),
-        "predicted_bytes": int(state_bytes_for(decoder.config, pool.num_slots, arm)),
+        "predicted_bytes": int(state_bytes_for(decoder.config, pool.num_slots, common.pool_kind(arm))),
         "ring_bytes": int(sum(r.numel() * r.element_size() for r in pool.rings)),
     }
     entry["offset_bytes"] = entry["state_bytes"] - entry["ring_bytes"]

@@ -96,7 +96,7 @@ class Arm:
 
 
 def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
-    pool = make_state_pool(decoder, kind)
+    pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
     return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
 

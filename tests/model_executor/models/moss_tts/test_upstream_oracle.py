@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import upstream_oracle as uo  # noqa: E402
+from vllm_omni_moss.testing import upstream as uo  # noqa: E402
 
 pytestmark = [
     pytest.mark.cpu,

@@ -14,11 +14,11 @@ import copy
 
 import pytest
 import torch
-import upstream_oracle as uo
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import LegacyDecoderStatePool
+from vllm_omni_moss.testing import upstream as uo
 
 pytestmark = [
     pytest.mark.cpu,

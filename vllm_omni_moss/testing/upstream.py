@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Upstream vLLM-Omni 0.30.0 MOSS audio-tokenizer codecs, run as a CPU/fp32 numerical oracle.
 
-This module deliberately does not import ``vllm_omni_moss``: it only drives upstream's own codec
-files (``audio_tokenizer.py`` = v1, ``audio_tokenizer_v2.py`` + its configuration = v2), which are
-loaded by file path so that ``vllm_omni/__init__.py`` (which needs vLLM) never runs.
+Import-light on purpose: importing this module imports torch and the standard library only, never vLLM,
+vLLM-Omni or our codec package. It drives upstream's own codec files (``audio_tokenizer.py`` = v1,
+``audio_tokenizer_v2.py`` + its configuration = v2), loaded by file path on first use so that
+``vllm_omni/__init__.py`` (which needs vLLM) never runs; ``transformers`` is imported only then.
+The parity tests and the benchmarks' upstream arm both use it (``from vllm_omni_moss.testing import
+upstream``).
 
 Typical use in a comparison test::
 
