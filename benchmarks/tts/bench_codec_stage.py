@@ -1,45 +1,108 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Main job: the MOSS-TTS codec stage under serving load.
+"""Main job: the MOSS-TTS codec stage under serving load, ours against upstream's, over a concurrency sweep.
 
-Drives the real :class:`CodecStreamSession` (state pool, CUDA graphs on a GPU) the
-way vLLM-Omni's Stage 1 sees traffic: ``--requests`` streams, at most
-``--concurrency`` live at once; each stream's talker emits code frames at 12.5
-frames/s and the stage receives them in chunks of 1 frame, then 15 frames (then
-the tail). A simulated clock advances by the measured wall time of every codec
-step, so latencies include queueing behind slower steps.
+Arms (one process, the same request trace for every arm at a given concurrency):
 
-Request lengths are SYNTHETIC: log-normal with a median of 4.0 s and sigma 0.45,
-clipped to 1.04-20.48 s (13-256 frames), chosen to resemble the target durations
-of the Seed-TTS test-en set used in vLLM-Omni's MOSS-TTS benchmarks (output length
-256 frames). Codes are uniform random; with random weights the WAVs are noise.
+* ``v2``       - our default :class:`CodecStreamSession` (compact pool for v2 codecs).
+* ``legacy``   - the same session on the legacy pool (``pool_kind="legacy"``).
+* ``upstream`` - vLLM-Omni 0.30.0's own codec model and pool from the published wheel, served with
+  upstream's Stage-1 policy (``upstream_stage.py``: 2N slots, terminal chunks padded onto a captured graph
+  frame size, CUDA graphs captured as upstream's stage does, and on CUDA the Triton attention backend of
+  upstream's ``moss_tts_local_h200.yaml``). Skipped, with the reason printed, when the wheel's files are
+  missing (set ``MOSS_UPSTREAM_MOSS_TTS_DIR`` to an unzipped wheel's ``moss_tts`` directory).
 
-Reports audio seconds per second of serving time, codec compute throughput,
-first-chunk latency, per-chunk latency p50/p95/p99 and peak memory; writes
-``results.json``, ``results.md``, ``latency.png`` and a few WAVs into ``--out``.
+Traffic: at concurrency ``C`` the trace has ``C * --requests-per-stream`` requests, at most ``C`` live at
+once (a finished stream is replaced by the next request). Each stream's talker emits code frames at 12.5
+frames/s; the stage receives them in chunks that follow ``--chunks`` (a ramp: each size once in order, the
+last repeated; ``1,15`` = 1, 15, 15, ...; ``1,4,15`` = 1, 4, 15, 15, ...; the last chunk is what remains).
+Request lengths are SYNTHETIC: log-normal, median 4.0 s, sigma 0.45, clipped to 13..256 frames (1.04 to
+20.48 s), chosen to resemble the target durations of the Seed-TTS test-en set used in vLLM-Omni's MOSS-TTS
+benchmarks. Codes are uniform random and weights random: timing and memory only.
+
+Clock: simulated. It jumps to the next chunk's ready time when the codec is idle, and advances by the
+measured wall time of each codec step otherwise. A step is one stage batch: every chunk ready at that
+moment, in one ``decode()`` call. A request's next chunk enters the stage only after its previous one was
+decoded.
+
+Figures per arm and concurrency (``results.json``: ``arms.<arm>.<C>``):
+
+* ``codec_latency_ms`` {p50, p95, p99}: codec-added latency of every chunk, the first included: the time its
+  audio comes out minus the time its last frame was generated.
+* ``first_chunk_latency_ms`` {p50, p99}: first audio minus the request's start (includes the generation of
+  the first chunk's frames: 80 ms for a 1-frame chunk).
+* ``audio_seconds_per_second``: audio produced per simulated second. Capped near ``C`` by construction (each
+  live stream produces one second of audio per second), so it is reported but is not the SLO.
+* ``steps_by_path`` {graph, eager}: pool steps by path (ours: ``session.stats()``; upstream: the driver).
+* ``padded_frame_fraction``: padded / (decoded + padded) frames of real rows (frames beyond a row's length in
+  its step); 0 when every row ran at its own length.
+* ``peak_memory_bytes``: CUDA ``max_memory_allocated`` during the timed run (reset after setup and warm-up;
+  weights, state, graph pools and activations of that arm); null on CPU.
+
+SLO: ``codec_latency_ms.p99 <= --slo-ms`` (150). A codec that falls behind real time fails it (its latency
+grows without bound); a run is stopped once a chunk's codec-added latency exceeds ``--give-up-ms``, is
+marked ``stopped_early`` in ``details`` (its figures then cover the chunks decoded so far) and misses the SLO
+whatever its p99. ``arms.<arm>.max_streams_at_slo`` is the largest swept concurrency that holds the SLO
+(null if none). A warning is printed when a run's step
+time max exceeds 10x its p50 (a stall of the machine, not the codec).
+
+Writes ``results.json`` (rewritten after every run), ``latencies.npz`` (every chunk's codec-added latency in
+ms per arm and concurrency, keys ``"<arm>/<C>"``), ``results.md``, ``latency_cdf.png`` and ``concurrency.png``
+into ``--out``. ``--append`` adds runs to an existing ``--out`` made at the same commit with the same settings,
+so that a sweep longer than one command's time limit can be split (e.g. ``--concurrency 64,128`` then
+``--concurrency 256 --append``); ``max_streams_at_slo`` and the plots then cover every concurrency run.
+``--report-only`` rewrites ``results.md`` and the plots from ``--out`` (e.g. after a command was cut short).
+On a CPU the default is a tiny-v2 run with ``C`` in {4, 8} (about a minute on two cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import heapq
 import json
 import math
-import resource
+import shlex
+import subprocess
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_decoder, resolve_device  # noqa: E402
 
-from vllm_omni_moss.model_executor.models.moss_tts.decoder import chunk_schedule  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
+import common  # noqa: E402
+import torch  # noqa: E402
+import upstream_stage  # noqa: E402
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest  # noqa: E402
 
 FRAME_RATE = 12.5  # code frames per second (both MOSS codecs)
+ARMS = ("v2", "legacy", "upstream")
 LENGTH_MODEL = "lognormal(median 4.0 s, sigma 0.45), clipped to 13..256 frames (synthetic, Seed-TTS-EN-like)"
+# Stage 1's cudagraph_capture_sizes in upstream's moss_tts_local_h200.yaml (vLLM-Omni 0.30.0); every arm uses
+# the sizes <= C plus C itself, so that one bucket holds every live stream (upstream's 2N slots).
+UPSTREAM_H200_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256)
+DEFAULT_CONCURRENCY = {"cuda": "64,128,256,512", "cpu": "4,8"}
+
+
+# ------------------------------------------------------------------------------------------ trace
+
+
+def ramp_schedule(total_frames: int, sizes: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` chunks of a stream: ``sizes`` in order, the last size repeated, the last chunk cut."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    while start < total_frames:
+        size = sizes[min(len(out), len(sizes) - 1)]
+        end = min(start + size, total_frames)
+        out.append((start, end))
+        start = end
+    return out
 
 
 def request_lengths(n: int, seed: int) -> np.ndarray:
@@ -49,260 +112,738 @@ def request_lengths(n: int, seed: int) -> np.ndarray:
     return np.clip(np.round(seconds * FRAME_RATE), 13, 256).astype(int)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "mean": 0.0}
-    arr = np.asarray(values)
-    return {
-        "p50": float(np.percentile(arr, 50)),
-        "p95": float(np.percentile(arr, 95)),
-        "p99": float(np.percentile(arr, 99)),
-        "mean": float(arr.mean()),
-    }
+@dataclass
+class Trace:
+    """``lengths[r]`` frames and ``codes[r]`` int64 ``(n_vq, lengths[r])`` on CPU per request ``r``."""
+
+    lengths: np.ndarray
+    codes: list[torch.Tensor]
 
 
-def _peak_memory(device: torch.device) -> dict[str, int]:
-    if device.type == "cuda":
+def make_trace(requests: int, n_vq: int, codebook_size: int, seed: int) -> Trace:
+    lengths = request_lengths(requests, seed)
+    gen = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, codebook_size, (n_vq, int(t)), generator=gen) for t in lengths]
+    return Trace(lengths, codes)
+
+
+def graph_batch_sizes(concurrency: int) -> list[int]:
+    return [b for b in UPSTREAM_H200_BATCH_SIZES if b < concurrency] + [concurrency]
+
+
+# ------------------------------------------------------------------------------------------ arms
+
+
+class OurArm:
+    """Our session behind the driver interface: ``decode(chunks) -> {request id: audio}``, ``stats()``."""
+
+    def __init__(self, decoder, concurrency: int, kind: str, graphs: bool, chunk_sizes: list[int], n_vq: int):
+        self.session = common.open_session(
+            decoder,
+            concurrency,
+            pool_kind=None if kind == "v2" else common.pool_kind(kind),
+            graph_batch_sizes=graph_batch_sizes(concurrency) if graphs else (),
+            graph_frame_sizes=sorted(set(chunk_sizes)) if graphs else (),
+            n_vq=n_vq,
+        )
+
+    def decode(self, chunks: list[upstream_stage.StageChunk]) -> dict[str, torch.Tensor]:
+        results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
+        out = {}
+        for rid, result in results.items():
+            error = getattr(result, "error", None)
+            if error is not None:
+                raise RuntimeError(f"{rid}: the session refused the chunk: {error}")
+            out[rid] = result.audio
+        return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.session.on_requests_finished(request_ids)
+
+    def stats(self) -> dict[str, Any]:
+        return common.session_stats(self.session)
+
+    def describe(self) -> dict[str, Any]:
+        runner = getattr(self.session, "runner", None)
         return {
-            "cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
-            "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "slots": int(self.session.pool.num_slots),
+            "state_bytes": int(self.session.pool.state_bytes()),
+            "graphs": len(runner.graphs) if runner is not None else 0,
         }
-    return {"process_max_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+
+    def close(self) -> None:
+        self.session.close()
 
 
-def simulate(args, device: torch.device) -> dict:
+class UpstreamArm:
+    """Upstream's model under :class:`upstream_stage.UpstreamStage`, behind the same interface as :class:`OurArm`."""
+
+    def __init__(self, model, concurrency: int, graphs: bool, chunk_sizes: list[int], n_vq: int, spf: int):
+        self.stage = upstream_stage.UpstreamStage(
+            model,
+            concurrency,
+            graph_batch_sizes=graph_batch_sizes(concurrency) if graphs else (),
+            graph_frame_sizes=sorted(set(chunk_sizes)) if graphs else (),
+            n_vq=n_vq,
+            # Upstream cuts chunks longer than the connector's codec_chunk_frames (the steady size).
+            max_step_frames=chunk_sizes[-1],
+            samples_per_frame=spf,
+        )
+
+    def decode(self, chunks):
+        return self.stage.decode(chunks)
+
+    def abort(self, request_ids):
+        self.stage.release(request_ids)
+
+    def stats(self):
+        return self.stage.stats()
+
+    def describe(self) -> dict[str, Any]:
+        stage = self.stage
+        return {
+            "slots": stage.num_slots,
+            "state_bytes": common.upstream_state_bytes(stage.model),
+            "graphs": len(stage.graphs),
+            "graph_failures": {f"{b}x{t}": err for (b, t), err in stage.graph_failures.items()},
+            "pad_tails": stage.pad_tails,
+        }
+
+    def close(self):
+        self.stage.close()
+
+
+# ------------------------------------------------------------------------------------------ one run
+
+
+@dataclass
+class Run:
+    """Raw outcome of one (arm, concurrency): latencies in seconds, step walls in seconds."""
+
+    codec_latency: list[float] = field(default_factory=list)
+    first_latency: list[float] = field(default_factory=list)
+    step_wall: list[float] = field(default_factory=list)
+    serving_s: float = 0.0
+    audio_s: float = 0.0
+    finished_requests: int = 0
+    stopped_early: bool = False
+
+
+def warm_up(arm, concurrency: int, chunk_sizes: list[int], n_vq: int, codebook_size: int) -> None:
+    """Untimed: every chunk size once for ``concurrency`` streams, then abort them (first-call costs)."""
+    gen = torch.Generator().manual_seed(12345)
+    ids = [f"warmup-{i}" for i in range(concurrency)]
+    for size in sorted(set(chunk_sizes)):
+        codes = torch.randint(0, codebook_size, (n_vq, size), generator=gen)
+        arm.decode([upstream_stage.StageChunk(rid, codes) for rid in ids])
+    arm.abort(ids)
+
+
+def simulate(arm, trace: Trace, concurrency: int, chunk_sizes: list[int], cfg, args, device, label: str) -> Run:
     from tqdm import tqdm
 
-    decoder = random_decoder(args.preset, device, seed=args.seed)
-    cfg = decoder.config
-    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256) if b <= args.concurrency]
-    if args.concurrency not in buckets:
-        buckets.append(args.concurrency)
-    graphs = device.type == "cuda" and not args.eager
-    t0 = time.perf_counter()
-    session = CodecStreamSession(
-        decoder,
-        args.concurrency,
-        pool_kind=args.pool,
-        graph_batch_sizes=buckets if graphs else (),
-        graph_frames=(args.first_chunk, args.chunk) if graphs else (),
-        n_vq=args.n_vq,
-    )
-    # Warm up outside the clock, as a serving stage does before taking traffic: first
-    # calls pay one-time costs (allocator growth, kernel selection, Triton JIT).
-    warm_codes = torch.randint(0, cfg.codebook_size, (args.n_vq, args.first_chunk + args.chunk), generator=None)
-    for frames in (args.first_chunk, args.chunk):
-        batch = [ChunkRequest(f"warmup-{i}", warm_codes[:, :frames]) for i in range(args.concurrency)]
-        session.decode(batch)
-    session.on_requests_finished([f"warmup-{i}" for i in range(args.concurrency)])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    setup_s = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    lengths = request_lengths(args.requests, args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    waiting = list(range(args.requests))
-    ready: list[tuple[float, int, int]] = []  # (ready time, request, chunk index) min-heap
-    chunks: dict[int, list[tuple[int, int]]] = {}
-    codes: dict[int, torch.Tensor] = {}
-    start_time: dict[int, float] = {}
-    first_latency: list[float] = []
-    step_ms: list[float] = []
-    chunk_latency: list[float] = []
-    wav_parts: dict[int, list[torch.Tensor]] = {i: [] for i in range(min(args.wavs, args.requests))}
-    live = 0
+    n = len(trace.lengths)
+    schedules = [ramp_schedule(int(t), chunk_sizes) for t in trace.lengths]
+    waiting = deque(range(n))
+    ready: list[tuple[float, int, int]] = []  # (time its last frame was generated, request, chunk index)
+    start: dict[int, float] = {}
+    run = Run()
     clock = 0.0
-    busy = 0.0
-    steps = 0
-    audio_seconds = 0.0
+    give_up = args.give_up_ms / 1e3
 
     def admit(now: float) -> None:
-        nonlocal live
-        while waiting and live < args.concurrency:
-            r = waiting.pop(0)
-            live += 1
-            frames = int(lengths[r])
-            chunks[r] = chunk_schedule(frames, [args.first_chunk, args.chunk])
-            codes[r] = torch.randint(0, cfg.codebook_size, (args.n_vq, frames), generator=gen)
-            start_time[r] = now
-            # Chunk k is ready when its last frame has been generated at 12.5 frames/s.
-            heapq.heappush(ready, (now + chunks[r][0][1] / FRAME_RATE, r, 0))
+        while waiting and len(start) - run.finished_requests < concurrency:
+            r = waiting.popleft()
+            start[r] = now
+            heapq.heappush(ready, (now + schedules[r][0][1] / FRAME_RATE, r, 0))
 
     admit(0.0)
-    bar = tqdm(total=args.requests, desc=f"codec stage ({args.preset}, {device.type})", unit="req", disable=args.quiet)
+    bar = tqdm(total=n, desc=label, unit="req", disable=args.quiet, leave=False)
     while ready:
-        if ready[0][0] > clock:
-            clock = ready[0][0]  # idle until the next chunk is generated
+        clock = max(clock, ready[0][0])  # idle until the next chunk's last frame is generated
         batch = []
-        taken = set()
         while ready and ready[0][0] <= clock:
-            item = heapq.heappop(ready)
-            if item[1] in taken:  # one chunk per request per step; later ones wait
-                batch.append(None)
-                heapq.heappush(ready, item)
-                break
-            taken.add(item[1])
-            batch.append(item)
-        batch = [b for b in batch if b is not None]
-        requests = []
+            batch.append(heapq.heappop(ready))
+        chunks = []
         for _, r, k in batch:
-            a, b = chunks[r][k]
-            requests.append(ChunkRequest(f"req-{r}", codes[r][:, a:b], finished=k == len(chunks[r]) - 1))
-        t = time.perf_counter()
-        results = session.decode(requests)
+            a, b = schedules[r][k]
+            chunks.append(upstream_stage.StageChunk(f"req-{r}", trace.codes[r][:, a:b], k == len(schedules[r]) - 1))
+        t0 = time.perf_counter()
+        audio = arm.decode(chunks)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t
-        step_ms.append(wall * 1e3)
-        busy += wall
+        wall = time.perf_counter() - t0
+        run.step_wall.append(wall)
         clock += wall
-        steps += 1
-        for ready_at, r, k in batch:
-            result = results[f"req-{r}"]
-            expected = (chunks[r][k][1] - chunks[r][k][0]) * cfg.samples_per_frame
-            if result.audio.shape != (cfg.number_channels, expected):
-                raise AssertionError(f"req-{r} chunk {k}: audio {tuple(result.audio.shape)}, expected {expected}")
-            audio_seconds += expected / cfg.sampling_rate
-            chunk_latency.append(clock - ready_at)
+        if set(audio) != {c.request_id for c in chunks}:
+            raise AssertionError(
+                f"{label}: results for {sorted(audio)} but the batch was {[c.request_id for c in chunks]}"
+            )
+        for (ready_at, r, k), chunk in zip(batch, chunks):
+            expected = (cfg.number_channels, chunk.frames * cfg.samples_per_frame)
+            if tuple(audio[chunk.request_id].shape) != expected:
+                raise AssertionError(
+                    f"{label} req-{r} chunk {k}: audio {tuple(audio[chunk.request_id].shape)} != {expected}"
+                )
+            run.audio_s += chunk.frames / FRAME_RATE
+            run.codec_latency.append(clock - ready_at)
             if k == 0:
-                first_latency.append(clock - start_time[r])
-            if r in wav_parts:
-                wav_parts[r].append(result.audio)
-            if k + 1 < len(chunks[r]):
-                heapq.heappush(ready, (start_time[r] + chunks[r][k + 1][1] / FRAME_RATE, r, k + 1))
+                run.first_latency.append(clock - start[r])
+            if k + 1 < len(schedules[r]):
+                heapq.heappush(ready, (start[r] + schedules[r][k + 1][1] / FRAME_RATE, r, k + 1))
             else:
-                live -= 1
+                run.finished_requests += 1
                 bar.update(1)
+        if run.codec_latency and max(run.codec_latency[-len(batch) :]) > give_up:
+            run.stopped_early = True
+            break
         admit(clock)
     bar.close()
-    cuda_graphs = sorted(session.runner.graphs) if session.runner is not None else []
-    graph_failures = dict(session.runner.failures) if session.runner is not None else {}
-    state_bytes = session.pool.state_bytes()
-    session.close()
+    run.serving_s = clock
+    return run
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    wavs = []
-    for r, parts in wav_parts.items():
-        import soundfile  # only when WAVs are asked for: the GPU image has no soundfile
 
-        path = out / f"request-{r}.wav"
-        soundfile.write(str(path), torch.cat(parts, dim=-1).T.numpy(), cfg.sampling_rate, subtype="FLOAT")
-        wavs.append(path.name)
+# ------------------------------------------------------------------------------------------ figures
+
+
+def _pct(values: list[float], q: float, scale: float = 1e3) -> float | None:
+    return round(float(np.percentile(np.asarray(values), q)) * scale, 3) if values else None
+
+
+def summarize(run: Run, stats: dict[str, Any], peak: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the exact-key figures of ``arms.<arm>.<C>``, the run's details)."""
+    decoded, padded = int(stats["decoded_frames"]), int(stats["padded_frames"])
+    figures = {
+        "audio_seconds_per_second": round(run.audio_s / run.serving_s, 4) if run.serving_s > 0 else None,
+        "codec_latency_ms": {f"p{q}": _pct(run.codec_latency, q) for q in (50, 95, 99)},
+        "first_chunk_latency_ms": {f"p{q}": _pct(run.first_latency, q) for q in (50, 99)},
+        "steps_by_path": {path: int(stats["steps_by_path"][path]) for path in ("graph", "eager")},
+        "padded_frame_fraction": round(padded / (decoded + padded), 6) if decoded + padded else 0.0,
+        "peak_memory_bytes": peak,
+    }
+    walls = run.step_wall
+    details = {
+        "finished_requests": run.finished_requests,
+        "chunks": len(run.codec_latency),
+        "steps": len(walls),
+        "stopped_early": run.stopped_early,
+        "serving_seconds": round(run.serving_s, 4),
+        "codec_busy_seconds": round(sum(walls), 4),
+        "audio_seconds": round(run.audio_s, 4),
+        "decoded_frames": decoded,
+        "padded_frames": padded,
+        "step_ms": {"p50": _pct(walls, 50), "p99": _pct(walls, 99), "max": round(max(walls) * 1e3, 3)},
+    }
+    return figures, details
+
+
+def holds_slo(figures: dict[str, Any], details: dict[str, Any], slo_ms: float) -> bool:
+    """``codec_latency_ms.p99 <= slo_ms`` over a whole run (a run stopped early or failed never holds it)."""
+    p99 = figures["codec_latency_ms"]["p99"]
+    complete = not details.get("stopped_early") and "error" not in details
+    return complete and p99 is not None and p99 <= slo_ms
+
+
+def max_streams_at_slo(
+    per_concurrency: dict[str, dict[str, Any]], details: dict[str, dict[str, Any]], slo_ms: float
+) -> int | None:
+    """Largest swept concurrency (keys are decimal strings) that holds the SLO; None when none does."""
+    held = [int(c) for c, figures in per_concurrency.items() if holds_slo(figures, details[c], slo_ms)]
+    return max(held) if held else None
+
+
+def stall_warning(arm: str, concurrency: int, details: dict[str, Any]) -> str | None:
+    step = details["step_ms"]
+    if step["p50"] and step["max"] > 10 * step["p50"]:
+        return (
+            f"warning: {arm} C={concurrency}: step time max {step['max']:.1f} ms > 10x its p50 {step['p50']:.1f} ms "
+            "(a stall of the machine, not the codec, is the likely cause)"
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(common.REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: dict[str, Any]):
+    graphs = device.type == "cuda" and not args.eager
+    if name in ("v2", "legacy"):
+        if "ours" not in models:
+            models.clear()  # one arm's weights on the device at a time
+            common.free_memory(device)
+            models["ours"] = common.random_decoder(args.preset, device, seed=args.seed)
+        return lambda c: OurArm(models["ours"], c, name, graphs, chunk_sizes, args.n_vq)
+    if "upstream" not in models:
+        models.clear()
+        common.free_memory(device)
+        codec = common.build_upstream_codec(args.preset, device, args.seed, args.n_vq)
+        if device.type == "cuda":
+            switched = upstream_stage.enable_triton_attention(
+                codec.model, codec.module.MossAudioTokenizerMultiheadAttention, common.oracle.upstream_dir()
+            )
+            print(f"upstream: Triton masked attention on {switched} decoder attention modules")
+        models["upstream"] = codec
+    model = models["upstream"].model
+    return lambda c: UpstreamArm(model, c, graphs, chunk_sizes, args.n_vq, cfg.samples_per_frame)
+
+
+def run_arm(name: str, make_arm, trace: Trace, concurrency: int, chunk_sizes, cfg, args, device):
+    t0 = time.perf_counter()
+    arm = make_arm(concurrency)
+    try:
+        warm_up(arm, concurrency, chunk_sizes, args.n_vq, cfg.codebook_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        setup_s = time.perf_counter() - t0
+        described = arm.describe()
+        before = arm.stats()
+        run = simulate(arm, trace, concurrency, chunk_sizes, cfg, args, device, f"{name} C={concurrency}")
+        after = arm.stats()
+        peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    finally:
+        arm.close()
+        del arm
+        common.free_memory(device)
+    delta = {
+        "steps_by_path": {p: after["steps_by_path"][p] - before["steps_by_path"][p] for p in ("graph", "eager")},
+        "decoded_frames": after["decoded_frames"] - before["decoded_frames"],
+        "padded_frames": after["padded_frames"] - before["padded_frames"],
+    }
+    figures, details = summarize(run, delta, peak)
+    details["setup_seconds"] = round(setup_s, 3)
+    details.update(described)
+    return figures, details, run
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="auto", help="codec geometry; auto = v2 on CUDA, tiny-v2 on CPU")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--arms", default="auto", help="subset of v2,legacy,upstream (default: every arm that can run)")
+    p.add_argument("--concurrency", default="auto", help="live streams per run, e.g. 64,128,256,512 (CPU: 4,8)")
+    p.add_argument("--requests-per-stream", type=int, default=17, help="requests = concurrency x this (17)")
+    p.add_argument("--chunks", default="1,15", help="chunk ramp in frames: each once, the last repeated (1,15)")
+    p.add_argument("--n-vq", type=int, default=12, help="codebooks per frame (MOSS-TTS-Local: 12)")
+    p.add_argument("--slo-ms", type=float, default=150.0, help="codec-added latency p99 bound (150 ms)")
+    p.add_argument("--give-up-ms", type=float, default=5000.0, help="stop a run once a chunk waits this long")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (every arm)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/bench_codec_stage", help="output directory")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add these runs to --out's results (same commit and settings): a sweep split over several commands",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite results.md and the plots from --out's results.json and latencies.npz",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.requests_per_stream < 1 or args.n_vq < 1:
+        p.error("--requests-per-stream and --n-vq must be >= 1")
+    if args.give_up_ms <= args.slo_ms:
+        p.error("--give-up-ms must exceed --slo-ms (a run is only stopped once it has missed the SLO)")
+    if args.preset != "auto" and args.preset not in PRESETS:
+        p.error(f"--preset must be auto or one of {sorted(PRESETS)}")
+    return args
+
+
+def _select_arms(args, cfg, device) -> tuple[list[str], dict[str, str]]:
+    names = list(ARMS) if args.arms == "auto" else common.parse_str_list(args.arms, ARMS)
+    skipped: dict[str, str] = {}
+    if "v2" in names and cfg.version != "v2":
+        skipped["v2"] = f"preset {args.preset!r} is a {cfg.version} codec; the compact pool serves v2 codecs"
+    if "upstream" in names:
+        ok, reason = common.upstream_status(args.preset, device)
+        directory = common.oracle.upstream_dir()
+        if ok and device.type == "cuda" and not (directory / "streaming_attention.py").is_file():
+            ok, reason = False, f"{directory}/streaming_attention.py (the triton attention backend) not found"
+        if not ok:
+            skipped["upstream"] = reason
+    return [a for a in names if a not in skipped], skipped
+
+
+def _run_header(args, device, chunk_sizes: list[int], concurrencies: list[int], skipped, command) -> dict[str, Any]:
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit, command = _git_commit(), shlex.join(command)
     return {
-        "preset": args.preset,
+        "date": date,
+        "commit": commit,
+        "command": command,
+        "invocations": [{"date": date, "commit": commit, "command": command}],
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "pool": session.pool.kind,
-        "cuda_graphs": bool(cuda_graphs),
-        "cuda_graph_keys": [list(k) for k in cuda_graphs],
-        "cuda_graph_failures": {str(k): v for k, v in graph_failures.items()},
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "chunks_frames": [args.first_chunk, args.chunk],
+        "torch": torch.__version__,
+        "preset": args.preset,
         "n_vq": args.n_vq,
+        "seed": args.seed,
+        "chunks": chunk_sizes,
+        "cuda_graphs": device.type == "cuda" and not args.eager,
+        "graph_frame_sizes": sorted(set(chunk_sizes)),
+        "graph_batch_sizes": {str(c): graph_batch_sizes(c) for c in concurrencies},
+        "concurrency": concurrencies,
+        "requests_per_stream": args.requests_per_stream,
+        "requests": {str(c): c * args.requests_per_stream for c in concurrencies},
         "length_model": LENGTH_MODEL,
-        "mean_request_seconds": float(lengths.mean() / FRAME_RATE),
-        "setup_seconds": setup_s,
-        "steps": steps,
-        "serving_seconds": clock,
-        "codec_busy_seconds": busy,
-        "audio_seconds": audio_seconds,
-        "audio_seconds_per_second": audio_seconds / clock,
-        "codec_audio_seconds_per_busy_second": audio_seconds / busy,
-        "first_chunk_latency_ms": {k: v * 1e3 for k, v in _percentiles(first_latency).items()},
-        "chunk_latency_ms": {k: v * 1e3 for k, v in _percentiles(chunk_latency).items()},
-        "step_ms": {**_percentiles(step_ms), "max": max(step_ms)},
-        "peak_memory": _peak_memory(device),
-        "state_bytes": state_bytes,
-        "wavs": wavs,
-        "_latencies": {"chunk_ms": [v * 1e3 for v in chunk_latency], "first_ms": [v * 1e3 for v in first_latency]},
+        "frame_rate": FRAME_RATE,
+        "slo": {"codec_latency_p99_ms": args.slo_ms},
+        "give_up_ms": args.give_up_ms,
+        "skipped": skipped,
     }
 
 
-def write_reports(result: dict, out: Path) -> None:
-    lat = result.pop("_latencies")
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    c, f, st = result["chunk_latency_ms"], result["first_chunk_latency_ms"], result["step_ms"]
+# Run settings that must agree before --append merges a new invocation into an existing results.json.
+_SAME_RUN_KEYS = (
+    "commit",
+    "device_name",
+    "preset",
+    "n_vq",
+    "seed",
+    "chunks",
+    "cuda_graphs",
+    "requests_per_stream",
+    "length_model",
+    "slo",
+    "give_up_ms",
+)
+
+
+def _merge_previous(result: dict[str, Any], out: Path) -> dict[str, dict[int, np.ndarray]]:
+    """``--append``: fold ``out``'s results.json (same settings and commit) into ``result``, in place.
+
+    Returns the stored latencies (``latencies.npz``) of the previous invocations: arm -> C -> ms.
+    Raises:
+        SystemExit: no previous results, or settings that differ (named in the message).
+    """
+    path = out / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"--append: {path} does not exist")
+    previous = json.loads(path.read_text())
+    run, old = result["run"], previous["run"]
+    differ = [k for k in _SAME_RUN_KEYS if old.get(k) != run[k]]
+    if differ:
+        raise SystemExit(
+            f"--append: {path} was made with other settings: "
+            + ", ".join(f"{k} {old.get(k)!r} != {run[k]!r}" for k in differ)
+        )
+    run["invocations"] = old["invocations"] + run["invocations"]
+    run["concurrency"] = sorted(set(old["concurrency"]) | set(run["concurrency"]))
+    for key in ("graph_batch_sizes", "requests"):
+        run[key] = {c: v for c, v in sorted({**old[key], **run[key]}.items(), key=lambda kv: int(kv[0]))}
+    run["skipped"] = {**old["skipped"], **run["skipped"]}
+    arms = list(dict.fromkeys([*previous["arms"], *result["arms"]]))
+    result["arms"] = {arm: previous["arms"].get(arm, {}) for arm in arms}
+    result["details"] = {arm: previous["details"].get(arm, {}) for arm in arms}
+    result["warnings"] = previous["warnings"]
+    return {arm: {} for arm in arms} | _load_latencies(out)
+
+
+def _load_latencies(out: Path) -> dict[str, dict[int, np.ndarray]]:
+    stored: dict[str, dict[int, np.ndarray]] = {}
+    if (out / "latencies.npz").is_file():
+        with np.load(out / "latencies.npz") as data:
+            for key in data.files:
+                arm, c = key.split("/")
+                stored.setdefault(arm, {})[int(c)] = data[key]
+    return stored
+
+
+def _save_latencies(latencies: dict[str, dict[int, np.ndarray]], path: Path) -> None:
+    arrays = {f"{arm}/{c}": values for arm, per_c in latencies.items() for c, values in per_c.items()}
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    command = [sys.executable, "benchmarks/tts/bench_codec_stage.py", *(sys.argv[1:] if argv is None else argv)]
+    args = _parse(argv)
+    out = Path(args.out)
+    if args.report_only:
+        if not (out / "results.json").is_file():
+            raise SystemExit(f"--report-only: {out / 'results.json'} does not exist")
+        result = json.loads((out / "results.json").read_text())
+        _write_reports(result, _load_latencies(out), out)
+        return result
+    device = common.resolve_device(args.device)
+    if args.preset == "auto":
+        args.preset = "v2" if device.type == "cuda" else "tiny-v2"
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    cfg = preset_config(args.preset)
+    if args.n_vq > cfg.num_quantizers:
+        raise SystemExit(f"--n-vq {args.n_vq} > the codec's {cfg.num_quantizers} codebooks")
+    concurrencies = common.parse_int_list(
+        DEFAULT_CONCURRENCY[device.type] if args.concurrency == "auto" else args.concurrency
+    )
+    chunk_sizes = [int(v) for v in args.chunks.split(",") if v.strip()]
+    if not chunk_sizes or min(chunk_sizes) < 1:
+        raise SystemExit(f"--chunks must be positive frame counts, got {args.chunks!r}")
+    arms, skipped = _select_arms(args, cfg, device)
+    for arm, reason in skipped.items():
+        print(f"skipped arm {arm}: {reason}")
+
+    result: dict[str, Any] = {
+        "run": _run_header(args, device, chunk_sizes, concurrencies, skipped, command),
+        "arms": {arm: {} for arm in arms},
+        "details": {arm: {} for arm in arms},
+        "warnings": [],
+    }
+    # Codec-added latency of every chunk, ms, per arm and concurrency (for the CDF plot; latencies.npz).
+    latencies: dict[str, dict[int, np.ndarray]] = {arm: {} for arm in arms}
+    if args.append:
+        latencies = _merge_previous(result, out)
+    out.mkdir(parents=True, exist_ok=True)
+    traces = {
+        c: make_trace(c * args.requests_per_stream, args.n_vq, cfg.codebook_size, args.seed) for c in concurrencies
+    }
+    models: dict[str, Any] = {}
+    t_all = time.perf_counter()
+    for arm in arms:
+        make_arm = _arm_factory(arm, args, device, cfg, chunk_sizes, models)
+        for c in concurrencies:
+            t_run = time.perf_counter()
+            try:
+                figures, details, run = run_arm(arm, make_arm, traces[c], c, chunk_sizes, cfg, args, device)
+            except torch.cuda.OutOfMemoryError as exc:
+                figures = _empty_figures()
+                details, run = {"error": f"OutOfMemoryError: {str(exc)[:300]}"}, Run()
+                common.free_memory(device)
+            details["wall_seconds"] = round(time.perf_counter() - t_run, 1)  # setup, warm-up and run
+            _record(result, arm, c, figures, details, args.slo_ms)
+            latencies[arm][c] = np.asarray(run.codec_latency, dtype=np.float64) * 1e3
+            common.write_json(out / "results.json", result)
+            _save_latencies(latencies, out / "latencies.npz")
+    models.clear()
+    common.free_memory(device)
+    result["run"]["invocations"][-1]["wall_seconds"] = round(time.perf_counter() - t_all, 1)
+    common.write_json(out / "results.json", result)
+    _write_reports(result, latencies, out)
+    return result
+
+
+def _write_reports(result: dict[str, Any], latencies: dict[str, dict[int, np.ndarray]], out: Path) -> None:
+    md = results_markdown(result)
+    (out / "results.md").write_text(md)
+    plot_latency_cdf(result, latencies, out / "latency_cdf.png")
+    plot_concurrency(result, out / "concurrency.png")
+    print(md)
+    print(f"wrote {out}/results.json, results.md, latencies.npz, latency_cdf.png, concurrency.png")
+
+
+def _record(result: dict[str, Any], arm: str, c: int, figures, details, slo_ms: float) -> None:
+    """Put one run's figures and details into ``result`` (C keys in increasing order), update the SLO line."""
+    per_c = {**_per_c(result["arms"][arm]), str(c): figures}
+    per_c = dict(sorted(per_c.items(), key=lambda kv: int(kv[0])))
+    result["details"][arm] = dict(
+        sorted({**result["details"][arm], str(c): details}.items(), key=lambda kv: int(kv[0]))
+    )
+    result["arms"][arm] = {**per_c, "max_streams_at_slo": max_streams_at_slo(per_c, result["details"][arm], slo_ms)}
+    warning = stall_warning(arm, c, details) if "step_ms" in details else None
+    if warning:
+        print(warning)
+        result["warnings"].append(warning)
+    print(_progress_line(arm, c, figures, details, slo_ms), flush=True)
+
+
+def _empty_figures() -> dict[str, Any]:
+    return {
+        "audio_seconds_per_second": None,
+        "codec_latency_ms": {"p50": None, "p95": None, "p99": None},
+        "first_chunk_latency_ms": {"p50": None, "p99": None},
+        "steps_by_path": {"graph": 0, "eager": 0},
+        "padded_frame_fraction": None,
+        "peak_memory_bytes": None,
+    }
+
+
+def _per_c(arm_entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in arm_entry.items() if k != "max_streams_at_slo"}
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _progress_line(arm: str, c: int, f: dict[str, Any], d: dict[str, Any], slo_ms: float) -> str:
+    if "error" in d:
+        return f"{arm} C={c}: {d['error']}"
+    lat = f["codec_latency_ms"]
+    return (
+        f"{arm} C={c}: codec p50/p99 {_fmt(lat['p50'])}/{_fmt(lat['p99'])} ms, "
+        f"{_fmt(f['audio_seconds_per_second'], '.2f')} audio-s/s, steps graph/eager "
+        f"{f['steps_by_path']['graph']}/{f['steps_by_path']['eager']}, SLO {'held' if holds_slo(f, d, slo_ms) else 'missed'}"
+        + (" (stopped early)" if d.get("stopped_early") else "")
+    )
+
+
+def results_markdown(result: dict[str, Any]) -> str:
+    run = result["run"]
+    slo = run["slo"]["codec_latency_p99_ms"]
     lines = [
-        f"# Codec stage under load: {result['preset']} on {result['device_name']}",
+        f"# Codec stage under load: {run['preset']} on {run['device_name']}",
         "",
-        f"{result['requests']} requests, concurrency {result['concurrency']}, chunks {result['chunks_frames']} frames, "
-        f"pool `{result['pool']}`, CUDA graphs {result['cuda_graphs']}. Lengths: {result['length_model']}.",
+        f"Commit `{run['commit']}`, {run['date']}. Command: `{run['command']}`.",
         "",
-        "| metric | value |",
-        "|---|---|",
-        f"| audio seconds per serving second | {result['audio_seconds_per_second']:.2f} |",
-        f"| codec audio seconds per busy second | {result['codec_audio_seconds_per_busy_second']:.2f} |",
-        f"| first-chunk latency p50 / p95 / p99 (ms) | {f['p50']:.1f} / {f['p95']:.1f} / {f['p99']:.1f} |",
-        f"| chunk latency p50 / p95 / p99 (ms) | {c['p50']:.1f} / {c['p95']:.1f} / {c['p99']:.1f} |",
-        f"| codec steps | {result['steps']} |",
-        f"| step time p50 / p99 / max (ms) | {st['p50']:.1f} / {st['p99']:.1f} / {st['max']:.1f} |",
-        f"| serving time simulated (s) | {result['serving_seconds']:.1f} |",
-        f"| peak memory | {', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in result['peak_memory'].items())} |",
+        f"{run['requests_per_stream']} requests per stream (requests = concurrency x that), chunks {run['chunks']} "
+        f"(ramp, last repeated) at {run['frame_rate']} frames/s, n_vq {run['n_vq']}, CUDA graphs "
+        f"{run['cuda_graphs']} (frame sizes {run['graph_frame_sizes']}). Lengths: {run['length_model']}.",
+        f"SLO: codec-added latency p99 <= {slo:g} ms (every chunk, the first included).",
+        "",
+        "| arm | C | requests | audio-s/s | codec p50 / p95 / p99 ms | first chunk p50 / p99 ms | steps graph / eager "
+        "| padded frames | peak GiB | SLO |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [
-        "",
-        "Latencies follow a simulated clock that advances by each step's measured wall time, so a machine",
-        "stall (another process on a shared CPU) delays every waiting chunk; a step-time max far above p99",
-        "points at such a stall rather than at the codec.",
-    ]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    for arm, entry in result["arms"].items():
+        for c, f in _per_c(entry).items():
+            lat, first = f["codec_latency_ms"], f["first_chunk_latency_ms"]
+            d = result["details"][arm][c]
+            peak = f["peak_memory_bytes"]
+            flags = "held" if holds_slo(f, d, slo) else "missed"
+            if d.get("stopped_early"):
+                flags += " (stopped early)"
+            if "error" in d:
+                flags = d["error"].split(":")[0]
+            lines.append(
+                f"| {arm} | {c} | {run['requests'][c]} | {_fmt(f['audio_seconds_per_second'], '.2f')} | "
+                f"{_fmt(lat['p50'])} / {_fmt(lat['p95'])} / {_fmt(lat['p99'])} | "
+                f"{_fmt(first['p50'])} / {_fmt(first['p99'])} | "
+                f"{f['steps_by_path']['graph']} / {f['steps_by_path']['eager']} | "
+                f"{_fmt(f['padded_frame_fraction'], '.3f')} | {_fmt(None if peak is None else common.gib(peak), '.2f')} "
+                f"| {flags} |"
+            )
+    lines += ["", "| arm | max streams at SLO |", "|---|---|"]
+    lines += [f"| {arm} | {entry.get('max_streams_at_slo')} |" for arm, entry in result["arms"].items()]
+    for arm, reason in run["skipped"].items():
+        lines += ["", f"Skipped arm `{arm}`: {reason}"]
+    lines += [""] + [f"- {w}" for w in result["warnings"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+ARM_COLORS = {"v2": "tab:blue", "legacy": "tab:gray", "upstream": "tab:orange"}  # as plot_results.py
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    axes[0].hist(lat["chunk_ms"], bins=60, color="tab:blue")
-    axes[0].set_xlabel("chunk latency (ms)")
-    axes[0].set_ylabel("chunks")
-    axes[0].set_title("per-chunk latency")
-    axes[1].hist(lat["first_ms"], bins=60, color="tab:orange")
-    axes[1].set_xlabel("first-chunk latency (ms, incl. 80 ms of generation)")
-    axes[1].set_title("time to first audio")
-    fig.suptitle(f"{result['preset']} on {result['device_name']}: {result['audio_seconds_per_second']:.1f} audio-s/s")
+    return plt
+
+
+def _log_axis(axis) -> None:
+    """Plain numbers on a log axis, major ticks only (minor labels collide on short ranges)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def plot_latency_cdf(result: dict[str, Any], latencies: dict[str, dict[int, np.ndarray]], path: Path) -> None:
+    """One panel per arm: the CDF of codec-added latency (ms) per concurrency, p50 and p99 marked."""
+    plt = _pyplot()
+    arms = list(latencies)
+    fig, axes = plt.subplots(1, max(1, len(arms)), figsize=(5.2 * max(1, len(arms)), 4.0), squeeze=False)
+    slo = result["run"]["slo"]["codec_latency_p99_ms"]
+    for ax, arm in zip(axes[0], arms):
+        for i, (c, values) in enumerate(sorted(latencies[arm].items())):
+            if not len(values):
+                continue
+            ms = np.sort(values)
+            y = np.arange(1, len(ms) + 1) / len(ms)
+            (line,) = ax.plot(
+                ms, y, drawstyle="steps-post", label=f"C={c}, {result['run']['requests'][str(c)]} requests"
+            )
+            for q, marker in ((50, "o"), (99, "^")):
+                x = float(np.percentile(ms, q))
+                ax.plot([x], [q / 100], marker=marker, color=line.get_color(), linestyle="none")
+                ax.annotate(
+                    f"p{q} {x:.0f}",
+                    (x, q / 100),
+                    textcoords="offset points",
+                    xytext=(4, -10 - 9 * i),  # one label row per curve: close percentiles stay readable
+                    fontsize=7,
+                    color=line.get_color(),
+                )
+        ax.axvline(slo, color="tab:red", linestyle="--", linewidth=0.8, label=f"SLO p99 {slo:g} ms")
+        ax.set_xscale("log")
+        _log_axis(ax.xaxis)
+        ax.set_xlabel("codec-added latency per chunk (ms, log)")
+        ax.set_ylabel("fraction of chunks")
+        concurrency = ",".join(str(c) for c in sorted(latencies[arm]))
+        ax.set_title(
+            f"{arm}: concurrency {concurrency}, {result['run']['requests_per_stream']} requests/stream", fontsize=9
+        )
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{result['run']['preset']} on {result['run']['device_name']} (o = p50, ^ = p99)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "latency.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="auto", help="codec geometry; auto = v2 on CUDA, tiny-v2 on CPU")
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda")
-    p.add_argument("--requests", type=int, default=1088, help="requests in the run (default 1088)")
-    p.add_argument("--concurrency", type=int, default=64, help="live streams at most (default 64)")
-    p.add_argument("--first-chunk", type=int, default=1, help="frames in the first chunk (default 1)")
-    p.add_argument("--chunk", type=int, default=15, help="frames in steady chunks (default 15)")
-    p.add_argument("--n-vq", type=int, default=12, help="codebooks per frame (MOSS-TTS-Local: 12)")
-    p.add_argument("--pool", default=None, choices=["v2", "legacy"], help="state pool (default: V2 for v2 codecs)")
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--wavs", type=int, default=3, help="requests saved as WAV (default 3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out/bench_codec_stage", help="output directory")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    for name in ("requests", "concurrency", "first_chunk", "chunk", "n_vq"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    device = resolve_device(args.device)
-    if args.preset == "auto":
-        args.preset = "v2" if device.type == "cuda" else "tiny-v2"
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    result = simulate(args, device)
-    out = Path(args.out)
-    write_reports(result, out)
-    print((out / "results.md").read_text())
-    print(f"wrote {out}/results.json, results.md, latency.png and {len(result['wavs'])} WAVs")
-    return result
+def plot_concurrency(result: dict[str, Any], path: Path) -> None:
+    """Audio seconds per second and codec-added latency p50/p99 against concurrency, one line per arm."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.0))
+    slo = result["run"]["slo"]["codec_latency_p99_ms"]
+    for arm, entry in result["arms"].items():
+        per_c = {int(c): f for c, f in _per_c(entry).items()}
+        cs = sorted(per_c)
+        aps = [per_c[c]["audio_seconds_per_second"] for c in cs]
+        (line,) = left.plot(
+            cs, [np.nan if v is None else v for v in aps], marker="o", color=ARM_COLORS.get(arm), label=arm
+        )
+        for q, style in (("p50", ":"), ("p99", "-")):
+            vals = [per_c[c]["codec_latency_ms"][q] for c in cs]
+            right.plot(
+                cs,
+                [np.nan if v is None else v for v in vals],
+                marker="o",
+                linestyle=style,
+                color=line.get_color(),
+                label=f"{arm} {q}",
+            )
+    cs_all = result["run"]["concurrency"]
+    left.plot(cs_all, cs_all, color="gray", linestyle="--", linewidth=0.8, label="C (real-time cap)")
+    right.axhline(slo, color="tab:red", linestyle="--", linewidth=0.8, label=f"SLO p99 {slo:g} ms")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        _log_axis(ax.xaxis)
+        ax.set_xticks(cs_all, [str(c) for c in cs_all])
+        ax.set_xlabel("concurrency (live streams)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    left.set_ylabel("audio seconds per second")
+    right.set_ylabel("codec-added latency (ms, log)")
+    right.set_yscale("log")
+    _log_axis(right.yaxis)
+    requests = ", ".join(f"{c}: {n}" for c, n in result["run"]["requests"].items())
+    left.set_title(f"throughput (requests per C: {requests})", fontsize=9)
+    right.set_title(f"latency, {result['run']['requests_per_stream']} requests/stream", fontsize=9)
+    fig.suptitle(f"{result['run']['preset']} on {result['run']['device_name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# One command for the GPU machine: CUDA tests, then the codec memory and step benchmarks.
+# One command for the GPU machine: CUDA tests, the codec memory and step benchmarks, the stage sweep.
 #
 #   bash benchmarks/tts/run_gpu.sh [path/to/vllm_omni-0.30.0-*.whl]
 #
 # Default wheel: .whl/vllm_omni-0.30.0-*.whl (carry `.whl`). Only the wheel's moss_tts directory is
-# unzipped (to /tmp) and exposed through MOSS_UPSTREAM_MOSS_TTS_DIR for the upstream arm; without a
-# wheel that arm is skipped and the rest still runs. Results go to $OUT (default ./out/gpu), 7 files:
-#   env.txt  pytest.log  memory.json  memory.log  step.json  step.log  stage.json  stage.png
-# Each stage has its own time limit (120 + 100 + 300 s) so the whole command fits a 10-minute slot and a
-# stage that overruns still leaves the others' files; both benchmarks rewrite their JSON as they go.
-# Measured on one H200 (2026-11-29, these settings): 204 s wall, tests 25 s, memory ~25 s, steps ~135 s.
+# unzipped (to /tmp) and exposed through MOSS_UPSTREAM_MOSS_TTS_DIR for the upstream arms; without a
+# wheel those arms are skipped and the rest still runs. Results go to $OUT (default ./out/gpu).
+#
+# PARTS picks what runs, in this order (default "tests memory step"; measured on one H200 on 2026-11-29:
+# 204 s wall, tests 25 s, memory ~25 s, steps ~135 s):
+#   tests   pytest -m cuda                       -> env.txt pytest.log
+#   memory  bench_codec_memory.py (64, 128)      -> memory.json memory.log
+#   step    bench_codec_step.py                  -> step.json step.log
+#   stage   bench_codec_stage.py $STAGE_ARGS     -> stage/ (results.json, results.md, latencies.npz, two PNGs)
+# The stage sweep is the main job and does not fit one 10-minute command next to the others (each arm and
+# concurrency simulates ~75 s of traffic at 17 requests per stream), so run it on its own, e.g.
+#   PARTS=stage STAGE_ARGS="--arms v2,upstream --concurrency 64,128" bash benchmarks/tts/run_gpu.sh
+#   PARTS=stage STAGE_ARGS="--arms v2,upstream --concurrency 256 --append" bash benchmarks/tts/run_gpu.sh
+# (--append needs the previous $OUT/stage: same machine, or carry it back). results.json and latencies.npz
+# are rewritten after every run, so a command cut short by STAGE_TIMEOUT (default 570 s) keeps the runs it
+# finished; `bench_codec_stage.py --out DIR --report-only` then rewrites results.md and the plots.
 
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -64,30 +74,39 @@ EOF
 cat "$OUT/env.txt"
 
 status=0
+PARTS=${PARTS:-tests memory step}
+STAGE_ARGS=${STAGE_ARGS:---arms v2,upstream --concurrency 64,128}
+wants() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
-echo "== pytest -m cuda"
-# --continue-on-collection-errors: a test module whose import fails on this image (a package the image
-# lacks) must not stop the CUDA tests of the other modules; the error is still reported and fails status.
-timeout 200 "$PY" -m pytest tests -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
-  --durations=8 >"$OUT/pytest.log" 2>&1 || status=1
-tail -n 15 "$OUT/pytest.log"
+if wants tests; then
+  echo "== pytest -m cuda"
+  # --continue-on-collection-errors: a test module whose import fails on this image (a package the image
+  # lacks) must not stop the CUDA tests of the other modules; the error is still reported and fails status.
+  timeout 200 "$PY" -m pytest tests -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    --durations=8 >"$OUT/pytest.log" 2>&1 || status=1
+  tail -n 15 "$OUT/pytest.log"
+fi
 
-echo "== codec state memory (64, 128 streams)"
-timeout 60 "$PY" benchmarks/tts/bench_codec_memory.py --preset v2 --streams 64,128 --device cuda \
-  --json "$OUT/memory.json" 2>&1 | tee "$OUT/memory.log" || status=1
+if wants memory; then
+  echo "== codec state memory (64, 128 streams)"
+  timeout 60 "$PY" benchmarks/tts/bench_codec_memory.py --preset v2 --streams 64,128 --device cuda \
+    --json "$OUT/memory.json" 2>&1 | tee "$OUT/memory.log" || status=1
+fi
 
-echo "== codec step latency"
-timeout 180 "$PY" benchmarks/tts/bench_codec_step.py --preset v2 --batch 1,8,64,128 --frames 1,15 \
-  --modes eager,graph --arms legacy,v2,upstream --repeats 5 --steps-per-round 2 --warmup 2 --device cuda \
-  --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" || status=1
+if wants step; then
+  echo "== codec step latency"
+  timeout 180 "$PY" benchmarks/tts/bench_codec_step.py --preset v2 --batch 1,8,64,128 --frames 1,15 \
+    --modes eager,graph --arms legacy,v2,upstream --repeats 5 --steps-per-round 2 --warmup 2 --device cuda \
+    --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" || status=1
+fi
 
-echo "== codec stage under load (main job: 1088 requests, concurrency 64, v2 geometry, CUDA graphs)"
-timeout 120 "$PY" benchmarks/tts/bench_codec_stage.py --device cuda --wavs 0 --quiet --out "$OUT/stage" \
-  2>&1 | tail -n 20 || status=1
-mv "$OUT/stage/results.json" "$OUT/stage.json" 2>/dev/null
-mv "$OUT/stage/latency.png" "$OUT/stage.png" 2>/dev/null
-rm -rf "$OUT/stage"
+if wants stage; then
+  echo "== codec stage under load (main job): $STAGE_ARGS"
+  # shellcheck disable=SC2086  # STAGE_ARGS is a list of flags
+  timeout "${STAGE_TIMEOUT:-570}" "$PY" benchmarks/tts/bench_codec_stage.py --device cuda --quiet \
+    --out "$OUT/stage" $STAGE_ARGS 2>&1 | tee "$OUT/stage.log" | tail -n 40 || status=1
+fi
 
 echo "== done (status $status); files in $OUT:"
-ls -l "$OUT"
+ls -lR "$OUT"
 exit $status

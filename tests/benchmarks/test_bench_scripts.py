@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU smoke tests of the codec benchmark scripts: JSON shape, integer bytes, exact v2 accounting."""
+"""CPU tests of the codec benchmark scripts: JSON shape, integer bytes, exact v2 accounting, the stage bench's
+figures and SLO, and the upstream arm's driver against upstream's own pool."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -80,11 +83,12 @@ def test_memory_v2_meta_accounting_is_exact(tmp_path, capsys):
 
 def test_memory_tiny_presets_and_arm_selection(tmp_path):
     bench = _load("bench_codec_memory")
+    compact = bench.common.COMPACT_POOL_KIND
     result = bench.main(["--preset", "tiny-v2", "--streams", "2,3", "--device", "cpu", "--arms", "legacy,v2"])
     cfg = preset_config("tiny-v2")
     for count in (2, 3):
         assert result["arms"]["legacy"][str(count)]["state_bytes"] == state_bytes_for(cfg, 2 * count, "legacy")
-        assert result["arms"]["v2"][str(count)]["state_bytes"] == state_bytes_for(cfg, count + 1, "v2")
+        assert result["arms"]["v2"][str(count)]["state_bytes"] == state_bytes_for(cfg, count + 1, compact)
     assert "upstream" not in result["skipped"] and "upstream" not in result["weights"]
 
     v1 = bench.main(["--preset", "tiny-v1", "--streams", "2", "--device", "cpu", "--json", str(tmp_path / "v1.json")])
@@ -107,8 +111,9 @@ def test_step_eager_cpu_smoke(tmp_path):
     assert [(r["batch"], r["frames"]) for r in result["results"]] == [(1, 3), (2, 3)]
 
     cfg = preset_config("tiny-v2")  # CPU pools keep fp32 rings; capacity = max batch = 2
+    compact = _load("bench_codec_step").common.COMPACT_POOL_KIND
     assert result["state_bytes"]["legacy"] == state_bytes_for(cfg, 4, "legacy", element_size=4)
-    assert result["state_bytes"]["v2"] == state_bytes_for(cfg, 3, "v2", element_size=4)
+    assert result["state_bytes"]["v2"] == state_bytes_for(cfg, 3, compact, element_size=4)
     if "upstream" in expected_arms:
         # Upstream's pool = the legacy layout (same rings and offset bank) + a shared exec mask of S bools.
         assert result["state_bytes"]["upstream"] == result["state_bytes"]["legacy"] + 4
@@ -141,3 +146,228 @@ def test_common_helpers():
     for (name, a), (_, b) in zip(decoder.state_dict().items(), again.state_dict().items()):
         assert common.torch.equal(a, b), name
         assert common.torch.count_nonzero(a) == a.numel(), f"{name} has zeros"
+
+
+# ------------------------------------------------------------------------------------------ stage bench
+
+FIGURE_KEYS = {
+    "audio_seconds_per_second",
+    "codec_latency_ms",
+    "first_chunk_latency_ms",
+    "steps_by_path",
+    "padded_frame_fraction",
+    "peak_memory_bytes",
+}
+
+
+def test_stage_cpu_tiny_trace(tmp_path, capsys):
+    bench = _load("bench_codec_stage")
+    argv = "--device cpu --preset tiny-v2 --concurrency 2,3 --requests-per-stream 2 --chunks 1,4,15 --quiet"
+    result = bench.main([*argv.split(), "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "results.json").read_text()) == result
+    for name in ("results.md", "latency_cdf.png", "concurrency.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+    upstream_ok = bench.common.upstream_status("tiny-v2", bench.torch.device("cpu"))[0]
+    arms = ["v2", "legacy", "upstream"] if upstream_ok else ["v2", "legacy"]
+    assert list(result["arms"]) == arms
+    assert ("upstream" in result["run"]["skipped"]) == (not upstream_ok)
+    run = result["run"]
+    assert run["preset"] == "tiny-v2" and run["device"] == "cpu" and run["cuda_graphs"] is False
+    assert run["requests"] == {"2": 4, "3": 6} and run["chunks"] == [1, 4, 15]
+    assert run["graph_frame_sizes"] == [1, 4, 15] and run["graph_batch_sizes"]["3"] == [1, 2, 3]
+    assert run["command"].endswith(argv + f" --out {tmp_path}") and run["date"].endswith("+00:00")
+
+    trace_frames = {}
+    for arm in arms:
+        entry = result["arms"][arm]
+        assert list(entry) == ["2", "3", "max_streams_at_slo"]
+        held = []
+        for c in ("2", "3"):
+            figures, details = entry[c], result["details"][arm][c]
+            assert set(figures) == FIGURE_KEYS
+            assert set(figures["codec_latency_ms"]) == {"p50", "p95", "p99"}
+            assert set(figures["first_chunk_latency_ms"]) == {"p50", "p99"}
+            assert figures["steps_by_path"]["graph"] == 0  # no graphs on CPU
+            assert figures["steps_by_path"]["eager"] == details["steps"] > 0
+            assert figures["padded_frame_fraction"] == 0.0  # eager rows always run at their own length
+            assert figures["peak_memory_bytes"] is None
+            lat = figures["codec_latency_ms"]
+            assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]
+            # First-chunk latency includes generating the 1-frame first chunk: 80 ms.
+            assert 80.0 < figures["first_chunk_latency_ms"]["p50"] <= figures["first_chunk_latency_ms"]["p99"]
+            assert not details["stopped_early"] and details["finished_requests"] == run["requests"][c]
+            # Slots: compact pool N + 1 (the null slot); legacy and upstream have no scratch slots without graphs.
+            assert details["slots"] == int(c) + (arm == "v2") and details["graphs"] == 0
+            if lat["p99"] <= 150.0:
+                held.append(int(c))
+            trace_frames.setdefault(c, set()).add(details["decoded_frames"])
+            aps = figures["audio_seconds_per_second"]
+            assert aps == pytest.approx(details["audio_seconds"] / details["serving_seconds"], rel=1e-3)
+            assert 0 < aps <= int(c)  # at most C live streams producing 1 s of audio per second each
+        assert entry["max_streams_at_slo"] == (max(held) if held else None)
+    # One trace per concurrency: every arm decoded exactly the same frames.
+    assert all(len(frames) == 1 for frames in trace_frames.values())
+    assert trace_frames["2"] != trace_frames["3"]
+    printed = capsys.readouterr().out
+    assert "| arm | C | requests | audio-s/s |" in printed and "| v2 | 2 | 4 |" in printed
+
+
+def test_stage_trace_and_slo_helpers():
+    bench = _load("bench_codec_stage")
+    assert bench.ramp_schedule(21, [1, 4, 15]) == [(0, 1), (1, 5), (5, 20), (20, 21)]
+    assert bench.ramp_schedule(40, [1, 15]) == [(0, 1), (1, 16), (16, 31), (31, 40)]
+    assert bench.ramp_schedule(3, [5]) == [(0, 3)]
+    assert bench.graph_batch_sizes(3) == [1, 2, 3]
+    assert bench.graph_batch_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 512]
+    lengths = bench.request_lengths(4000, seed=0)
+    assert lengths.min() >= 13 and lengths.max() <= 256 and 48 <= int(sorted(lengths)[2000]) <= 52
+
+    def figures(p99):
+        return {"codec_latency_ms": {"p50": 1.0, "p95": 2.0, "p99": p99}}
+
+    per_c = {"64": figures(40.0), "128": figures(150.0), "256": figures(150.5), "512": figures(None)}
+    details = {c: {"stopped_early": False} for c in per_c}
+    assert bench.max_streams_at_slo(per_c, details, 150.0) == 128
+    details["128"] = {"stopped_early": True}  # stopped runs never hold the SLO, whatever their p99
+    assert bench.max_streams_at_slo(per_c, details, 150.0) == 64
+    assert bench.max_streams_at_slo(per_c, details, 10.0) is None
+    assert bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.0}}) is None
+    warning = bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.5}})
+    assert warning.startswith("warning: v2 C=64: step time max 100.5 ms > 10x its p50 10.0 ms")
+
+
+def test_upstream_stage_plan_follows_upstream_policy():
+    plan_steps = _load("bench_codec_stage").upstream_stage.plan_steps
+
+    def rows(steps):
+        return [[(i, a, b, last) for i, a, b, last in step.rows] for step in steps]
+
+    frames = [15, 1, 3, 15, 7, 1]
+    finished = [False, False, True, True, True, False]
+    # Graphs with a bucket holding every stream: tails join the smallest graph frame size that holds them.
+    padded = plan_steps(frames, finished, graph_frame_sizes=[1, 15], pad_tails=True, max_step_frames=15)
+    assert rows(padded) == [
+        [(0, 0, 15, False), (2, 0, 3, True), (3, 0, 15, True), (4, 0, 7, True)],
+        [(1, 0, 1, False), (5, 0, 1, False)],
+    ]
+    assert [s.frames for s in padded] == [15, 1] and not padded[0].all_terminal
+    # No graphs (CPU): every distinct length is its own step.
+    exact = plan_steps(frames, finished, graph_frame_sizes=[1, 15], pad_tails=False, max_step_frames=15)
+    assert [[r[0] for r in step] for step in rows(exact)] == [[0, 3], [1, 5], [2], [4]]
+    # A tail group without a steady chunk stays at its longest tail; the graph then pads it further.
+    tails = plan_steps([3, 7], [True, True], graph_frame_sizes=[1, 15], pad_tails=True, max_step_frames=15)
+    assert len(tails) == 1 and tails[0].frames == 7 and tails[0].all_terminal
+    # Chunks over max_step_frames become single-row steps first; only the last piece is terminal.
+    long = plan_steps([1, 32], [False, True], graph_frame_sizes=[1, 15], pad_tails=True, max_step_frames=15)
+    assert rows(long) == [[(1, 0, 15, False)], [(1, 15, 30, False)], [(1, 30, 32, True)], [(0, 0, 1, False)]]
+    with pytest.raises(ValueError, match="chunk 1 has 0 frames"):
+        plan_steps([1, 0], [False, False], graph_frame_sizes=[], pad_tails=False, max_step_frames=15)
+
+
+def test_upstream_stage_streams_match_single_stream_decode():
+    """Batched streams through the driver (slot leasing, LIFO reuse, terminal resets) decode exactly as
+    each stream alone on a fresh upstream pool (fp32 CPU; rows differ only by GEMM batch shape)."""
+    bench = _load("bench_codec_stage")
+    common, torch, us = bench.common, bench.torch, bench.upstream_stage
+    if not common.upstream_status("tiny-v2", torch.device("cpu"))[0]:
+        pytest.skip("vllm-omni 0.30.0 moss_tts files or transformers missing")
+    codec = common.build_upstream_codec("tiny-v2", torch.device("cpu"), seed=3, n_vq=12)
+    spf = codec.config["downsample_rate"]
+    gen = torch.Generator().manual_seed(0)
+    streams = {rid: torch.randint(0, 1024, (12, n), generator=gen) for rid, n in (("a", 35), ("b", 9), ("c", 17))}
+    stage = us.UpstreamStage(
+        codec.model, 2, graph_batch_sizes=[1, 2], graph_frame_sizes=[1, 15], n_vq=12, max_step_frames=15,
+        samples_per_frame=spf,
+    )  # fmt: skip
+    assert stage.num_slots == 2 and stage.pad_tails is False  # CPU: no scratch slots, no graphs
+    schedule = {rid: bench.ramp_schedule(c.shape[1], [1, 15]) for rid, c in streams.items()}
+    batches = [[("a", 0), ("b", 0)], [("a", 1), ("b", 1)], [("a", 2)], [("c", 0)], [("c", 1), ("a", 3)], [("c", 2)]]
+    got: dict[str, list] = {rid: [] for rid in streams}
+    for batch in batches:
+        chunks = []
+        for rid, k in batch:
+            a, b = schedule[rid][k]
+            chunks.append(us.StageChunk(rid, streams[rid][:, a:b], finished=k == len(schedule[rid]) - 1))
+        for rid, wav in stage.decode(chunks).items():
+            got[rid].append(wav)
+        if batch == [("a", 2)]:
+            assert stage.free_slots == 1  # b finished in the previous batch
+    assert stage.free_slots == 2 and stage.stats()["decoded_frames"] == 61
+    assert stage.stats()["steps_by_path"] == {"graph": 0, "eager": 8}
+    stage.close()
+
+    for rid, codes in streams.items():
+        codec.open_pool(1, 0)
+        want = []
+        for a, b in schedule[rid]:
+            n = b - a
+            audio, _ = codec.step(codes[:, None, a:b], torch.tensor([n]), torch.tensor([0]), torch.tensor([True]))
+            want.append(audio[0, :, : n * spf])
+        codec.close_pool()
+        mine, ref = torch.cat(got[rid], dim=-1), torch.cat(want, dim=-1)
+        assert mine.shape == (2, codes.shape[1] * spf)
+        assert (mine - ref).abs().max() <= 1e-5 * ref.abs().max(), rid
+
+
+def _run_python(code: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_upstream_oracle_module_is_import_light():
+    out = _run_python(
+        "import sys\n"
+        "from vllm_omni_moss.testing import upstream\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'vllm_omni', 'transformers')]\n"
+        "ours = [m for m in sys.modules if m.startswith('vllm_omni_moss.model_executor')]\n"
+        "print(heavy, ours)\n"
+    )
+    assert out.strip() == "[] []"
+
+
+def test_streaming_attention_loads_with_stand_in_triton_utils():
+    pytest.importorskip("triton")
+    oracle = pytest.importorskip("vllm_omni_moss.testing.upstream")
+    if oracle.upstream_dir() is None or not (oracle.upstream_dir() / "streaming_attention.py").is_file():
+        pytest.skip("vllm-omni 0.30.0 moss_tts files missing")
+    out = _run_python(
+        "import sys\n"
+        "sys.path.insert(0, 'benchmarks/tts')\n"
+        "import upstream_stage\n"
+        "from vllm_omni_moss.testing import upstream\n"
+        "module = upstream_stage.load_streaming_attention(upstream.upstream_dir(), stand_in=True)\n"
+        "again = upstream_stage.load_streaming_attention(upstream.upstream_dir(), stand_in=True)\n"
+        "left = [m for m in sys.modules if m.split('.')[0] == 'vllm']\n"
+        "print(type(module.masked_attention).__name__, again is module, left)\n"
+    )
+    assert out.strip() == "CustomOpDef True []"
+
+
+def test_stage_append_merges_a_split_sweep(tmp_path):
+    bench = _load("bench_codec_stage")
+    base = ["--device", "cpu", "--preset", "tiny-v2", "--requests-per-stream", "1", "--quiet", "--out", str(tmp_path)]
+    first = bench.main([*base, "--concurrency", "2", "--arms", "v2"])
+    merged = bench.main([*base, "--concurrency", "3", "--arms", "v2,legacy", "--append"])
+    run = merged["run"]
+    assert run["concurrency"] == [2, 3] and run["requests"] == {"2": 2, "3": 3}
+    assert [i["command"] for i in run["invocations"]] == [first["run"]["command"], run["command"]]
+    assert list(merged["arms"]["v2"]) == ["2", "3", "max_streams_at_slo"]
+    assert list(merged["arms"]["legacy"]) == ["3", "max_streams_at_slo"]
+    assert merged["arms"]["v2"]["2"] == first["arms"]["v2"]["2"]
+    for arm in ("v2", "legacy"):
+        held = [int(c) for c, f in merged["arms"][arm].items() if c != "max_streams_at_slo"]
+        held = [c for c in held if merged["arms"][arm][str(c)]["codec_latency_ms"]["p99"] <= 150.0]
+        assert merged["arms"][arm]["max_streams_at_slo"] == (max(held) if held else None)
+    with bench.np.load(tmp_path / "latencies.npz") as stored:
+        assert sorted(stored.files) == ["legacy/3", "v2/2", "v2/3"]
+        assert len(stored["v2/2"]) == merged["details"]["v2"]["2"]["chunks"]
+
+    with pytest.raises(SystemExit, match="requests_per_stream 1 != 2"):
+        bench.main([*base[:4], "--requests-per-stream", "2", "--quiet", "--out", str(tmp_path), "--append"])
+    (tmp_path / "results.md").unlink()
+    assert bench.main(["--out", str(tmp_path), "--report-only"]) == merged
+    assert "| legacy | 3 | 3 |" in (tmp_path / "results.md").read_text()
