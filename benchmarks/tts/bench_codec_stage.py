@@ -61,6 +61,7 @@ import datetime
 import heapq
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -366,6 +367,7 @@ def stall_warning(arm: str, concurrency: int, details: dict[str, Any]) -> str | 
 
 
 def _git_commit() -> str | None:
+    """``git rev-parse --short HEAD`` of the repository; else ``$MOSS_BENCH_COMMIT`` (a copy without .git)."""
     try:
         out = subprocess.run(
             ["git", "-C", str(common.REPO_ROOT), "rev-parse", "--short", "HEAD"],
@@ -374,8 +376,10 @@ def _git_commit() -> str | None:
             timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return os.environ.get("MOSS_BENCH_COMMIT") or None
 
 
 def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: dict[str, Any]):
