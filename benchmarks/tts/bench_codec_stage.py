@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.preset == "auto":
         args.preset = "v2" if device.type == "cuda" else "tiny-v2"
     if device.type == "cpu":
-        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        torch.set_num_threads(1)  # tiny kernels: a second intra-op thread only adds contention
     cfg = preset_config(args.preset)
     if args.n_vq > cfg.num_quantizers:
         raise SystemExit(f"--n-vq {args.n_vq} > the codec's {cfg.num_quantizers} codebooks")
