@@ -80,7 +80,7 @@ import torch  # noqa: E402
 import upstream_stage  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
 
 FRAME_RATE = 12.5  # code frames per second (both MOSS codecs)
 ARMS = ("v2", "legacy", "upstream")
@@ -136,15 +136,21 @@ def graph_batch_sizes(concurrency: int) -> list[int]:
 
 
 class OurArm:
-    """Our session behind the driver interface: ``decode(chunks) -> {request id: audio}``, ``stats()``."""
+    """Our session behind the driver interface: ``decode(chunks) -> {request id: audio}``, ``stats()``.
+
+    Built as our stage builds it (``stage.py``): graph frame sizes = the schedule's distinct chunk sizes on
+    every device (the session pads each step to them with or without graphs), batch buckets only where
+    graphs are captured, ``max_step_frames`` = the largest chunk size.
+    """
 
     def __init__(self, decoder, concurrency: int, kind: str, graphs: bool, chunk_sizes: list[int], n_vq: int):
-        self.session = common.open_session(
+        self.session = CodecStreamSession(
             decoder,
             concurrency,
             pool_kind=None if kind == "v2" else common.pool_kind(kind),
             graph_batch_sizes=graph_batch_sizes(concurrency) if graphs else (),
-            graph_frame_sizes=sorted(set(chunk_sizes)) if graphs else (),
+            graph_frame_sizes=sorted(set(chunk_sizes)),
+            max_step_frames=max(chunk_sizes),
             n_vq=n_vq,
         )
 
@@ -152,9 +158,10 @@ class OurArm:
         results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
         out = {}
         for rid, result in results.items():
-            error = getattr(result, "error", None)
-            if error is not None:
-                raise RuntimeError(f"{rid}: the session refused the chunk: {error}")
+            if result.error is not None or result.queued:
+                raise RuntimeError(
+                    f"{rid}: the session did not decode the chunk: error {result.error!r}, queued {result.queued}"
+                )
             out[rid] = result.audio
         return out
 
@@ -162,10 +169,10 @@ class OurArm:
         self.session.on_requests_finished(request_ids)
 
     def stats(self) -> dict[str, Any]:
-        return common.session_stats(self.session)
+        return self.session.stats()
 
     def describe(self) -> dict[str, Any]:
-        runner = getattr(self.session, "runner", None)
+        runner = self.session.runner
         return {
             "slots": int(self.session.pool.num_slots),
             "state_bytes": int(self.session.pool.state_bytes()),
@@ -184,7 +191,7 @@ class UpstreamArm:
             model,
             concurrency,
             graph_batch_sizes=graph_batch_sizes(concurrency) if graphs else (),
-            graph_frame_sizes=sorted(set(chunk_sizes)) if graphs else (),
+            graph_frame_sizes=sorted(set(chunk_sizes)),
             n_vq=n_vq,
             # Upstream cuts chunks longer than the connector's codec_chunk_frames (the steady size).
             max_step_frames=chunk_sizes[-1],

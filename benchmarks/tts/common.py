@@ -8,16 +8,11 @@ The upstream arm is vLLM-Omni 0.30.0's own v2 codec module, loaded by file path 
 :mod:`vllm_omni_moss.testing.upstream` so that vLLM itself is never imported. Set
 ``MOSS_UPSTREAM_MOSS_TTS_DIR`` to an unzipped copy of the wheel's ``moss_tts`` directory where vllm-omni is
 not installed.
-
-Compatibility with the core's renames (session and pool API of issue 8 / issue 13): :data:`COMPACT_POOL_KIND`,
-:func:`open_session` and :func:`session_stats` accept both the old and the new names, so the benchmarks run
-before and after those renames land.
 """
 
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import math
 import statistics
@@ -36,14 +31,11 @@ if str(REPO_ROOT) not in sys.path:  # scripts run as files: make the package imp
 
 import torch  # noqa: E402
 
-from vllm_omni_moss.model_executor.models.moss_tts import state_pool as _state_pool  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.session import CodecStreamSession  # noqa: E402
 from vllm_omni_moss.testing import upstream as oracle  # noqa: E402
 
 __all__ = [
-    "COMPACT_POOL_KIND",
     "GIB",
     "UpstreamCodecArm",
     "build_upstream_codec",
@@ -52,14 +44,12 @@ __all__ = [
     "gib",
     "markdown_table",
     "module_bytes",
-    "open_session",
     "parse_int_list",
     "parse_str_list",
     "random_codes",
     "random_decoder",
     "pool_kind",
     "resolve_device",
-    "session_stats",
     "summarize_ms",
     "upstream_state_bytes",
     "upstream_status",
@@ -206,93 +196,14 @@ def random_codes(
     ]
 
 
-# ------------------------------------------------------------------------------------------ core API names
-
-# The compact pool's kind string: "compact" once the core renames it (CompactDecoderStatePool), "v2" before.
-COMPACT_POOL_KIND = "compact" if hasattr(_state_pool, "CompactDecoderStatePool") else "v2"
+# ------------------------------------------------------------------------------------------ our pools
 
 
 def pool_kind(arm: str) -> str:
-    """Pool kind of one of our benchmark arms: ``"v2"`` -> the compact pool, ``"legacy"`` -> legacy."""
+    """Pool kind of one of our benchmark arms: ``"v2"`` -> ``"compact"`` (the V2 pool), ``"legacy"`` -> legacy."""
     if arm not in ("v2", "legacy"):
         raise ValueError(f"no pool of ours is called {arm!r}; expected 'v2' or 'legacy'")
-    return COMPACT_POOL_KIND if arm == "v2" else "legacy"
-
-
-_SESSION_PARAMETERS = frozenset(inspect.signature(CodecStreamSession).parameters)
-
-
-def open_session(
-    decoder: CodecDecoder,
-    state_capacity: int,
-    *,
-    pool_kind: str | None,
-    graph_batch_sizes: Sequence[int],
-    graph_frame_sizes: Sequence[int],
-    n_vq: int,
-) -> CodecStreamSession:
-    """A :class:`CodecStreamSession` with these graph sizes, under the core's new keyword
-    (``graph_frame_sizes``) or, where the core still has it, the old one (``graph_frames``).
-
-    ``pool_kind=None`` is the session's default pool (compact for v2 codecs). On the old API the returned
-    session carries a step counter (see :func:`session_stats`).
-    """
-    kwargs: dict[str, Any] = {"pool_kind": pool_kind, "graph_batch_sizes": tuple(graph_batch_sizes), "n_vq": n_vq}
-    if "graph_frame_sizes" in _SESSION_PARAMETERS:
-        session = CodecStreamSession(decoder, state_capacity, graph_frame_sizes=tuple(graph_frame_sizes), **kwargs)
-    else:
-        session = CodecStreamSession(decoder, state_capacity, graph_frames=tuple(graph_frame_sizes), **kwargs)
-    if not hasattr(session, "stats"):
-        _OldApiStepCounter(session)
-    return session
-
-
-def session_stats(session: CodecStreamSession) -> dict[str, Any]:
-    """``session.stats()`` (new API): at least ``steps_by_path`` {graph, eager}, ``decoded_frames`` and
-    ``padded_frames``. On the old API the same three come from the counter :func:`open_session` installed."""
-    if hasattr(session, "stats"):
-        return session.stats()
-    return session._bench_step_counter.stats()
-
-
-class _OldApiStepCounter:
-    """Counts pool steps of a session built on the old API, which has no ``stats()``: every ``_step`` call
-    is a step; it ran as a graph when the graph runner returned audio. Remove with the old API."""
-
-    def __init__(self, session: CodecStreamSession):
-        self.steps_by_path = {"graph": 0, "eager": 0}
-        self.decoded_frames = 0
-        self.padded_frames = 0
-        self._replayed = False
-        step, runner = session._step, session.runner
-        if runner is not None:
-            replay = runner.decode
-
-            def counted_replay(*args, **kwargs):
-                out = replay(*args, **kwargs)
-                self._replayed = out is not None
-                return out
-
-            runner.decode = counted_replay
-
-        def counted_step(rows, step_frames):
-            self._replayed = False
-            out = step(rows, step_frames)
-            self.steps_by_path["graph" if self._replayed else "eager"] += 1
-            own = [int(r.codes.shape[1]) for r in rows]
-            self.decoded_frames += sum(own)
-            self.padded_frames += sum(step_frames - t for t in own)
-            return out
-
-        session._step = counted_step
-        session._bench_step_counter = self
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "steps_by_path": dict(self.steps_by_path),
-            "decoded_frames": self.decoded_frames,
-            "padded_frames": self.padded_frames,
-        }
+    return "compact" if arm == "v2" else "legacy"
 
 
 # ------------------------------------------------------------------------------------------ upstream

@@ -19,8 +19,8 @@ from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes
 pytestmark = [pytest.mark.cpu]
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
-SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (codec-facts §D.3)
-LEGACY_BANK_ROWS_V2 = 190  # 2 offsets x 92 layers + 6 group offsets
+SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (docs/memory.md)
+LEGACY_BANK_ROWS_V2 = 190  # 2 offsets x 92 layers + 6 group offsets (docs/memory.md)
 
 
 def _load(name: str):
@@ -68,7 +68,7 @@ def test_memory_v2_meta_accounting_is_exact(tmp_path, capsys):
         assert v2["offset_bytes"] == (count + 1) * 8
         for e in (legacy, v2):
             assert e["state_bytes"] == e["predicted_bytes"] == e["ring_bytes"] + e["offset_bytes"]
-    # codec-facts §D.3: C128 = 22,701,670,400 B (legacy) vs 11,439,513,600 B (V2) of rings.
+    # docs/memory.md: C128 = 22,701,670,400 B (legacy) vs 11,439,513,600 B (V2) of rings.
     assert result["arms"]["legacy"]["128"]["state_bytes"] == 22_702_059_520
     assert result["arms"]["v2"]["128"]["state_bytes"] == 11_439_514_632
     assert result["arms"]["legacy"]["64"]["state_bytes"] == 11_351_029_760
@@ -83,12 +83,11 @@ def test_memory_v2_meta_accounting_is_exact(tmp_path, capsys):
 
 def test_memory_tiny_presets_and_arm_selection(tmp_path):
     bench = _load("bench_codec_memory")
-    compact = bench.common.COMPACT_POOL_KIND
     result = bench.main(["--preset", "tiny-v2", "--streams", "2,3", "--device", "cpu", "--arms", "legacy,v2"])
     cfg = preset_config("tiny-v2")
     for count in (2, 3):
         assert result["arms"]["legacy"][str(count)]["state_bytes"] == state_bytes_for(cfg, 2 * count, "legacy")
-        assert result["arms"]["v2"][str(count)]["state_bytes"] == state_bytes_for(cfg, count + 1, compact)
+        assert result["arms"]["v2"][str(count)]["state_bytes"] == state_bytes_for(cfg, count + 1, "compact")
     assert "upstream" not in result["skipped"] and "upstream" not in result["weights"]
 
     v1 = bench.main(["--preset", "tiny-v1", "--streams", "2", "--device", "cpu", "--json", str(tmp_path / "v1.json")])
@@ -111,9 +110,8 @@ def test_step_eager_cpu_smoke(tmp_path):
     assert [(r["batch"], r["frames"]) for r in result["results"]] == [(1, 3), (2, 3)]
 
     cfg = preset_config("tiny-v2")  # CPU pools keep fp32 rings; capacity = max batch = 2
-    compact = _load("bench_codec_step").common.COMPACT_POOL_KIND
     assert result["state_bytes"]["legacy"] == state_bytes_for(cfg, 4, "legacy", element_size=4)
-    assert result["state_bytes"]["v2"] == state_bytes_for(cfg, 3, compact, element_size=4)
+    assert result["state_bytes"]["v2"] == state_bytes_for(cfg, 3, "compact", element_size=4)
     if "upstream" in expected_arms:
         # Upstream's pool = the legacy layout (same rings and offset bank) + a shared exec mask of S bools.
         assert result["state_bytes"]["upstream"] == result["state_bytes"]["legacy"] + 4
@@ -189,8 +187,15 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
             assert set(figures["codec_latency_ms"]) == {"p50", "p95", "p99"}
             assert set(figures["first_chunk_latency_ms"]) == {"p50", "p99"}
             assert figures["steps_by_path"]["graph"] == 0  # no graphs on CPU
-            assert figures["steps_by_path"]["eager"] == details["steps"] > 0
-            assert figures["padded_frame_fraction"] == 0.0  # eager rows always run at their own length
+            padded, decoded = details["padded_frames"], details["decoded_frames"]
+            assert figures["padded_frame_fraction"] == round(padded / (decoded + padded), 6)
+            assert 0.0 <= figures["padded_frame_fraction"] < 1.0
+            if arm == "upstream":
+                # Upstream without graphs: one step per distinct chunk length, every row at its own length.
+                assert figures["steps_by_path"]["eager"] >= details["steps"] > 0 and padded == 0
+            else:
+                # Ours: one step per decode call, every chunk padded to the step's graph frame size.
+                assert figures["steps_by_path"]["eager"] == details["steps"] > 0 and padded > 0
             assert figures["peak_memory_bytes"] is None
             lat = figures["codec_latency_ms"]
             assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]
