@@ -317,7 +317,7 @@ class DecoderStatePool(ABC):
             audio = run_decoder(self.decoder, codes, plan)
         audio_lengths = lengths * self.config.samples_per_frame
         sample = torch.arange(audio.shape[-1], device=audio.device)
-        audio = torch.where(sample < audio_lengths.view(-1, 1, 1), audio, torch.zeros((), dtype=audio.dtype))
+        audio = torch.where(sample < audio_lengths.view(-1, 1, 1), audio, 0.0)
         return audio, audio_lengths
 
     @abstractmethod
