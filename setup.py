@@ -46,6 +46,7 @@ setup(
         "test": [
             "pytest>=8,<10",
             "hypothesis>=6.100",
+            "wheel>=0.40",  # scripts/build_fork.sh: wheel unpack / pack
         ],
         # Triton kernels; tests run them on CPU with TRITON_INTERPRET=1.
         "triton": [
