@@ -41,21 +41,18 @@ def _meta(semantics, offsets, written, T):
     return build_ring_metadata(_spec(), semantics, torch.tensor(offsets), torch.tensor(written), T)
 
 
-def test_tokens_write_the_latest_valid_token_of_their_cell():
-    # Row 0: offset 3, 4 of 4 tokens (positions 3..6 -> cells 3, 4, 0, 1), each its own source.
-    # Row 1: offset 0, 7 valid tokens of 8 (positions 0..6): tokens 0 and 1 share cells 0 and 1
-    #        with tokens 5 and 6, which win; padding token 7 (cell 2) carries token 2's value.
-    # Row 2: a padding row: every token keeps its cell's old value.
-    meta = _meta("upstream", [3, 0, 9], [4, 7, 0], 4)
-    assert meta.next_offsets.tolist() == [7, 7, 9]
-    assert meta.token_cell.tolist() == [[3, 4, 0, 1], [0, 1, 2, 3], [4, 0, 1, 2]]
-    assert meta.token_keeps.tolist() == [[False] * 4, [False] * 4, [True] * 4]
-    assert meta.token_source[:2].tolist() == [[0, 1, 2, 3], [5, 6, 2, 3]]
+def test_rows_write_their_last_valid_tokens_once_per_cell():
+    # Row 0: offset 3, 4 valid tokens of 4: positions 3..6 -> cells 3, 4, 0, 1.
+    # Row 1: offset 0, 3 valid tokens of 4: the padding entry repeats the last valid token.
+    # Row 2: a padding row: nothing valid (its entries name token 0; its rows are not kept).
+    meta = _meta("upstream", [3, 0, 9], [4, 3, 0], 4)
+    assert meta.next_offsets.tolist() == [7, 3, 9]
+    assert meta.write_source.tolist() == [[0, 1, 2, 3], [0, 1, 2, 2], [0, 0, 0, 0]]
+    assert meta.write_cell.tolist() == [[3, 4, 0, 1], [0, 1, 2, 2], [4, 4, 4, 4]]
+    # 7 valid tokens of 8 into 5 cells: the last 5 valid tokens (2..6) own the cells.
     wide = _meta("upstream", [0], [7], 8)
-    assert wide.token_cell.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
-    assert wide.token_source.tolist() == [[5, 6, 2, 3, 4, 5, 6, 2]] and not wide.token_keeps.any()
-    fresh_tail = _meta("upstream", [0], [2], 4)  # padding tokens 2, 3 land in unwritten cells
-    assert fresh_tail.token_keeps.tolist() == [[False, False, True, True]]
+    assert wide.write_source.tolist() == [[2, 3, 4, 5, 6]]
+    assert wide.write_cell.tolist() == [[2, 3, 4, 0, 1]]
 
 
 def test_upstream_semantics_attend_over_the_post_write_ring():

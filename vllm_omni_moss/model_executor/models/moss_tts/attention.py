@@ -147,30 +147,30 @@ def ring_attention_reference(semantics: str, rows: torch.Tensor, meta: RingMetad
         rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
             place with this step's valid tokens (the caller persists them). Cells no valid
             token reaches keep their values; a cell several valid tokens reach holds the
-            latest of them, whatever order the device scatters in.
+            latest of them, whatever order the device scatters in. Rows that write nothing
+            (``num_written == 0``) are left undefined: callers must not persist them.
         meta: the group's :class:`~.step_metadata.RingMetadata`.
         qkv: ``(3, B, H, T, Dh)`` projections before RoPE.
     Returns:
         ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask).
     """
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    kv = torch.stack((qk[1].to(rows.dtype), qkv[2].to(rows.dtype)))  # (2, B, H, T, Dh)
-    _, B, H, T, Dh = kv.shape
+    k, v = qk[1].to(rows.dtype), qkv[2].to(rows.dtype)
+    B, H, T, Dh = k.shape
     if semantics == "exact":
         # Padding tokens may carry non-finite values (queries that saw no key); a masked key
         # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
-        valid = (torch.arange(T, device=kv.device) < meta.num_written.view(B, 1)).view(1, B, 1, T, 1)
-        keys_values = torch.cat((rows, torch.where(valid, kv, 0)), dim=3)
-    # Every token of a cell writes the same value (its latest valid token's, or the cell's
-    # own when none), so duplicate destinations cannot make the scatter order matter.
-    cell = meta.token_cell.view(1, B, 1, T, 1).expand(2, B, H, T, Dh)
-    source = meta.token_source.view(1, B, 1, T, 1).expand(2, B, H, T, Dh)
-    rows.scatter_(
-        3, cell, torch.where(meta.token_keeps.view(1, B, 1, T, 1), rows.gather(3, cell), kv.gather(3, source))
-    )
+        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
+        keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
+        values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
+    W = meta.write_cell.shape[1]
+    cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
+    source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
+    rows[0].scatter_(2, cell, k.gather(2, source))
+    rows[1].scatter_(2, cell, v.gather(2, source))
     if semantics == "upstream":
-        keys_values = rows
-    return F.scaled_dot_product_attention(qk[0].to(rows.dtype), keys_values[0], keys_values[1], attn_mask=meta.mask)
+        keys, values = rows[0], rows[1]
+    return F.scaled_dot_product_attention(qk[0].to(rows.dtype), keys, values, attn_mask=meta.mask)
 
 
 # --------------------------------------------------------------------------- backends
@@ -247,7 +247,9 @@ class LegacyRingAttention:
         ring = self.rings[layer]
         rows = ring.index_select(1, self.slots)
         out = ring_attention_reference(self.semantics, rows, meta, qkv)
-        ring.index_copy_(1, self.slots, rows)
+        # Rows that wrote nothing come back undefined; they keep their ring as it was.
+        wrote = (group.num_written > 0).view(1, -1, 1, 1, 1)
+        ring.index_copy_(1, self.slots, torch.where(wrote, rows, ring.index_select(1, self.slots)))
         for row in {attn_row, ring_row}:
             self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
         group_row = self.group_rows.get(layer)

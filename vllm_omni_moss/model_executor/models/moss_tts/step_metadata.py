@@ -60,12 +60,13 @@ class RingMetadata:
         offsets: ``(B,)`` int64 pre-step token offsets (RoPE start, query positions).
         num_written: ``(B,)`` int64 valid tokens each row writes (0 for padding rows).
         next_offsets: ``(B,)`` int64 ``offsets + num_written``.
-        token_cell: ``(B, T)`` int64 ring cell of chunk token ``t``: ``(offset + t) mod C``.
-        token_source: ``(B, T)`` int64 the chunk token whose K/V that cell holds after the
-            step: the latest valid token mapping to it (any value where ``token_keeps`` is True).
-        token_keeps: ``(B, T)`` bool, True where no valid token of this step lands in the
-            token's cell, which then keeps its old value. Every token of one cell thus
-            writes the same value, so the write is deterministic whatever the order.
+        write_source: ``(B, W)`` int64, ``W = min(T, C)``: the chunk tokens a row writes,
+            its last ``min(num_written, C)`` valid tokens (the later token owns a shared
+            cell), then the last of them repeated; rows that write nothing name token 0.
+        write_cell: ``(B, W)`` int64 ring cell of each ``write_source`` token,
+            ``(offset + token) mod C``. Within a row the cells of distinct tokens are
+            distinct and a repeated entry writes the same value, so the write is
+            deterministic whatever order the device scatters in.
         mask: ``(B, 1, T, K)`` bool, True where query ``t`` may attend key ``k``:
             ``0 <= q - p_k < context`` and key ``k`` holds a valid token; ``K = C``
             (``upstream``) or ``C + T`` (``exact``).
@@ -75,9 +76,8 @@ class RingMetadata:
     offsets: torch.Tensor
     num_written: torch.Tensor
     next_offsets: torch.Tensor
-    token_cell: torch.Tensor
-    token_source: torch.Tensor
-    token_keeps: torch.Tensor
+    write_source: torch.Tensor
+    write_cell: torch.Tensor
     mask: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -136,15 +136,15 @@ def build_ring_metadata(
     T, C = num_tokens, spec.context
     start = offsets.view(-1, 1)
     next_offsets = offsets + num_written
-    # The later position owns a cell: each cell takes the latest valid token mapping to it.
-    written_position = _latest_position(next_offsets.view(-1, 1) - 1, C)  # (B, C)
+    # The later position owns a cell: a row writes its last min(num_written, C) valid tokens.
+    kept = num_written.clamp(max=C).view(-1, 1)
+    entry = torch.arange(min(T, C), device=device, dtype=torch.long)
+    write_source = (num_written.view(-1, 1) - kept) + torch.minimum(entry, (kept - 1).clamp(min=0))
+    write_cell = torch.remainder(start + write_source, C)
     query = start + torch.arange(T, device=device, dtype=torch.long)  # (B, T)
-    token_cell = torch.remainder(query, C)
-    owner = written_position.gather(1, token_cell)  # (B, T) latest valid position in the token's cell
-    token_keeps = owner < start
-    token_source = torch.where(token_keeps, 0, owner - start)
     if semantics == "upstream":
-        positions = written_position  # keys are the post-write ring; negative = never written
+        # Keys are the post-write ring; negative = never written.
+        positions = _latest_position(next_offsets.view(-1, 1) - 1, C)
     else:
         cached = _latest_position(start - 1, C)
         current = torch.where(query < next_offsets.view(-1, 1), query, -1)
@@ -156,9 +156,8 @@ def build_ring_metadata(
         offsets=offsets,
         num_written=num_written,
         next_offsets=next_offsets,
-        token_cell=token_cell,
-        token_source=token_source,
-        token_keeps=token_keeps,
+        write_source=write_source,
+        write_cell=write_cell,
         mask=mask.unsqueeze(1),
         cos=cos,
         sin=sin,
