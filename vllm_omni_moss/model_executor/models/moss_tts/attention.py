@@ -20,10 +20,14 @@ Backends here:
   gathered and metadata rebuilt per layer, whole ring written back per row.
 * :class:`FixedWidthAttention` - the reference streaming path: execution row ``b`` is
   state row ``b``, each layer with its own ring and offsets.
+* :class:`CompactTritonRingAttention` - the compact pool with attention backend
+  ``"triton"``: rings read in place by ``ops/ring_attention.py``, no gather, no mask.
 
-Every ring backend computes attention with :func:`ring_attention_reference` (native
-SDPA over the gathered ring, physical key order), so pools that share a ring
-semantics produce bit-identical audio.
+The ``"sdpa"`` backends compute attention with :func:`ring_attention_reference` (native
+SDPA over the gathered ring, physical key order), so pools that share a ring semantics
+produce bit-identical audio; the ``"triton"`` backend sees exactly the same keys and
+writes bitwise the same ring contents, with its own (float32 online softmax) arithmetic.
+A pool picks its backend once, at construction (:data:`ATTENTION_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -37,20 +41,29 @@ import torch.nn.functional as F
 
 from . import step_metadata
 from .config import CodecConfig, GroupSpec
+from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache
 from .step_metadata import RingMetadata, rope_tables
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "AttentionBackend",
     "CompactRingAttention",
+    "CompactTritonRingAttention",
     "FixedWidthAttention",
     "GroupStep",
     "LegacyRingAttention",
     "OfflineAttention",
     "StepPlan",
     "apply_rope",
+    "check_attention_backend",
+    "default_attention_backend",
     "ring_attention_reference",
 ]
+
+#: Attention backends a compact pool can be built with: ``"sdpa"`` gathers rings and runs
+#: native SDPA (the parity oracle); ``"triton"`` reads rings in place (``ops/ring_attention.py``).
+ATTENTION_BACKENDS = ("sdpa", "triton")
 
 #: Queries per block in offline attention: bounds the mask to ``block x (block + context)``.
 OFFLINE_QUERY_BLOCK = 4096
@@ -121,6 +134,32 @@ def group_steps(
     return steps
 
 
+def default_attention_backend(device: torch.device | str) -> str:
+    """The attention backend a compact pool on ``device`` uses when none is asked for.
+
+    ``"sdpa"`` everywhere until the ``"triton"`` backend has passed its H200 gates; switching
+    CUDA over is the one line below.
+    """
+    return "sdpa"
+
+
+def check_attention_backend(name: str) -> str:
+    """``name`` if it is a usable attention backend here.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`ATTENTION_BACKENDS` (the message lists them).
+        RuntimeError: ``"triton"`` without the ``triton`` package installed.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {ATTENTION_BACKENDS}")
+    if name == "triton" and not ring_ops.HAS_TRITON:
+        raise RuntimeError(
+            "attention backend 'triton' needs the `triton` package, which is not installed; "
+            "install it or use attention backend 'sdpa'"
+        )
+    return name
+
+
 # --------------------------------------------------------------------------- reference
 
 
@@ -152,25 +191,11 @@ def ring_attention_reference(semantics: str, rows: torch.Tensor, meta: RingMetad
         meta: the group's :class:`~.step_metadata.RingMetadata`.
         qkv: ``(3, B, H, T, Dh)`` projections before RoPE.
     Returns:
-        ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask).
+        ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask), computed by
+        :func:`~.ops.ring_attention.attend_gathered_rows` after RoPE.
     """
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    k, v = qk[1].to(rows.dtype), qkv[2].to(rows.dtype)
-    B, H, T, Dh = k.shape
-    if semantics == "exact":
-        # Padding tokens may carry non-finite values (queries that saw no key); a masked key
-        # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
-        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
-        keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
-        values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
-    W = meta.write_cell.shape[1]
-    cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
-    source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
-    rows[0].scatter_(2, cell, k.gather(2, source))
-    rows[1].scatter_(2, cell, v.gather(2, source))
-    if semantics == "upstream":
-        keys, values = rows[0], rows[1]
-    return F.scaled_dot_product_attention(qk[0].to(rows.dtype), keys, values, attn_mask=meta.mask)
+    return ring_ops.attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2])
 
 
 # --------------------------------------------------------------------------- backends
@@ -219,6 +244,50 @@ class CompactRingAttention:
         out = ring_attention_reference(self.semantics, rows, meta, qkv)
         commit_cache(rows, ring, self.slots, meta.offsets, meta.num_written, group.num_tokens)
         return out
+
+
+class CompactTritonRingAttention:
+    """Compact pool, ``"triton"`` backend: rings read in place, chunk tokens written once.
+
+    Per layer: RoPE on queries and keys (:func:`apply_rope`, as the reference path, so the
+    stored keys are bitwise the reference path's), then :func:`~.ops.ring_attention.ring_attention`
+    over the slot's ring and the chunk, then :func:`~.ops.ring_attention.ring_write` of each
+    row's last ``min(valid tokens, C)`` tokens. Needs no :class:`~.step_metadata.RingMetadata`:
+    the offsets and RoPE tables of each group are built once here, at construction.
+
+    Args:
+        config: the codec.
+        rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
+        semantics: the pool's ring semantics.
+        slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
+        start_frames: ``(B,)`` int64 frames each row decoded before this step.
+        num_frames: ``T`` frames per row in this step.
+    """
+
+    def __init__(
+        self,
+        config: CodecConfig,
+        rings: list[torch.Tensor],
+        semantics: str,
+        slots: torch.Tensor,
+        start_frames: torch.Tensor,
+        num_frames: int,
+    ):
+        self.rings, self.semantics, self.slots = rings, semantics, slots
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for spec, first_layer in zip(config.groups, config.group_first_layers):
+            offsets = start_frames * spec.tokens_per_frame
+            cos, sin = rope_tables(offsets, num_frames * spec.tokens_per_frame, spec.head_dim, spec.max_period)
+            self.tables[first_layer] = (offsets, cos, sin)
+
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        offsets, cos, sin = self.tables[group.first_layer]
+        ring = self.rings[layer]
+        qk = apply_rope(qkv[:2], cos, sin)
+        keys, values = qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
+        out = ring_ops.ring_attention(qk[0], keys, values, ring, self.slots, offsets, group.num_written, self.semantics)
+        ring_ops.ring_write(keys, values, ring, self.slots, offsets, group.num_written)
+        return out.transpose(1, 2)
 
 
 class LegacyRingAttention:

@@ -4,4 +4,6 @@
 
 * :mod:`.commit` - ``commit_cache`` / ``commit_offsets``: masked write-back of a step's ring cells
   and offsets into the state pool.
+* :mod:`.ring_attention` - ``ring_attention`` / ``ring_write``: one layer's streaming attention
+  reading the pool's rings in place, and the write of each row's last ``min(tokens, C)`` tokens.
 """

@@ -1,0 +1,582 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests for ``moss_tts.ops.ring_attention``: attention that reads rings in place, and the ring write.
+
+The reference path of one layer (what the ``"sdpa"`` backend of the compact pool does) is: gather each
+row's ring, ``attend_gathered_rows`` (scatter the chunk, SDPA with the step's mask), ``commit_cache`` of
+the touched cells. The ops must match it: outputs of valid queries within 1e-5 (float32), ring contents
+bit for bit.
+
+The Triton kernels run on CPU in Triton's interpreter, as in ``test_ops_commit.py``: whether a kernel is
+interpreted is fixed when the module is imported, so ``test_triton_interpreter_subprocess`` re-runs this
+file in a child with ``TRITON_INTERPRET=1`` selecting the ``*interpreted*`` tests, which the parent skips.
+To run them directly:
+
+    TRITON_INTERPRET=1 python -m pytest tests/model_executor/models/moss_tts/test_ops_ring_attention.py -k interpreted
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moss_codecs import build_decoder, random_codes
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
+from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import build_ring_metadata
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
+SEMANTICS = ("upstream", "exact")
+
+cpu = pytest.mark.cpu
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
+)
+
+
+def cuda(fn):
+    # Under TRITON_INTERPRET=1 the "CUDA" kernels would be interpreted, which tests nothing real.
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
+    fn = pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")(fn)
+    return pytest.mark.cuda(fn)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def block_sizes(queries: int, keys: int):
+    """Run the attention kernel with these block sizes (small blocks exercise multi-block loops)."""
+    saved = ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS
+    ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS = queries, keys
+    try:
+        yield
+    finally:
+        ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS = saved
+
+
+def reference_layer(cache, routed, offsets, written, q, k, v, semantics):
+    """The reference path of one layer on ``cache`` (mutated): gather, attend, commit the touched cells.
+
+    ``routed``: ``(B,)`` slot ids with padding rows on the null slot. Returns ``(B, T, H, Dh)``, padding
+    queries zeroed.
+    """
+    B, H, T, Dh = q.shape
+    rows = cache.index_select(1, routed)
+    meta = build_ring_metadata(ring_ops._Window(cache.shape[3], Dh), semantics, offsets, written, T)
+    out = ring_ops.attend_gathered_rows(semantics, rows, meta, q, k, v)
+    commit_ops.commit_cache(rows, cache, routed, offsets, written, T)
+    valid = (torch.arange(T, device=q.device) < written.view(B, 1)).view(B, 1, T, 1)
+    return torch.where(valid, out, 0.0).transpose(1, 2)
+
+
+def kernel_layer(cache, slot_ids, offsets, written, q, k, v, semantics):
+    out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, semantics)
+    ring_ops.ring_write(k, v, cache, slot_ids, offsets, written)
+    return out
+
+
+def assert_outputs_close(got, ref, written, what=""):
+    """Valid queries within 1e-5 of the reference's peak; padding queries exactly zero."""
+    B, T = got.shape[:2]
+    valid = torch.arange(T) < written.view(B, 1)  # (B, T)
+    assert torch.isfinite(got).all(), what
+    assert not got[~valid].any(), f"{what}: padding queries must output zeros"
+    scale = max(ref[valid].abs().max().item(), 1e-6) if valid.any() else 1.0
+    err = (got[valid] - ref[valid]).abs().max().item() if valid.any() else 0.0
+    assert err <= 1e-5 * scale, f"{what}: max error {err:.2e} (peak {scale:.3f})"
+
+
+@st.composite
+def step_scripts(draw):
+    """A pool, its history and a few steps: mixed lengths, padding rows (null slot or junk ids),
+    resets, offsets past a ring wrap, chunks longer than the ring, block sizes that split loops."""
+    capacity = draw(st.sampled_from([5, 8, 13]))
+    live = 3
+    script = {
+        "capacity": capacity,
+        "offsets": draw(st.lists(st.integers(0, 4 * capacity), min_size=live, max_size=live)),
+        "seed": draw(st.integers(0, 2**16)),
+        "blocks": draw(st.sampled_from([(64, 64), (16, 16)])),
+        "steps": [],
+    }
+    for _ in range(draw(st.integers(1, 4))):
+        T = draw(st.integers(1, 2 * capacity + 3))
+        rows = draw(st.permutations(range(live)))[: draw(st.integers(0, live))]
+        script["steps"].append(
+            {
+                "T": T,
+                "rows": list(rows),
+                "written": [draw(st.integers(0, T)) for _ in rows],
+                "padding": draw(st.lists(st.sampled_from(["null", "junk"]), max_size=2)),
+                "reset": draw(st.lists(st.integers(0, live - 1), max_size=1)),
+            }
+        )
+    return script
+
+
+def run_script(script, semantics, heads=2, head_dim=16):
+    """Drive the reference path and the ops through one script; compare every step."""
+    gen = torch.Generator().manual_seed(script["seed"])
+    C, live = script["capacity"], len(script["offsets"])
+    null = live
+    ref_cache = torch.randn(2, live + 1, heads, C, head_dim, generator=gen)
+    ref_cache[:, null] = 0
+    ops_cache = ref_cache.clone()
+    offsets = torch.tensor(script["offsets"] + [0])  # the null slot's offset stays 0
+    for i, step in enumerate(script["steps"]):
+        for slot in step["reset"]:
+            for cache in (ref_cache, ops_cache):
+                cache[:, slot] = 0
+            offsets[slot] = 0
+        T, rows = step["T"], step["rows"]
+        B = len(rows) + len(step["padding"])
+        if B == 0:
+            continue
+        routed = torch.tensor(rows + [null] * len(step["padding"]))
+        junk = {"null": null, "junk": live + 99}
+        kernel_ids = torch.tensor(rows + [junk[p] for p in step["padding"]])
+        written = torch.tensor(step["written"] + [0] * len(step["padding"]))
+        row_offsets = offsets[routed]
+        q, k, v = (2 * torch.randn(B, heads, T, head_dim, generator=gen) for _ in range(3))
+        ref = reference_layer(ref_cache, routed, row_offsets, written, q, k, v, semantics)
+        with block_sizes(*script["blocks"]):
+            got = kernel_layer(ops_cache, kernel_ids, row_offsets, written, q, k, v, semantics)
+        assert_outputs_close(got, ref, written, f"step {i}")
+        assert torch.equal(ops_cache, ref_cache), f"step {i}: ring contents differ from the reference path"
+        assert not ops_cache[:, null].any(), f"step {i}: the null slot was written"
+        offsets[routed[: len(rows)]] += written[: len(rows)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: references and validation
+# ----------------------------------------------------------------------------------------------------
+
+
+@cpu
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_ops_reference_dispatch_matches_the_reference_path(semantics):
+    # On CPU without the interpreter the ops run their PyTorch references: the same computation, so
+    # outputs are bitwise and ring contents too (ring_write_reference vs scatter + commit_cache).
+    if INTERPRETED:
+        pytest.skip("the ops run the interpreted kernels in this process")
+    script = {
+        "capacity": 5,
+        "offsets": [0, 3, 12],
+        "seed": 1,
+        "blocks": (64, 64),
+        "steps": [
+            {"T": 12, "rows": [2, 0, 1], "written": [12, 4, 1], "padding": ["null", "junk"], "reset": []},
+            {"T": 3, "rows": [1, 2], "written": [3, 0], "padding": [], "reset": [0]},
+            {"T": 7, "rows": [0, 1, 2], "written": [7, 6, 5], "padding": ["null"], "reset": []},
+        ],
+    }
+    run_script(script, semantics)
+
+
+@cpu
+def test_ring_write_keeps_the_last_capacity_tokens_of_each_row():
+    C, T = 4, 10
+    cache = torch.full((2, 3, 1, C, 1), -1.0)
+    k = torch.arange(20.0).view(2, 1, T, 1)
+    v = -k
+    # Row 0: 10 tokens from offset 6 -> tokens 6..9 at positions 12..15 -> cells 0..3.
+    # Row 1: 3 tokens from offset 1 -> positions 1..3 -> cells 1..3. Row 2 (padding, junk slot id).
+    ring_ops.ring_write_reference(
+        torch.cat([k, torch.zeros(1, 1, T, 1)]),
+        torch.cat([v, torch.zeros(1, 1, T, 1)]),
+        cache,
+        torch.tensor([2, 0, 99]),
+        torch.tensor([6, 1, 0]),
+        torch.tensor([10, 3, 0]),
+    )
+    assert cache[0, 2, 0, :, 0].tolist() == [6.0, 7.0, 8.0, 9.0]
+    assert cache[1, 2, 0, :, 0].tolist() == [-6.0, -7.0, -8.0, -9.0]
+    assert cache[0, 0, 0, :, 0].tolist() == [-1.0, 10.0, 11.0, 12.0]
+    assert cache[:, 1].eq(-1).all()
+
+
+def _good_args():
+    B, H, T, C, Dh = 3, 2, 4, 5, 16
+    return dict(
+        q=torch.zeros(B, H, T, Dh),
+        k=torch.zeros(B, H, T, Dh),
+        v=torch.zeros(B, H, T, Dh),
+        cache=torch.zeros(2, 4, H, C, Dh),
+        slot_ids=torch.zeros(B, dtype=torch.long),
+        offsets=torch.zeros(B, dtype=torch.long),
+        num_written=torch.zeros(B, dtype=torch.long),
+    )
+
+
+@cpu
+@pytest.mark.parametrize(
+    "name,bad,message",
+    [
+        ("cache", torch.zeros(4, 2, 5, 16), r"`cache` must have shape \(2, S, H, C, Dh\)"),
+        ("cache", torch.zeros(2, 4, 2, 5, 16, dtype=torch.long), "`cache` must have a floating-point dtype"),
+        ("k", torch.zeros(3, 3, 4, 16), r"`k` must have shape \(B, H, T, Dh\) = \(None, 2, None, 16\)"),
+        ("k", torch.zeros(3, 2, 4, 16, dtype=torch.bfloat16), "`k` must have dtype torch.float32"),
+        ("v", torch.zeros(3, 2, 5, 16), r"`v` must have shape \(B, H, T, Dh\) = \(3, 2, 4, 16\), got \(3, 2, 5, 16\)"),
+        ("slot_ids", torch.zeros(3, dtype=torch.int32), "`slot_ids` must have dtype torch.int64"),
+        ("offsets", torch.zeros(2, dtype=torch.long), r"`offsets` must have shape \(B,\)"),
+        ("num_written", torch.zeros(3, 1, dtype=torch.long), r"`num_written` must have shape \(B,\)"),
+        ("q", torch.zeros(3, 2, 4, 8), r"`q` must have shape \(B, H, T, Dh\) = \(3, 2, 4, 16\)"),
+        ("q", torch.zeros(3, 2, 4, 16, dtype=torch.long), "`q` must have a floating-point dtype"),
+    ],
+)
+def test_ops_reject_bad_inputs(name, bad, message):
+    args = _good_args()
+    ring_ops.ring_attention(**args, semantics="upstream")  # the unmodified arguments are accepted
+    args[name] = bad
+    with pytest.raises(ValueError, match=f"ring_attention: {message}"):
+        ring_ops.ring_attention(**args, semantics="upstream")
+    if name != "q":
+        del args["q"]
+        with pytest.raises(ValueError, match=f"ring_write: {message}"):
+            ring_ops.ring_write(**args)
+
+
+@cpu
+def test_ring_attention_rejects_unknown_semantics():
+    with pytest.raises(
+        ValueError, match=r"ring_attention: unknown ring semantics 'v2'; expected one of \('upstream', 'exact'\)"
+    ):
+        ring_ops.ring_attention(**_good_args(), semantics="v2")
+    with pytest.raises(TypeError, match="ring_attention: `k` must be a torch.Tensor, got list"):
+        ring_ops.ring_attention(**{**_good_args(), "k": [0.0]}, semantics="exact")
+
+
+def _compiled_layer(q, k, v, cache, slot_ids, offsets, written):
+    out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, "upstream")
+    ring_ops.ring_write(k, v, cache, slot_ids, offsets, written)
+    return out * 2
+
+
+@cpu
+def test_ops_trace_fullgraph_with_fake_impls():
+    # aot_eager: Dynamo, the fake impls and functionalisation of the mutated cache, without Inductor.
+    compiled = torch.compile(_compiled_layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    for B, T in [(3, 4), (2, 9)]:
+        q, k, v = (torch.randn(B, 2, T, 16, generator=gen) for _ in range(3))
+        cache = torch.randn(2, 4, 2, 5, 16, generator=gen)
+        args = (torch.tensor([2, 0, 1][:B]), torch.tensor([7, 0, 3][:B]), torch.tensor([T, 1, 0][:B]))
+        eager_cache, compiled_cache = cache.clone(), cache.clone()
+        expected = _compiled_layer(q, k, v, eager_cache, *args)
+        got = compiled(q, k, v, compiled_cache, *args)
+        assert torch.equal(got, expected) and torch.equal(compiled_cache, eager_cache)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: the Triton kernels themselves, in Triton's interpreter
+# ----------------------------------------------------------------------------------------------------
+
+
+@cpu
+@pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
+def test_triton_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"]
+        + ["-k", "interpreted"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    # A silently skipped kernel test would pass vacuously.
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, report
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=step_scripts())
+def test_kernels_interpreted_match_the_reference_path(semantics, script):
+    run_script(script, semantics)
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_kernels_interpreted_on_wrapped_and_oversized_rows(semantics):
+    # A fixed script with every hard case at once, both block configurations.
+    for blocks in ((64, 64), (16, 16)):
+        script = {
+            "capacity": 13,
+            "offsets": [0, 29, 1234],
+            "seed": 7,
+            "blocks": blocks,
+            "steps": [
+                {"T": 40, "rows": [1, 2, 0], "written": [40, 27, 13], "padding": ["junk", "null"], "reset": []},
+                {"T": 17, "rows": [0, 2, 1], "written": [1, 17, 16], "padding": ["null"], "reset": [2]},
+                {"T": 30, "rows": [2, 1], "written": [30, 0], "padding": [], "reset": []},
+            ],
+        }
+        run_script(script, semantics)
+
+
+def _visible_cells(offset: int, written: int, capacity: int, semantics: str) -> set[int]:
+    """Ring cells holding a position some valid query of the row may see (independent of the kernel)."""
+    visible = set()
+    for t in range(written):
+        q = offset + t
+        for p in range(max(0, q - capacity + 1), offset):
+            if semantics == "upstream" and p < offset + written - capacity:
+                continue
+            visible.add(p % capacity)
+    return visible
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("blocks", [(64, 64), (16, 16)])
+def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks):
+    """Every ring cell no valid query may see, every unused slot, the null slot and every padding
+    token of q, k and v filled with NaN: the outputs and the written cells are bitwise unchanged."""
+    C, H, Dh, T = 8, 2, 16, 20
+    gen = torch.Generator().manual_seed(11)
+    cache = torch.randn(2, 6, H, C, Dh, generator=gen)
+    slot_ids = torch.tensor([3, 0, 5, 2, 1, 5])  # 5 is the null slot; slot 4 is unused
+    offsets = torch.tensor([0, 3, 8, 37, 5, 0])
+    written = torch.tensor([20, 5, 12, 1, 0, 0])  # rows 4 (valid but empty) and 5 (padding) read nothing
+    q, k, v = (torch.randn(6, H, T, Dh, generator=gen) for _ in range(3))
+    poisoned = torch.full_like(cache, float("nan"))
+    for b in range(4):
+        for cell in _visible_cells(int(offsets[b]), int(written[b]), C, semantics):
+            poisoned[:, slot_ids[b], :, cell] = cache[:, slot_ids[b], :, cell]
+    padding = (torch.arange(T) >= written.view(-1, 1)).view(6, 1, T, 1).expand(6, H, T, Dh)
+    nan_q, nan_k, nan_v = (x.masked_fill(padding, float("nan")) for x in (q, k, v))
+    with block_sizes(*blocks):
+        clean = kernel_layer(cache.clone(), slot_ids, offsets, written, q, k, v, semantics)
+        after = poisoned.clone()
+        dirty = kernel_layer(after, slot_ids, offsets, written, nan_q, nan_k, nan_v, semantics)
+    assert torch.equal(dirty, clean) and torch.isfinite(dirty).all()
+    touched = commit_ops.touched_ring_mask(offsets, written, C)  # (B, C)
+    expected = poisoned.clone()
+    ring_ops.ring_write_reference(k, v, expected, slot_ids, offsets, written)
+    for b in range(6):
+        cells = touched[b].nonzero().flatten()
+        assert torch.equal(after[:, slot_ids[b], :, cells], expected[:, slot_ids[b], :, cells])
+    assert torch.equal(after.isnan(), expected.isnan()), "the write touched a cell it must not"
+
+
+@cpu
+@needs_interpreter
+def test_kernels_interpreted_follow_strides():
+    # q and k as views of one (2, B, H, T, Dh) tensor, v a strided view of a (B, T, 3, H, Dh) projection.
+    C, H, Dh, T, B = 5, 2, 16, 7, 3
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B, T, 3, H, Dh, generator=gen).permute(2, 0, 3, 1, 4)  # (3, B, H, T, Dh), not contiguous
+    cache = torch.randn(2, 4, H, C, Dh, generator=gen).permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    assert not cache.is_contiguous() and not qkv[2].is_contiguous()
+    args = (torch.tensor([1, 3, 0]), torch.tensor([4, 0, 11]), torch.tensor([7, 3, 5]))
+    ref_cache = cache.contiguous()
+    for semantics in SEMANTICS:
+        expected = ring_ops.ring_attention_reference(qkv[0], qkv[1], qkv[2], ref_cache, *args, semantics)
+        got = ring_ops.ring_attention(qkv[0], qkv[1], qkv[2], cache, *args, semantics)
+        assert_outputs_close(got, expected, args[2])
+    ring_ops.ring_write(qkv[1], qkv[2], cache, *args)
+    ring_ops.ring_write_reference(qkv[1], qkv[2], ref_cache, *args)
+    assert torch.equal(cache, ref_cache)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU, interpreted: whole decoder steps through the compact pool's "triton" backend
+# ----------------------------------------------------------------------------------------------------
+
+POOL_SCRIPT = [  # (T, lengths of rows on slots 0, 1, 2; None = not in the step), reset after step 1
+    (3, [3, 1, None]),
+    (12, [12, 0, 7]),
+    (1, [None, 1, 1]),
+    (7, [5, 7, 7]),
+]
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_pool_interpreted_triton_backend_matches_sdpa(semantics, ring_decoder):
+    """Rings of 5 and 10 tokens, chunks of up to 24 tokens, padding rows, a reset: audio within 1e-5,
+    offsets equal, the first layer's ring bitwise (later layers' keys depend on earlier outputs)."""
+    sdpa = make_state_pool(ring_decoder, "compact", ring_semantics=semantics, attention_backend="sdpa")
+    tri = make_state_pool(ring_decoder, "compact", ring_semantics=semantics, attention_backend="triton")
+    for pool in (sdpa, tri):
+        pool.initialize(3)
+    for step, (T, lengths) in enumerate(POOL_SCRIPT):
+        rows = [s for s, n in enumerate(lengths) if n is not None]
+        B = len(rows) + 1  # one padding row
+        codes = random_codes(ring_decoder, B, T, seed=50 + step)
+        args = (
+            torch.tensor([lengths[s] for s in rows] + [T]),
+            torch.tensor(rows + [-1]),
+            torch.tensor([True] * len(rows) + [False]),
+        )
+        a, a_len = sdpa.decode_streaming_batch(codes, *args)
+        b, b_len = tri.decode_streaming_batch(codes, *args)
+        assert torch.equal(a_len, b_len)
+        scale = a.abs().max().item()
+        assert (a - b).abs().max().item() <= 1e-5 * scale, f"step {step}: audio differs"
+        assert torch.equal(sdpa.frames_decoded, tri.frames_decoded)
+        assert torch.equal(sdpa.rings[0], tri.rings[0]), f"step {step}: first layer's ring differs"
+        for layer, (x, y) in enumerate(zip(sdpa.rings, tri.rings)):
+            assert (x - y).abs().max().item() <= 1e-5 * max(x.abs().max().item(), 1e-6), f"layer {layer}"
+        assert not any(r[:, tri.null_slot].any() for r in tri.rings)
+        if step == 1:
+            sdpa.reset([0])
+            tri.reset([0])
+
+
+@cpu
+@needs_interpreter
+def test_pool_interpreted_exact_streaming_equals_offline(ring_decoder):
+    codes = random_codes(ring_decoder, 1, 32, seed=8)
+    offline = ring_decoder.decode(codes)
+    for schedule in ([1, 15], [1, 4, 15], [2, 9, 1, 6]):
+        audio = _pool_stream(ring_decoder, codes, schedule, "exact", "triton")
+        err = (audio - offline).abs().max().item()
+        assert err <= 1e-5 * offline.abs().max().item(), f"schedule {schedule}: {err:.2e}"
+
+
+def _pool_stream(decoder, codes, schedule, semantics, backend):
+    """Stream ``codes`` ``(n_vq, 1, N)`` through a compact pool in chunks of ``schedule`` (cyclic after the first)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.decoder import chunk_schedule
+
+    pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
+    pool.initialize(1)
+    parts = []
+    for a, b in chunk_schedule(codes.shape[-1], schedule):
+        chunk = codes[:, :, a:b].to(decoder.device)
+        ones = torch.ones(1, dtype=torch.long, device=decoder.device)
+        audio, _ = pool.decode_streaming_batch(chunk, ones * (b - a), ones * 0, ones.bool())
+        parts.append(audio)
+    return torch.cat(parts, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA: compiled kernels (the lead's H200 gates)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cuda_case(B, H, T, C, Dh, dtype, seed, offsets, written):
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.randn(2, B + 2, H, C, Dh, generator=gen, device=device).to(dtype)
+    q, k, v = (torch.randn(B, H, T, Dh, generator=gen, device=device).to(dtype) for _ in range(3))
+    slot_ids = torch.randperm(B + 1, device=device)[:B]
+    return q, k, v, cache, slot_ids, torch.tensor(offsets, device=device), torch.tensor(written, device=device)
+
+
+@cuda
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize(
+    "T,C,written",
+    [(15, 125, [15, 7, 0, 1]), (480, 400, [480, 401, 399, 0]), (1, 400, [1, 1, 0, 1]), (60, 250, [60, 3, 60, 59])],
+)
+def test_cuda_kernels_match_reference_float32(semantics, T, C, written):
+    # The reference path runs on the CPU copies: CPU SDPA is the documented oracle (a query that sees
+    # no key gives zeros there), and copied ring cells are bitwise the same on either device.
+    args = _cuda_case(4, 12, T, C, 64, torch.float32, T + C, [0, 397, 1234, 5], written)
+    q, k, v, cache, slot_ids, offsets, num_written = args
+    ref_cache = cache.cpu()
+    host = [t.cpu() for t in (slot_ids, offsets, num_written, q, k, v)]
+    expected = reference_layer(ref_cache, *host, semantics)
+    got = kernel_layer(cache, slot_ids, offsets, num_written, q, k, v, semantics)
+    assert_outputs_close(got.cpu(), expected, num_written.cpu())
+    assert torch.equal(cache.cpu(), ref_cache)
+
+
+@cuda
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_cuda_kernels_bfloat16_within_rounding_and_deterministic(semantics):
+    q, k, v, cache, slot_ids, offsets, num_written = _cuda_case(
+        8, 12, 480, 400, 64, torch.bfloat16, 1, [0, 397, 1234, 5, 80, 400, 9, 3], [480, 401, 399, 0, 1, 200, 480, 17]
+    )
+    runs = []
+    for _ in range(2):
+        work = cache.clone()
+        runs.append((kernel_layer(work, slot_ids, offsets, num_written, q, k, v, semantics), work))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "two runs differ"
+    host = [t.cpu() for t in (slot_ids, offsets, num_written)]
+    floats = [t.cpu().float() for t in (q, k, v, cache)]
+    expected = ring_ops.ring_attention_reference(*floats, *host, semantics)
+    got = runs[0][0].cpu().float()
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel <= 1e-2, f"bf16 kernel vs fp32 reference: relative L2 {rel:.2e}"
+
+
+@cuda
+def test_cuda_kernels_capture_in_a_graph():
+    q, k, v, cache, slot_ids, offsets, num_written = _cuda_case(
+        4, 12, 15, 125, 64, torch.bfloat16, 2, [0, 3, 130, 7], [15, 2, 0, 9]
+    )
+    static = [t.clone() for t in (q, k, v, slot_ids, offsets, num_written)]
+    work = cache.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernel_layer(work.clone(), *[static[i] for i in (3, 4, 5)], *static[:3], "upstream")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel_layer(work, *[static[i] for i in (3, 4, 5)], *static[:3], "upstream")
+    for seed in range(3):
+        new = _cuda_case(4, 12, 15, 125, 64, torch.bfloat16, 10 + seed, [seed, 7, 400, 13], [15, 0, 15, 1 + seed])
+        for dst, src in zip(static, (*new[:3], *new[4:])):
+            dst.copy_(src)
+        work.copy_(new[3])
+        graph.replay()
+        expected_cache = new[3].clone()
+        expected = kernel_layer(expected_cache, *new[4:], *new[:3], "upstream")
+        assert torch.equal(out, expected) and torch.equal(work, expected_cache)
+
+
+@cuda
+def test_cuda_ring_attention_addresses_beyond_int32():
+    device = torch.device("cuda")
+    num_slots, H, C, Dh = 1100, 16, 1024, 64
+    assert 2 * num_slots * H * C * Dh > 2**31
+    cache = torch.zeros(2, num_slots, H, C, Dh, dtype=torch.bfloat16, device=device)
+    cache[:, num_slots - 1] = torch.randn(2, H, C, Dh, device=device).to(torch.bfloat16)
+    q, k, v = (torch.randn(1, H, 4, Dh, device=device).to(torch.bfloat16) for _ in range(3))
+    args = (torch.tensor([num_slots - 1], device=device), torch.tensor([5000], device=device))
+    written = torch.tensor([4], device=device)
+    got = ring_ops.ring_attention(q, k, v, cache, *args, written, "exact")
+    floats = [x.cpu().float() for x in (q, k, v, cache[:, num_slots - 1 :])]
+    host = (torch.tensor([0]), torch.tensor([5000]), torch.tensor([4]))  # the one slot is slot 0 of the copy
+    expected = ring_ops.ring_attention_reference(*floats, *host, "exact")
+    assert ((got.cpu().float() - expected).norm() / expected.norm()).item() <= 1e-2
+    ring_ops.ring_write(k, v, cache, *args, written)
+    cells = (5000 + torch.arange(4, device=device)) % C
+    assert torch.equal(cache[0, num_slots - 1, :, cells], k[0]) and torch.equal(cache[1, num_slots - 1, :, cells], v[0])
+
+
+@cuda
+def test_cuda_tiny_codec_triton_pool_equals_sdpa_pool(tmp_path):
+    decoder = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda").float()
+    codes = random_codes(decoder, 1, 40, seed=3)
+    for semantics in SEMANTICS:
+        ref = _pool_stream(decoder, codes, [1, 15], semantics, "sdpa")
+        got = _pool_stream(decoder, codes, [1, 15], semantics, "triton")
+        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

@@ -1,0 +1,599 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Streaming attention that reads the state pool's rings in place, and the write that follows it.
+
+One attention layer of a streaming step (docs/ring_semantics.md) has two inputs besides the queries:
+the keys and values of past tokens, kept per slot in the layer's ring ``(2, S, H, C, Dh)`` of the state
+pool, and the keys and values of the chunk itself. The reference path (``attention.py``) gathers each
+row's whole ring, concatenates the chunk, builds a dense mask and runs SDPA. The two operations here
+never gather:
+
+* ``ring_attention`` - for each (row, head, block of queries), walk the key positions the block may see,
+  reading old positions from the slot's ring (cell ``position mod C``) and new ones from the chunk, with
+  an online softmax in float32. Both ring semantics (``"upstream"``, ``"exact"``) are one kernel: they
+  differ only in the oldest visible position. Output ``(B, T, H, Dh)``, the layout the out-projection
+  reads after ``transpose(1, 2)`` without a copy.
+* ``ring_write`` - store each row's last ``min(valid tokens, C)`` chunk tokens into its ring: every
+  destination cell is written exactly once, so the result never depends on the order of writes.
+
+Key positions a query may see (query at position ``q``, row offset ``o``, ``n`` valid tokens, ``C`` =
+ring capacity = attention window): always ``0 <= p <= q`` and ``q - p < C``; under ``"upstream"`` also
+``p >= o + n - C`` (the chunk was written before attention, so the ring holds only the last ``C``
+positions, the later position owning a shared cell). Positions ``p < o`` are read from the ring,
+``p >= o`` from the chunk; both semantics therefore read the ring *before* this step's write, and the
+write runs after the attention of the same layer. A query that sees no key (under ``"upstream"``, the
+first ``n - C`` tokens of a chunk longer than the ring) outputs zeros, as PyTorch's SDPA does for a
+fully masked row. Padding rows (``n = 0``) and padding queries (token ``>= n``) read nothing (not even
+their slot id) and output zeros; padding tokens are never read as keys and never written.
+
+Each operation comes with a Triton kernel, a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``)
+with ``register_fake``, a PyTorch reference, and a public function that validates shapes. Dispatch is
+``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the Triton
+interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs interpreted. Both are
+safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
+syncs). Keys and queries arrive already rotated (RoPE is applied before the op, as on the reference
+path, so ring contents are bitwise those of the reference path).
+
+Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
+float32 with base-2 exponentials; probabilities times values use TF32 tensor cores for 16-bit rings
+(more mantissa than the bfloat16 probabilities of fused SDPA kernels) and IEEE float32 for float32
+rings. Runs are deterministic: a fixed launch grid and a fixed key order per program.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..step_metadata import RING_SEMANTICS, RingMetadata, build_ring_metadata
+from .commit import HAS_TRITON, _check_tensor, _device_guard, cpu_uses_triton_interpreter, tl, triton
+
+__all__ = [
+    "attend_gathered_rows",
+    "ring_attention",
+    "ring_attention_reference",
+    "ring_write",
+    "ring_write_reference",
+]
+
+#: Keys per inner iteration of the attention kernel.
+_BLOCK_KEYS = 64
+#: Largest block of queries per program (smaller steps use the next power of two >= T, at least 16).
+_MAX_BLOCK_QUERIES = 64
+#: Elements per (token x head_dim) tile of ring_write.
+_WRITE_TILE_ELEMENTS = 2048
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared reference core (also the reference path of attention.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def attend_gathered_rows(
+    semantics: str,
+    rows: torch.Tensor,
+    meta: RingMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Streaming attention over gathered ring rows with native SDPA (the reference computation).
+
+    Args:
+        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
+            (attend over ``[pre-write ring || chunk]``, then write).
+        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
+            place with this step's valid tokens. A cell several valid tokens reach holds the
+            latest of them, whatever order the device scatters in. Rows that write nothing
+            (``num_written == 0``) are left undefined: callers must not persist them.
+        meta: the group's :class:`~..step_metadata.RingMetadata` (write cells, sources, mask).
+        q, k: ``(B, H, T, Dh)`` rotated queries and keys; v: ``(B, H, T, Dh)`` values.
+    Returns:
+        ``(B, H, T, Dh)`` in the ring dtype; rows of padding queries are unspecified (may be NaN).
+    """
+    k, v = k.to(rows.dtype), v.to(rows.dtype)
+    B, H, T, Dh = k.shape
+    if semantics == "exact":
+        # Padding tokens may carry non-finite values (queries that saw no key); a masked key
+        # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
+        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
+        keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
+        values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
+    W = meta.write_cell.shape[1]
+    cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
+    source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
+    rows[0].scatter_(2, cell, k.gather(2, source))
+    rows[1].scatter_(2, cell, v.gather(2, source))
+    if semantics == "upstream":
+        keys, values = rows[0], rows[1]
+    return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
+
+
+@dataclass(frozen=True)
+class _Window:
+    # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
+    # build_ring_metadata computes them, so any base serves.
+    context: int
+    head_dim: int
+    max_period: float = 10000.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (shape/dtype/device only: no data reads, so no device sync and no graph break)
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_semantics(op: str, semantics) -> None:
+    if semantics not in RING_SEMANTICS:
+        raise ValueError(f"{op}: unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
+
+
+def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
+    """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
+    _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+    if not cache.dtype.is_floating_point:
+        raise ValueError(f"{op}: `cache` must have a floating-point dtype, got {cache.dtype}")
+    _, _, num_heads, _, head_dim = cache.shape
+    _check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
+    num_rows, _, num_tokens, _ = k.shape
+    shape = (num_rows, num_heads, num_tokens, head_dim)
+    _check_tensor(op, "v", v, "(B, H, T, Dh)", shape, cache.dtype, cache.device)
+    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    return shape
+
+
+# --------------------------------------------------------------------------------------------------
+# ring_attention
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _online_softmax_block(
+        q,
+        keys,
+        values,
+        visible,
+        m_i,
+        l_i,
+        acc,
+        scale_log2,
+        QK_PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
+    ):
+        # One block of keys folded into the running (max, sum, output) of each query, base 2.
+        scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION) * scale_log2
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A query with no visible key so far keeps m = -inf; rebasing on 0 keeps exp2 finite (it gives 0).
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(scores - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision=PV_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _ring_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cache_ptr,
+        out_ptr,
+        slot_ids_ptr,
+        offsets_ptr,
+        num_written_ptr,
+        num_tokens,  # T
+        capacity,  # C, also the attention window
+        head_dim,  # Dh
+        scale_log2,  # log2(e) / sqrt(Dh)
+        q_stride_b,
+        q_stride_h,
+        q_stride_t,
+        q_stride_d,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        out_stride_b,
+        out_stride_t,
+        out_stride_h,
+        out_stride_d,
+        slot_ids_stride,
+        offsets_stride,
+        num_written_stride,
+        UPSTREAM: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        QK_PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
+    ):
+        # Program (row, head, block): queries t in [first, first + BLOCK_Q) of one (row, head).
+        # Row, head and slot are widened to int64 before they meet a stride (pools exceed 2**31 elements).
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        first = tl.program_id(2) * BLOCK_Q
+        t = first + tl.arange(0, BLOCK_Q)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int32)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        # Blocks holding no valid query (all of a padding row's) read nothing and store zeros.
+        if first < written:
+            slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
+            offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
+            q_ok = t < written
+            q = tl.load(
+                q_ptr + row * q_stride_b + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
+                mask=q_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(cache_ptr.dtype.element_ty)
+            # Oldest position any query of the block may see: the window of its first query, and under
+            # "upstream" the oldest position the post-write ring still holds.
+            lowest = offset + first - capacity + 1
+            if UPSTREAM:
+                lowest = tl.maximum(lowest, offset + written - capacity)
+            lowest = tl.maximum(lowest, 0)
+
+            # Old positions [lowest, offset) from the ring: position p lives in cell p mod C.
+            num_old = (offset - lowest).to(tl.int32)  # <= C - 1; negative when there is none
+            first_cell = (lowest % capacity).to(tl.int32)
+            ring = cache_ptr + slot * cache_stride_s + head * cache_stride_h
+            for start in range(0, num_old, BLOCK_K):
+                j = start + tl.arange(0, BLOCK_K)  # key position lowest + j
+                key_ok = j < num_old
+                cell = (first_cell + j) % capacity
+                address = ring + cell[:, None] * cache_stride_c + d[None, :] * cache_stride_d
+                load_ok = key_ok[:, None] & d_ok[None, :]
+                keys = tl.load(address, mask=load_ok, other=0.0)
+                values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
+                distance = num_old + t[:, None] - j[None, :]  # q - p, >= 1 here
+                visible = key_ok[None, :] & (distance < capacity)
+                m_i, l_i, acc = _online_softmax_block(
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
+                )
+
+            # New positions from the chunk: tokens [max(lowest - offset, 0), min(written, first + BLOCK_Q)).
+            chunk_lo = tl.maximum(lowest - offset, 0).to(tl.int32)
+            chunk_hi = tl.minimum(written, first + BLOCK_Q)
+            k_row = k_ptr + row * k_stride_b + head * k_stride_h
+            v_row = v_ptr + row * v_stride_b + head * v_stride_h
+            for start in range(chunk_lo, chunk_hi, BLOCK_K):
+                s = start + tl.arange(0, BLOCK_K)
+                key_ok = s < chunk_hi
+                load_ok = key_ok[:, None] & d_ok[None, :]
+                keys = tl.load(k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d, mask=load_ok, other=0.0)
+                values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
+                distance = t[:, None] - s[None, :]
+                visible = key_ok[None, :] & (distance >= 0) & (distance < capacity)
+                m_i, l_i, acc = _online_softmax_block(
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
+                )
+
+        has_keys = (t < written) & (l_i > 0.0)
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        out = tl.where(has_keys[:, None], out, 0.0)
+        tl.store(
+            out_ptr + row * out_stride_b + head * out_stride_h + t[:, None] * out_stride_t + d[None, :] * out_stride_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=(t < num_tokens)[:, None] & d_ok[None, :],
+        )
+
+
+def _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics) -> torch.Tensor:
+    """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+
+    Arguments as in :func:`ring_attention`; not validated here. Returns ``(B, T, H, Dh)`` in the
+    cache dtype. Grid ``(B, H, ceil(T / BLOCK_Q))``. Raises RuntimeError without Triton.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
+    num_rows, num_heads, num_tokens, head_dim = q.shape
+    capacity = cache.shape[3]
+    out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_q = min(_MAX_BLOCK_QUERIES, max(16, triton.next_power_of_2(num_tokens)))
+    grid = (num_rows, num_heads, triton.cdiv(num_tokens, block_q))
+    pv_precision = "ieee" if cache.dtype == torch.float32 else "tf32"
+    with _device_guard(cache):
+        _ring_attention_kernel[grid](
+            q,
+            k,
+            v,
+            cache,
+            out,
+            slot_ids,
+            offsets,
+            num_written,
+            num_tokens,
+            capacity,
+            head_dim,
+            math.log2(math.e) / math.sqrt(head_dim),
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *cache.stride(),
+            *out.stride(),
+            slot_ids.stride(0),
+            offsets.stride(0),
+            num_written.stride(0),
+            UPSTREAM=semantics == "upstream",
+            BLOCK_Q=block_q,
+            BLOCK_K=_BLOCK_KEYS,
+            BLOCK_D=block_d,
+            QK_PRECISION="ieee",
+            PV_PRECISION=pv_precision,
+            num_warps=4,
+            num_stages=2,
+        )
+    return out
+
+
+def ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics) -> torch.Tensor:
+    """PyTorch oracle for :func:`ring_attention`; same arguments and result.
+
+    Gathers the rows' rings, builds the step's ring metadata (``step_metadata.build_ring_metadata``)
+    and runs :func:`attend_gathered_rows` (the reference path's computation); padding queries and
+    padding rows are then set to zero, as the kernel leaves them.
+    """
+    num_rows, num_heads, num_tokens, head_dim = q.shape
+    # Rows that write nothing are never looked up (their ids may be out of range).
+    slots = torch.where(num_written > 0, slot_ids, 0)
+    rows = cache.index_select(1, slots)
+    meta = build_ring_metadata(_Window(cache.shape[3], head_dim), semantics, offsets, num_written, num_tokens)
+    out = attend_gathered_rows(semantics, rows, meta, q, k, v)  # (B, H, T, Dh)
+    valid = torch.arange(num_tokens, device=q.device) < num_written.view(num_rows, 1)  # (B, T)
+    out = torch.where(valid.view(num_rows, 1, num_tokens, 1), out, torch.zeros((), dtype=out.dtype))
+    return out.transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("vllm_omni_moss::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+    semantics: str,
+) -> torch.Tensor:
+    if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
+        return _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics)
+    return ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics)
+
+
+@_ring_attention_op.register_fake
+def _ring_attention_fake(q, k, v, cache, slot_ids, offsets, num_written, semantics) -> torch.Tensor:
+    num_rows, num_heads, num_tokens, head_dim = q.shape
+    return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+    semantics: str,
+) -> torch.Tensor:
+    """One layer's streaming attention for ``B`` rows, reading the rings in place (module docstring).
+
+    Args:
+        q: ``(B, H, T, Dh)`` floating queries after RoPE (any float dtype; cast to the cache dtype).
+        k, v: ``(B, H, T, Dh)`` the chunk's keys after RoPE and values, in the cache dtype.
+        cache: ``(2, S, H, C, Dh)`` the layer's rings (plane 0 keys, plane 1 values), read only. ``C``
+            is both the ring capacity and the attention window (``GroupSpec.context``).
+        slot_ids: ``(B,)`` int64 slot of each row; read only for rows with ``num_written > 0``.
+        offsets: ``(B,)`` int64 tokens each row wrote before this chunk (not reduced mod ``C``).
+        num_written: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it
+            are padding.
+        semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
+    Returns:
+        ``(B, T, H, Dh)`` in the cache dtype; zeros for padding queries, padding rows and queries
+        that see no key. Call :func:`ring_write` afterwards to store the chunk.
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: a shape, dtype or device is inconsistent (the message names the argument), or
+            unknown ``semantics``. Data (slot ranges, counts) is not checked: that would need a sync.
+        RuntimeError: CUDA tensors without Triton installed.
+    """
+    op = "ring_attention"
+    _check_semantics(op, semantics)
+    shape = _check_step(op, k, v, cache, slot_ids, offsets, num_written)
+    _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
+    return torch.ops.vllm_omni_moss.ring_attention(q, k, v, cache, slot_ids, offsets, num_written, semantics)
+
+
+# --------------------------------------------------------------------------------------------------
+# ring_write
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _ring_write_kernel(
+        k_ptr,
+        v_ptr,
+        cache_ptr,
+        slot_ids_ptr,
+        offsets_ptr,
+        num_written_ptr,
+        capacity,
+        head_dim,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        slot_ids_stride,
+        offsets_stride,
+        num_written_stride,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Program (row, head, tile) stores kept tokens i in [tile * BLOCK_T, tile * BLOCK_T + BLOCK_T).
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        tile = tl.program_id(2)
+        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int64)
+        # Rows that wrote nothing do not even read their slot id (padding rows share the null slot).
+        if written > 0:
+            slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
+            offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
+            # The last min(n, C) valid tokens are the latest of their cells and map to distinct cells;
+            # earlier tokens would be overwritten within the step, so they are skipped.
+            kept = tl.minimum(written, capacity)
+            i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            token = written - kept + i
+            cell = (offset + token) % capacity
+            d = tl.arange(0, BLOCK_D)
+            ok = (i < kept)[:, None] & (d < head_dim)[None, :]
+            keys = tl.load(
+                k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
+                mask=ok,
+            )
+            values = tl.load(
+                v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
+                mask=ok,
+            )
+            dst = cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell[:, None] * cache_stride_c
+            dst = dst + d[None, :] * cache_stride_d
+            tl.store(dst, keys, mask=ok)
+            tl.store(dst + cache_stride_p, values, mask=ok)
+
+
+def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written) -> None:
+    """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+
+    Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
+    Raises RuntimeError without Triton.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
+    num_rows, num_heads, num_tokens, head_dim = k.shape
+    capacity = cache.shape[3]
+    kept = min(num_tokens, capacity)
+    if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(triton.next_power_of_2(kept), _WRITE_TILE_ELEMENTS // block_d))
+    grid = (num_rows, num_heads, triton.cdiv(kept, block_t))
+    with _device_guard(cache):
+        _ring_write_kernel[grid](
+            k,
+            v,
+            cache,
+            slot_ids,
+            offsets,
+            num_written,
+            capacity,
+            head_dim,
+            *k.stride(),
+            *v.stride(),
+            *cache.stride(),
+            slot_ids.stride(0),
+            offsets.stride(0),
+            num_written.stride(0),
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+        )
+
+
+def ring_write_reference(k, v, cache, slot_ids, offsets, num_written) -> None:
+    """PyTorch oracle for :func:`ring_write`; same arguments and effect.
+
+    Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
+    """
+    num_rows, _, num_tokens, _ = k.shape
+    capacity = cache.shape[3]
+    token = torch.arange(num_tokens, device=k.device)
+    kept = (token < num_written.view(-1, 1)) & (token >= num_written.view(-1, 1) - capacity)  # (B, T)
+    row_idx, token_idx = kept.nonzero(as_tuple=True)  # (N,), (N,)
+    cell = torch.remainder(offsets[row_idx] + token_idx, capacity)
+    slot = slot_ids[row_idx]
+    # Advanced indices split by a slice move to the front: both sides are (N, H, Dh).
+    cache[0, slot, :, cell] = k[row_idx, :, token_idx]
+    cache[1, slot, :, cell] = v[row_idx, :, token_idx]
+
+
+@torch.library.custom_op("vllm_omni_moss::ring_write", mutates_args=("cache",))
+def _ring_write_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+) -> None:
+    if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
+        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written)
+    else:
+        ring_write_reference(k, v, cache, slot_ids, offsets, num_written)
+
+
+@_ring_write_op.register_fake
+def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written) -> None:
+    return None
+
+
+def ring_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+) -> None:
+    """Store each row's last ``min(num_written, C)`` chunk tokens into its slot's ring.
+
+    Args:
+        k, v: ``(B, H, T, Dh)`` the chunk's keys after RoPE and values, in the cache dtype.
+        cache: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
+        slot_ids: ``(B,)`` int64; among rows with ``num_written > 0`` distinct and in ``[0, S)``;
+            other rows' ids are never read.
+        offsets: ``(B,)`` int64 tokens each row wrote before this chunk.
+        num_written: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
+
+    Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
+    ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``num_written[b] - C <= t < num_written[b]``:
+    every destination once, the later position owning a cell (docs/ring_semantics.md). Offsets are
+    not advanced here (``ops/commit.py``'s ``commit_offsets`` does that once per step).
+
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: a shape, dtype or device is inconsistent (the message names the argument).
+        RuntimeError: CUDA tensors without Triton installed.
+    """
+    _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
+    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written)
