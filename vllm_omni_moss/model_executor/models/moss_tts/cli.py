@@ -183,7 +183,7 @@ def _cmd_decode(args) -> int:
     written = 0
     with _open_wav(out, cfg.sampling_rate, cfg.number_channels) as wav:
         start = time.perf_counter()
-        with decoder.streaming(1) as stream:
+        with decoder.streaming(1, args.semantics) as stream:
             for a, b in spans:
                 audio = stream.decode(codes[:, :, a:b])[0].cpu()  # (channels, samples)
                 wav.write(audio.T.numpy())
@@ -194,7 +194,10 @@ def _cmd_decode(args) -> int:
     expected = num_frames * cfg.samples_per_frame
     assert written == expected, (written, expected)
     seconds = expected / cfg.sampling_rate
-    print(f"decoded {num_frames} frames in {len(spans)} chunks with {source} on {device}")
+    print(
+        f"decoded {num_frames} frames in {len(spans)} chunks with {source} on {device} "
+        f"({stream.ring_semantics} ring semantics)"
+    )
     print(
         f"wrote {out}: {seconds:.2f} s of audio, {cfg.sampling_rate} Hz, {cfg.number_channels} channel(s), "
         f"{expected} samples per channel; decode took {elapsed:.2f} s (real-time factor {elapsed / seconds:.3f})"
@@ -204,6 +207,7 @@ def _cmd_decode(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import PRESETS
+    from .step_metadata import RING_SEMANTICS
 
     presets = ", ".join(sorted(PRESETS))
     parser = argparse.ArgumentParser(prog="vllm-omni-moss", description="MOSS-TTS codec decoder tools.")
@@ -234,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
         "repeated (default 1,15: 80 ms, then 1.2 s per chunk)",
     )
     dec.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    dec.add_argument(
+        "--semantics",
+        choices=RING_SEMANTICS,
+        default=None,
+        help="ring semantics of the streaming decode: upstream (vLLM-Omni's v2 behaviour: each chunk is written "
+        "before it is attended) or exact (every chunk schedule equals offline decode); default: upstream's for "
+        "the codec version (upstream for v2, exact for v1)",
+    )
     dec.set_defaults(func=_cmd_decode)
     return parser
 

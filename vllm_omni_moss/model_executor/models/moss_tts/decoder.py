@@ -31,7 +31,7 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .step_metadata import default_ring_semantics
+from .step_metadata import RING_SEMANTICS, default_ring_semantics
 
 __all__ = [
     "CodecDecoder",
@@ -133,7 +133,12 @@ class CodecDecoder(nn.Module):
                 raise ValueError(f"code {bad} is outside the codebook range [0, {cfg.codebook_size - 1}]")
 
     @torch.no_grad()
-    def decode(self, codes: torch.Tensor, chunk_frames: int | Sequence[int] | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        codes: torch.Tensor,
+        chunk_frames: int | Sequence[int] | None = None,
+        ring_semantics: str | None = None,
+    ) -> torch.Tensor:
         """Decode whole sequences.
 
         Args:
@@ -142,11 +147,14 @@ class CodecDecoder(nn.Module):
                 mask; otherwise stream through the fixed-width reference path with
                 this chunk schedule (an int, or ``[first, steady...]``, see
                 :func:`chunk_schedule`).
+            ring_semantics: ring semantics of the streaming path (see :meth:`streaming`).
         Returns:
             ``(B, channels, T * samples_per_frame)`` float32 audio.
         Raises:
-            ValueError: invalid codes or schedule.
+            ValueError: invalid codes, schedule or ring semantics.
         """
+        if ring_semantics is not None and ring_semantics not in RING_SEMANTICS:
+            raise ValueError(f"unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
         self.validate_codes(codes)
         if codes.shape[1] == 0 or codes.shape[2] == 0:
             raise ValueError(f"codes must have B >= 1 rows and T >= 1 frames, got shape {tuple(codes.shape)}")
@@ -155,18 +163,26 @@ class CodecDecoder(nn.Module):
             plan = StepPlan(group_steps(self.config, codes.shape[-1], None), OfflineAttention())
             with _autocast(self):
                 return run_decoder(self, codes, plan)
-        with self.streaming(codes.shape[1]) as stream:
+        with self.streaming(codes.shape[1], ring_semantics) as stream:
             parts = [stream.decode(codes[:, :, a:b]) for a, b in chunk_schedule(codes.shape[-1], chunk_frames)]
         return torch.cat(parts, dim=-1)
 
     @contextlib.contextmanager
-    def streaming(self, batch_size: int) -> Iterator[FixedWidthStream]:
+    def streaming(self, batch_size: int, ring_semantics: str | None = None) -> Iterator[FixedWidthStream]:
         """Fixed-width reference streaming: execution row ``b`` is state row ``b``.
 
         Each layer keeps independent state (its own ring and offsets), as the
-        upstream reference path does. Yields a :class:`FixedWidthStream`.
+        upstream reference path does. ``ring_semantics``: ``"upstream"`` or ``"exact"``
+        (``step_metadata.py``); default: upstream's for the codec version. Yields a
+        :class:`FixedWidthStream`.
+
+        Raises:
+            ValueError: unknown ``ring_semantics`` or ``batch_size < 1``.
         """
-        stream = FixedWidthStream(self, FixedWidthState.allocate(self, batch_size))
+        semantics = ring_semantics or default_ring_semantics(self.config.version)
+        if semantics not in RING_SEMANTICS:
+            raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
+        stream = FixedWidthStream(self, FixedWidthState.allocate(self, batch_size), semantics)
         try:
             yield stream
         finally:
@@ -284,10 +300,11 @@ class FixedWidthState:
 class FixedWidthStream:
     """Handle yielded by :meth:`CodecDecoder.streaming`: feed chunks, get audio."""
 
-    def __init__(self, decoder: CodecDecoder, state: FixedWidthState):
+    def __init__(self, decoder: CodecDecoder, state: FixedWidthState, ring_semantics: str | None = None):
         self.decoder = decoder
         self.state: FixedWidthState | None = state
         self.batch_size = state.offsets[0].shape[0]
+        self.ring_semantics = ring_semantics or default_ring_semantics(decoder.config.version)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -308,7 +325,7 @@ class FixedWidthStream:
         num_frames = codes.shape[-1]
         lengths = torch.full((self.batch_size,), num_frames, dtype=torch.long, device=codes.device)
         config = self.decoder.config
-        attention = FixedWidthAttention(self.state.rings, self.state.offsets, default_ring_semantics(config.version))
+        attention = FixedWidthAttention(self.state.rings, self.state.offsets, self.ring_semantics)
         plan = StepPlan(group_steps(config, num_frames, lengths), attention)
         with _autocast(self.decoder):
             return run_decoder(self.decoder, codes, plan)

@@ -183,6 +183,10 @@ class CodecStreamSession:
         state_capacity: live streams at most (Stage 1's ``max_num_seqs``).
         pool_kind: ``"compact"`` / ``"legacy"``; default: compact for v2 codecs, legacy for v1.
         state_dtype: ring dtype; default ``decoder.state_dtype``.
+        attention_backend: the pool's attention backend, ``"sdpa"`` or ``"triton"``; default:
+            the pool's (:class:`~.state_pool.DecoderStatePool`).
+        ring_semantics: the pool's ring semantics, ``"upstream"`` or ``"exact"``; default:
+            upstream's for the codec version.
         graph_batch_sizes: CUDA-graph batch buckets; sizes outside ``1..state_capacity``
             are ignored.
         graph_frame_sizes: CUDA-graph frame sizes, e.g. the chunk schedule's sizes.
@@ -201,7 +205,9 @@ class CodecStreamSession:
 
     Raises:
         ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue
-            bound, bad ``n_vq``, or an unknown ``pool_kind``.
+            bound, bad ``n_vq``, or an unknown ``pool_kind``, ``attention_backend`` or
+            ``ring_semantics`` (or ``"triton"`` for the legacy pool).
+        RuntimeError: ``attention_backend="triton"`` without the ``triton`` package.
     """
 
     def __init__(
@@ -211,6 +217,8 @@ class CodecStreamSession:
         *,
         pool_kind: str | None = None,
         state_dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
+        ring_semantics: str | None = None,
         graph_batch_sizes: Iterable[int] = (),
         graph_frame_sizes: Iterable[int] = (),
         max_step_frames: int = 100,
@@ -244,7 +252,7 @@ class CodecStreamSession:
         self.graph_frame_sizes = sorted({int(t) for t in graph_frame_sizes if int(t) > 0})
 
         use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
-        self.pool = make_state_pool(decoder, pool_kind, state_dtype)
+        self.pool = make_state_pool(decoder, pool_kind, state_dtype, ring_semantics, attention_backend)
         scratch = self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
         self.pool.initialize(state_capacity, scratch)
         self._compiled = self._compiled_step(compile)

@@ -18,8 +18,10 @@ on ``OmniModelRegistry``. Differences in behaviour (details in ``docs/serving_st
   payload declares is complete.
 * Precision per codec as upstream (v1 in float32, v2 in bfloat16 on CUDA), overridable
   with ``hf_overrides: {codec_dtype: ...}``.
-* Codec attention is always this package's SDPA path; ``codec_attention_backend``
-  hf overrides are accepted and ignored.
+* Codec attention: ``hf_overrides: {codec_attention_backend: sdpa | triton}`` (upstream's
+  field; ``triton`` reads the rings in place, ``ops/ring_attention.py``) and
+  ``codec_ring_semantics: upstream | exact`` pick the pool's attention backend (v1 codecs
+  keep ``sdpa``, as upstream) and ring semantics; unset, the pool's defaults.
 
 This is the only module of the package that imports vLLM / vLLM-Omni.
 """
@@ -41,12 +43,14 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm_omni.model_executor.models.output_templates import OmniOutput
 
+from .attention import ATTENTION_BACKENDS
 from .checkpoint import load_checkpoint
 from .compile import DYNAMIC_ARG_DIMS, adapter_class_for
 from .config import load_config
 from .decoder import CodecDecoder
 from .session import ChunkRequest, ChunkResult, CodecStreamSession
 from .state_pool import DecoderStatePool
+from .step_metadata import RING_SEMANTICS
 
 __all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames"]
 
@@ -89,6 +93,14 @@ def _codec_dtype_choice(choice: Any) -> str:
     if choice not in CODEC_DTYPES:
         raise ValueError(f"codec_dtype must be one of {', '.join(map(repr, CODEC_DTYPES))}; got {choice!r}")
     return choice
+
+
+def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
+    """The hf_config field ``name`` if set (None when absent or null); ValueError listing ``choices`` otherwise."""
+    value = getattr(hf, name, None)
+    if value is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
 
 
 def _positive_frames(name: str, value: Any) -> list[int]:
@@ -252,14 +264,17 @@ class MossTTSCodecDecoder(nn.Module):
 
     Built by vLLM from ``vllm_config``: ``n_vq`` (fallback ``rvq``, default 16), the codec
     checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``) and
-    ``codec_dtype`` (:data:`CODEC_DTYPES`, default ``"auto"``) from the stage hf_config;
+    ``codec_dtype`` (:data:`CODEC_DTYPES`, default ``"auto"``), ``codec_attention_backend``
+    (``attention.ATTENTION_BACKENDS``) and ``codec_ring_semantics``
+    (``step_metadata.RING_SEMANTICS``; both default to the pool's) from the stage hf_config;
     stream capacity = ``scheduler_config.max_num_seqs``; the connector's chunk schedule
     (:func:`connector_chunk_frames`) gives the graph frame sizes and the longest step (its
     largest size, or 100); graph batch buckets are ``compilation_config.cudagraph_capture_sizes``
     up to ``max_num_seqs``, none under ``enforce_eager`` (which defaults to true when absent).
 
     Raises:
-        ValueError: bad ``codec_dtype`` or connector chunk sizes.
+        ValueError: bad ``codec_dtype``, ``codec_attention_backend``, ``codec_ring_semantics``
+            or connector chunk sizes.
     """
 
     # Model-interface flags: upstream's, read by vLLM from the class in its global registry
@@ -289,9 +304,8 @@ class MossTTSCodecDecoder(nn.Module):
             getattr(hf, "codec_model_name_or_path", getattr(hf, "audio_tokenizer_name_or_path", _DEFAULT_CODEC))
         )
         self.codec_dtype = _codec_dtype_choice(getattr(hf, "codec_dtype", None) or "auto")
-        backend = getattr(hf, "codec_attention_backend", "sdpa")
-        if backend not in ("sdpa", None):
-            logger.info("codec_attention_backend=%r ignored: this codec stage always uses its own SDPA path", backend)
+        self.codec_attention_backend = _hf_choice(hf, "codec_attention_backend", ATTENTION_BACKENDS)
+        self.codec_ring_semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
         scheduler = getattr(vllm_config, "scheduler_config", None)
         self.state_capacity = max(1, int(getattr(scheduler, "max_num_seqs", 1) or 1))
         self.graph_frame_sizes = connector_chunk_frames(self._connector_extra())
@@ -390,6 +404,11 @@ class MossTTSCodecDecoder(nn.Module):
     def _ensure_session(self) -> CodecStreamSession:
         if self._session is None:
             graphs = bool(self.graph_batch_sizes and self.graph_frame_sizes)
+            backend = self.codec_attention_backend
+            if backend == "triton" and self._codec.config.version != "v2":
+                # Upstream's triton attention replaces only v2 attention modules; v1 codecs keep SDPA there too.
+                logger.info("codec_attention_backend='triton' applies to v2 codecs; this v1 codec uses 'sdpa'")
+                backend = "sdpa"
             self._session = CodecStreamSession(
                 self._codec,
                 self.state_capacity,
@@ -399,6 +418,8 @@ class MossTTSCodecDecoder(nn.Module):
                 n_vq=self.n_vq,
                 compile=_vllm_compile_factory(self.vllm_config) if graphs else False,
                 state_dtype=self._dtype,
+                attention_backend=backend,
+                ring_semantics=self.codec_ring_semantics,
             )
         return self._session
 

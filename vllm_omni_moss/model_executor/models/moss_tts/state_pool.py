@@ -33,10 +33,13 @@ Two pools share one interface and are chosen once, at construction, by
     ``frames_decoded``: every group's token offset is ``frames_decoded *
     tokens_per_frame``, equal to the legacy pool's per-layer offsets. Ring metadata
     and RoPE tables are built once per group per step. Persistent writes go through
-    the ``commit_cache`` / ``commit_offsets`` custom ops (``ops/commit.py``): only ring
-    cells that valid tokens wrote, only for rows that wrote; invalid rows never write,
-    not even to the null slot. Attention is the same reference computation as the
-    legacy pool's, so audio and live state are bit-identical to it.
+    custom ops: only ring cells that valid tokens wrote, only for rows that wrote;
+    invalid rows never write, not even to the null slot. Two attention backends, chosen
+    at construction (``attention_backend``): ``"sdpa"`` gathers rings, runs the same
+    reference computation as the legacy pool (audio and live state bit-identical to
+    it) and commits touched cells (``ops/commit.py``); ``"triton"`` reads rings in place
+    and writes each row's last ``min(tokens, C)`` tokens (``ops/ring_attention.py``): the
+    same keys per query and bitwise the same ring contents, its own arithmetic.
 
 Both pools clear a slot's rings on :meth:`reset` as well as its offsets. Upstream
 only zeroes offsets, which hides stale keys behind the mask - but SDPA still
@@ -52,7 +55,15 @@ from typing import ClassVar
 
 import torch
 
-from .attention import CompactRingAttention, LegacyRingAttention, StepPlan, group_steps
+from .attention import (
+    CompactRingAttention,
+    CompactTritonRingAttention,
+    LegacyRingAttention,
+    StepPlan,
+    check_attention_backend,
+    default_attention_backend,
+    group_steps,
+)
 from .decoder import CodecDecoder, _autocast, run_decoder
 from .ops.commit import commit_offsets
 from .step_metadata import RING_SEMANTICS, default_ring_semantics
@@ -108,14 +119,25 @@ class DecoderStatePool(ABC):
         dtype: ring dtype; defaults to ``decoder.state_dtype`` (the weight dtype).
         ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.py``); default: what
             upstream uses for the codec version (``"upstream"`` for v2, ``"exact"`` for v1).
+        attention_backend: ``"sdpa"`` or ``"triton"`` (``attention.ATTENTION_BACKENDS``);
+            default :func:`~.attention.default_attention_backend` of the decoder's device for
+            the compact pool, ``"sdpa"`` for the legacy pool (the only one it runs).
 
     Raises:
-        ValueError: a non-floating ``dtype`` or unknown ``ring_semantics``.
+        ValueError: a non-floating ``dtype``, unknown ``ring_semantics`` or ``attention_backend``
+            (the message lists the choices), or ``"triton"`` for the legacy pool.
+        RuntimeError: ``"triton"`` without the ``triton`` package installed.
     """
 
     kind: ClassVar[str] = ""
 
-    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None, ring_semantics: str | None = None):
+    def __init__(
+        self,
+        decoder: CodecDecoder,
+        dtype: torch.dtype | None = None,
+        ring_semantics: str | None = None,
+        attention_backend: str | None = None,
+    ):
         self.decoder = decoder
         self.config = decoder.config
         self.dtype = dtype or decoder.state_dtype
@@ -125,6 +147,7 @@ class DecoderStatePool(ABC):
         if self.ring_semantics not in RING_SEMANTICS:
             raise ValueError(f"unknown ring semantics {self.ring_semantics!r}; expected one of {RING_SEMANTICS}")
         self.device = decoder.device
+        self.attention_backend = check_attention_backend(attention_backend or self._default_attention_backend())
         self.rings: list[torch.Tensor] = []
         self.state_capacity = 0
         self.scratch_capacity = 0
@@ -399,6 +422,9 @@ class DecoderStatePool(ABC):
     def _validate_padding(self, padding_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """Check the slot ids of invalid rows; the compact pool accepts any (they read the null slot)."""
 
+    def _default_attention_backend(self) -> str:
+        return default_attention_backend(self.device)
+
     @abstractmethod
     def _scratch_capacity(self, requested: int) -> int: ...
 
@@ -432,8 +458,19 @@ class LegacyDecoderStatePool(DecoderStatePool):
 
     kind = "legacy"
 
-    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None, ring_semantics: str | None = None):
-        super().__init__(decoder, dtype, ring_semantics)
+    def __init__(
+        self,
+        decoder: CodecDecoder,
+        dtype: torch.dtype | None = None,
+        ring_semantics: str | None = None,
+        attention_backend: str | None = None,
+    ):
+        super().__init__(decoder, dtype, ring_semantics, attention_backend)
+        if self.attention_backend != "sdpa":
+            raise ValueError(
+                f"the legacy pool runs upstream's per-layer SDPA path only; attention backend "
+                f"{self.attention_backend!r} needs the compact pool (v2 codecs)"
+            )
         self.offset_table: torch.Tensor | None = None
         # Row layout as upstream: v2 lists, per group, (attention offset, ring end offset)
         # for each layer and then the group's own offset; v1 one row per layer.
@@ -452,6 +489,9 @@ class LegacyDecoderStatePool(DecoderStatePool):
                 self.group_rows[self.config.group_first_layers[g] + spec.num_layers - 1] = row
                 row += 1
         assert row == _legacy_table_rows(self.config)
+
+    def _default_attention_backend(self) -> str:
+        return "sdpa"
 
     def _scratch_capacity(self, requested: int) -> int:
         return requested
@@ -527,13 +567,21 @@ class CompactDecoderStatePool(DecoderStatePool):
 
     kind = "compact"
 
-    def __init__(self, decoder: CodecDecoder, dtype: torch.dtype | None = None, ring_semantics: str | None = None):
+    def __init__(
+        self,
+        decoder: CodecDecoder,
+        dtype: torch.dtype | None = None,
+        ring_semantics: str | None = None,
+        attention_backend: str | None = None,
+    ):
         if decoder.config.version != "v2":
             raise ValueError(
                 f"the compact pool serves v2 codecs; this codec is {decoder.config.version} and keeps the legacy pool"
             )
-        super().__init__(decoder, dtype, ring_semantics)
+        super().__init__(decoder, dtype, ring_semantics, attention_backend)
         self.frames_decoded: torch.Tensor | None = None
+        # The attention of every step, chosen once here.
+        self._plan_attention = self._triton_attention if self.attention_backend == "triton" else self._sdpa_attention
 
     @property
     def null_slot(self) -> int:
@@ -577,11 +625,21 @@ class CompactDecoderStatePool(DecoderStatePool):
 
     def step_plan(self, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
         start = self.frames_decoded.index_select(0, slots)
-        groups = group_steps(self.config, num_frames, lengths, self.ring_semantics, start)
-        attention = CompactRingAttention(self.rings, self.ring_semantics, slots)
+        groups, attention = self._plan_attention(slots, lengths, num_frames, start)
         # Rows that decoded nothing keep their counter and never write (the null slot included).
         finish = functools.partial(commit_offsets, start + lengths, self.frames_decoded, slots, lengths > 0)
         return StepPlan(groups, attention, finish)
+
+    def _sdpa_attention(self, slots, lengths, num_frames: int, start):
+        # Ring metadata (cells, sources, masks) once per group; gathered rows, masked commits.
+        groups = group_steps(self.config, num_frames, lengths, self.ring_semantics, start)
+        return groups, CompactRingAttention(self.rings, self.ring_semantics, slots)
+
+    def _triton_attention(self, slots, lengths, num_frames: int, start):
+        # No ring metadata: the kernels derive positions from offsets and valid token counts.
+        groups = group_steps(self.config, num_frames, lengths)
+        attention = CompactTritonRingAttention(self.config, self.rings, self.ring_semantics, slots, start, num_frames)
+        return groups, attention
 
     def _layer_offsets(self, slot: int) -> torch.Tensor:
         frames = self.frames_decoded[slot].cpu()
@@ -596,15 +654,20 @@ def make_state_pool(
     kind: str | None = None,
     dtype: torch.dtype | None = None,
     ring_semantics: str | None = None,
+    attention_backend: str | None = None,
 ) -> DecoderStatePool:
     """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says otherwise.
 
+    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`.
+
     Raises:
-        ValueError: unknown ``kind`` or ``ring_semantics``, or ``"compact"`` for a v1 codec.
+        ValueError: unknown ``kind``, ``ring_semantics`` or ``attention_backend``, ``"compact"``
+            for a v1 codec, or ``"triton"`` for the legacy pool.
+        RuntimeError: ``"triton"`` without the ``triton`` package installed.
     """
     kind = kind or ("compact" if decoder.config.version == "v2" else "legacy")
     if kind == "compact":
-        return CompactDecoderStatePool(decoder, dtype, ring_semantics)
+        return CompactDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     if kind == "legacy":
-        return LegacyDecoderStatePool(decoder, dtype, ring_semantics)
+        return LegacyDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
