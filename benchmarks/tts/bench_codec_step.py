@@ -8,9 +8,16 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``v2``       - our V2 pool (``initialize(maxB, maxB)`` = maxB live + 1 null slot).
 * ``upstream`` - upstream 0.30.0's v2 codec model with ``initialize_decoder_state_pool(maxB, maxB)``, its
   own ``decode_streaming_tensors``; skipped (reason in the JSON) when its files are not available.
+* ``v2-triton`` - the V2 pool with ``attention_backend="triton"`` (rings read in place, ``ops/ring_attention.py``).
+* ``v2-exact`` - the V2 pool with ``attention_backend="triton"`` and ``ring_semantics="exact"`` (the exact
+  sliding window: a ring-plus-chunk window per query instead of the post-write ring).
+* ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
+  upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
+  it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
+  vLLM a stand-in module exposing ``triton`` and ``tl`` is registered first.
 
-Our two arms share one decoder (same weights); upstream has its own randomly initialised model. Weights
-and pools are built once, sized to the largest ``--batch``. Modes:
+Our arms share one decoder (same weights); each upstream arm has its own randomly initialised model (upstream
+keeps one pool per model). Weights and pools are built once, sized to the largest ``--batch``. Modes:
 
 * ``eager``    - the call itself.
 * ``graph``    - one plain ``torch.cuda.CUDAGraph`` per (arm, B, T) capturing the call; replays are timed.
@@ -21,8 +28,9 @@ Timing is interleaved: for each (B, T) and mode, each repeat round times every a
 per round), ``--steps-per-round`` steps each, rotating among ``--code-sets`` random non-zero code sets. On
 CUDA each step is bracketed by CUDA events after a synchronize (per-step latency, host launch time
 included); on CPU by ``time.perf_counter``. Per arm: median, p10/p25/p75/p90 in ms; per (B, T, mode):
-``v2/legacy`` and ``v2/upstream`` median ratios from the same run. Peak transient memory of one eager step
-(``max_memory_allocated`` above the allocation before it) is reported per arm on CUDA.
+``v2/legacy`` and ``v2/upstream`` median ratios from the same run, and each of our arms against the faster
+upstream arm (``<arm>/upstream-best``). Peak transient memory of one eager step (``max_memory_allocated``
+above the allocation before it) is reported per arm on CUDA.
 
 Usage::
 
@@ -47,9 +55,13 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
 
-ARMS = ("legacy", "v2", "upstream")
+ARMS = ("legacy", "v2", "upstream", "v2-triton", "v2-exact", "upstream-triton")
+#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics) of a V2 pool.
+TRITON_ARMS = {"v2-triton": ("triton", None), "v2-exact": ("triton", "exact")}
+UPSTREAM_ARMS = ("upstream", "upstream-triton")
 MODES = ("eager", "graph", "compiled")
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
@@ -61,7 +73,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", default="1,8,64,128", help="comma-separated live rows B per step")
     parser.add_argument("--frames", default="1,15", help="comma-separated code frames T per step")
     parser.add_argument("--modes", default="eager,graph", help="subset of eager,graph,compiled")
-    parser.add_argument("--arms", default=",".join(ARMS), help="subset of legacy,v2,upstream")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {','.join(ARMS)}")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds per (B, T, mode)")
     parser.add_argument("--steps-per-round", type=int, default=2, help="timed steps per arm per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per arm before timing/capture")
@@ -96,14 +108,71 @@ class Arm:
 
 
 def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
+    if kind in TRITON_ARMS:
+        backend, semantics = TRITON_ARMS[kind]
+        pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
+        pool.initialize(max_batch, max_batch)
+        return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
     pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
     return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
 
 
-def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int) -> Arm:
+def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int, name: str = "upstream") -> Arm:
     codec.open_pool(max_batch, max_batch)
-    return Arm("upstream", codec.step, common.upstream_state_bytes(codec.model), codec.close_pool)
+    return Arm(name, codec.step, common.upstream_state_bytes(codec.model), codec.close_pool)
+
+
+def _upstream_masked_attention():
+    """Upstream's ``masked_attention`` custom op, from ``streaming_attention.py`` next to its codec files.
+
+    The file is loaded by path once per process (it registers ``moss_streaming::masked_attention``). It
+    imports ``tl`` and ``triton`` from ``vllm.triton_utils``; when vLLM is not installed, a stand-in
+    ``vllm.triton_utils`` module holding the real ``triton`` and ``triton.language`` is registered first.
+    """
+    import importlib.util
+    import types
+
+    name = "_moss_upstream_streaming_attention"
+    if name in sys.modules:
+        return sys.modules[name].masked_attention
+    directory = common.oracle.upstream_dir()
+    path = None if directory is None else directory / "streaming_attention.py"
+    if path is None or not path.is_file():
+        raise RuntimeError("upstream's streaming_attention.py was not found next to its codec files")
+    if importlib.util.find_spec("vllm") is None:
+        import triton
+        import triton.language as tl
+
+        stand_in = types.ModuleType("vllm.triton_utils")
+        stand_in.triton, stand_in.tl = triton, tl
+        package = types.ModuleType("vllm")
+        package.__path__ = []
+        package.triton_utils = stand_in
+        sys.modules.setdefault("vllm", package)
+        sys.modules["vllm.triton_utils"] = stand_in
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module.masked_attention
+
+
+def _install_upstream_triton(codec: common.UpstreamCodecArm) -> int:
+    """Give every attention module of ``codec``'s decoder upstream's masked Triton attention, as upstream's
+    stage does for ``codec_attention_backend: triton`` (``load_weights`` of ``modeling_moss_tts_codec.py``).
+    Returns the number of modules changed."""
+    attention = _upstream_masked_attention()
+    modules = [
+        m for m in codec.model.decoder.modules() if isinstance(m, codec.module.MossAudioTokenizerMultiheadAttention)
+    ]
+    for module in modules:
+        module._streaming_attention = attention
+    return len(modules)
 
 
 # ----------------------------------------------------------------------------------------- runners
@@ -282,6 +351,11 @@ def _bench_shape(
             "v2/upstream": _ratio(a.get("v2"), a.get("upstream")),
             "legacy/upstream": _ratio(a.get("legacy"), a.get("upstream")),
         }
+        upstreams = [a[name] for name in UPSTREAM_ARMS if name in a]
+        best = min(upstreams, key=lambda stats: stats["median_ms"]) if upstreams else None
+        for name in ("v2", *TRITON_ARMS):
+            if name in a:
+                entry["ratios"][f"{name}/upstream-best"] = _ratio(a[name], best)
         if not entry["errors"]:
             del entry["errors"]
         record["modes"][mode] = entry
@@ -322,6 +396,24 @@ def _print_tables(result: dict[str, Any]) -> None:
     if compile_rows:
         print("\n### torch.compile seconds per shape\n")
         print(common.markdown_table(["B", "T"] + arms, compile_rows))
+    best_keys = sorted(
+        {
+            k
+            for rec in result["results"]
+            for e in rec["modes"].values()
+            for k in e["ratios"]
+            if k.endswith("/upstream-best")
+        }
+    )
+    if best_keys:
+        print("\n### median ratio against the faster upstream arm\n")
+        best_rows = [
+            [rec["batch"], rec["frames"], mode]
+            + ["-" if e["ratios"].get(k) is None else f"{e['ratios'][k]:.3f}" for k in best_keys]
+            for rec in result["results"]
+            for mode, e in rec["modes"].items()
+        ]
+        print(common.markdown_table(["B", "T", "mode", *best_keys], best_rows))
     for key, reason in result["skipped"].items():
         print(f"\nskipped {key}: {reason}")
     for rec in result["results"]:
@@ -348,11 +440,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "v2" in arm_names and config.version != "v2":
         skipped["v2"] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
         arm_names.remove("v2")
-    if "upstream" in arm_names:
+    for name in [a for a in TRITON_ARMS if a in arm_names]:
+        if config.version != "v2":
+            skipped[name] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
+            arm_names.remove(name)
+        elif not ring_ops.HAS_TRITON:
+            skipped[name] = "needs the triton package"
+            arm_names.remove(name)
+    for name in [a for a in UPSTREAM_ARMS if a in arm_names]:
         ok, reason = common.upstream_status(args.preset, device)
+        if ok and name == "upstream-triton" and device.type != "cuda":
+            ok, reason = False, "upstream's Triton attention runs on CUDA only (as its stage requires)"
         if not ok:
-            skipped["upstream"] = reason
-            arm_names.remove("upstream")
+            skipped[name] = reason
+            arm_names.remove(name)
     if device.type == "cuda":
         # Each (arm, B, T) is a separate static-shape compile of the same function.
         for key in (
@@ -384,9 +485,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     arms: list[Arm] = []
-    decoder = codec = None
+    decoder = codec = triton_codec = None
     try:
-        if any(a in arm_names for a in ("legacy", "v2")):
+        if any(a in arm_names for a in ("legacy", "v2", *TRITON_ARMS)):
             t0 = time.perf_counter()
             decoder = common.random_decoder(args.preset, device, args.seed)
             result["build_s"]["ours"] = round(time.perf_counter() - t0, 3)
@@ -396,8 +497,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             codec = common.build_upstream_codec(args.preset, device, args.seed, result["n_vq"])
             result["build_s"]["upstream"] = round(time.perf_counter() - t0, 3)
             result["weights_bytes"]["upstream"] = codec.total_bytes
+        if "upstream-triton" in arm_names:
+            t0 = time.perf_counter()
+            triton_codec = common.build_upstream_codec(args.preset, device, args.seed, result["n_vq"])
+            result["upstream_triton_modules"] = _install_upstream_triton(triton_codec)
+            result["build_s"]["upstream-triton"] = round(time.perf_counter() - t0, 3)
+            result["weights_bytes"]["upstream-triton"] = triton_codec.total_bytes
         for name in arm_names:
-            arm = _upstream_arm(codec, max_batch) if name == "upstream" else _our_arm(decoder, name, max_batch)
+            if name == "upstream":
+                arm = _upstream_arm(codec, max_batch)
+            elif name == "upstream-triton":
+                arm = _upstream_arm(triton_codec, max_batch, name)
+            else:
+                arm = _our_arm(decoder, name, max_batch)
             arms.append(arm)
             result["state_bytes"][name] = arm.state_bytes
         if device.type == "cuda":
@@ -414,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for arm in arms:
             arm.close()
-        del arms, decoder, codec
+        del arms, decoder, codec, triton_codec
         common.free_memory(device)
 
     common.write_json(args.json, result)

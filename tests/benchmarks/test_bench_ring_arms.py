@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU tests of bench_codec_step.py's ring-attention arms: ``v2-triton``, ``v2-exact`` and ``upstream-triton``
+(skipped with a reason off CUDA), the ratios against the faster upstream arm, and the stand-in
+``vllm.triton_utils`` that lets upstream's ``streaming_attention.py`` load without vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
+from vllm_omni_moss.testing import upstream as oracle
+
+pytestmark = [pytest.mark.cpu]
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+
+
+def _bench():
+    name = "_bench_ring_arms_step"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_codec_step.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_triton_arms_run_and_are_ranked_against_the_faster_upstream_arm():
+    argv = "--preset tiny-v2 --batch 2 --frames 3 --modes eager --repeats 1 --steps-per-round 1 --warmup 0"
+    arms = "v2,v2-triton,v2-exact,upstream,upstream-triton"
+    result = _bench().main([*argv.split(), "--device", "cpu", "--arms", arms])
+    upstream = "upstream" not in result["skipped"]
+    assert result["skipped"]["upstream-triton"] == (
+        "upstream's Triton attention runs on CUDA only (as its stage requires)"
+        if upstream
+        else result["skipped"]["upstream"]
+    )
+    assert result["arms"] == ["v2", "v2-triton", "v2-exact"] + (["upstream"] if upstream else [])
+    cfg = preset_config("tiny-v2")
+    for name in ("v2", "v2-triton", "v2-exact"):
+        assert result["state_bytes"][name] == state_bytes_for(cfg, 3, "compact", element_size=4)
+    entry = result["results"][0]["modes"]["eager"]
+    assert set(entry["arms"]) == set(result["arms"]) and "errors" not in entry
+    for name in ("v2", "v2-triton", "v2-exact"):
+        ratio = entry["ratios"][f"{name}/upstream-best"]
+        if upstream:
+            expected = entry["arms"][name]["median_ms"] / entry["arms"]["upstream"]["median_ms"]
+            assert ratio == round(expected, 4)
+        else:
+            assert ratio is None
+
+
+@pytest.mark.skipif(not oracle.upstream_available(), reason="upstream 0.30.0 codec files not installed")
+def test_upstream_triton_attention_loads_without_vllm():
+    # A child process in which vLLM cannot be found: the stand-in module must carry the real triton.
+    script = f"""
+import importlib.util, sys, torch
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k)
+sys.path.insert(0, {str(BENCH_DIR)!r})
+spec = real("bench_codec_step")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+import triton
+codec = bench.common.build_upstream_codec("tiny-v2", torch.device("cpu"), 0, 12)
+count = bench._install_upstream_triton(codec)
+assert sys.modules["vllm.triton_utils"].triton is triton, "stand-in does not hold triton"
+layers = [m for m in codec.model.decoder.modules() if hasattr(m, "_streaming_attention")]
+assert all(m._streaming_attention is sys.modules["_moss_upstream_streaming_attention"].masked_attention for m in layers)
+print(count, len(layers))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split()[-2:] == ["7", "7"]  # tiny-v2: 2 + 1 + 1 + 1 + 1 + 1 attention layers
