@@ -177,7 +177,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rot.view(*dims, 2 * half)
 
 
-def ring_attention_reference(semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor) -> torch.Tensor:
+def ring_attention_reference(
+    semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor, keep_empty_rows: bool = False
+) -> torch.Tensor:
     """One layer's streaming attention over gathered rings (the parity oracle).
 
     Args:
@@ -187,15 +189,16 @@ def ring_attention_reference(semantics: str, rows: torch.Tensor, meta: RingMetad
             place with this step's valid tokens (the caller persists them). Cells no valid
             token reaches keep their values; a cell several valid tokens reach holds the
             latest of them, whatever order the device scatters in. Rows that write nothing
-            (``num_written == 0``) are left undefined: callers must not persist them.
+            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
         meta: the group's :class:`~.step_metadata.RingMetadata`.
         qkv: ``(3, B, H, T, Dh)`` projections before RoPE.
+        keep_empty_rows: leave rows that write nothing unchanged.
     Returns:
         ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask), computed by
         :func:`~.ops.ring_attention.attend_gathered_rows` after RoPE.
     """
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    return ring_ops.attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2])
+    return ring_ops.attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
 
 
 # --------------------------------------------------------------------------- backends
@@ -315,10 +318,9 @@ class LegacyRingAttention:
         )
         ring = self.rings[layer]
         rows = ring.index_select(1, self.slots)
-        out = ring_attention_reference(self.semantics, rows, meta, qkv)
-        # Rows that wrote nothing come back undefined; they keep their ring as it was.
-        wrote = (group.num_written > 0).view(1, -1, 1, 1, 1)
-        ring.index_copy_(1, self.slots, torch.where(wrote, rows, ring.index_select(1, self.slots)))
+        # The whole rows are written back: rows that write nothing must come back as they were.
+        out = ring_attention_reference(self.semantics, rows, meta, qkv, keep_empty_rows=True)
+        ring.index_copy_(1, self.slots, rows)
         for row in {attn_row, ring_row}:
             self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
         group_row = self.group_rows.get(layer)

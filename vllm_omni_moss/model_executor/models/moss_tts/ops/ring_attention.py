@@ -78,6 +78,7 @@ def attend_gathered_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    keep_empty_rows: bool = False,
 ) -> torch.Tensor:
     """Streaming attention over gathered ring rows with native SDPA (the reference computation).
 
@@ -87,9 +88,11 @@ def attend_gathered_rows(
         rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
             place with this step's valid tokens. A cell several valid tokens reach holds the
             latest of them, whatever order the device scatters in. Rows that write nothing
-            (``num_written == 0``) are left undefined: callers must not persist them.
+            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
         meta: the group's :class:`~..step_metadata.RingMetadata` (write cells, sources, mask).
         q, k: ``(B, H, T, Dh)`` rotated queries and keys; v: ``(B, H, T, Dh)`` values.
+        keep_empty_rows: leave rows that write nothing unchanged (for callers that persist
+            whole rows, as the legacy pool does); costs one elementwise pass over the writes.
     Returns:
         ``(B, H, T, Dh)`` in the ring dtype; rows of padding queries are unspecified (may be NaN).
     """
@@ -104,8 +107,13 @@ def attend_gathered_rows(
     W = meta.write_cell.shape[1]
     cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
     source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
-    rows[0].scatter_(2, cell, k.gather(2, source))
-    rows[1].scatter_(2, cell, v.gather(2, source))
+    for plane, x in ((rows[0], k), (rows[1], v)):
+        written = x.gather(2, source)
+        if keep_empty_rows:
+            # All entries of an empty row name one cell: write back that cell's own value.
+            empty = (meta.num_written == 0).view(B, 1, 1, 1)
+            written = torch.where(empty, plane.gather(2, cell[:, :, :1]), written)
+        plane.scatter_(2, cell, written)
     if semantics == "upstream":
         keys, values = rows[0], rows[1]
     return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
