@@ -374,7 +374,10 @@ def stall_warning(arm: str, concurrency: int, details: dict[str, Any]) -> str | 
 
 
 def _git_commit() -> str | None:
-    """``git rev-parse --short HEAD`` of the repository; else ``$MOSS_BENCH_COMMIT`` (a copy without .git)."""
+    """``$MOSS_BENCH_COMMIT`` when set (a copy of the tree whose ``.git``, if any, may be stale), else
+    ``git rev-parse --short HEAD`` of the repository."""
+    if os.environ.get("MOSS_BENCH_COMMIT"):
+        return os.environ["MOSS_BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "-C", str(common.REPO_ROOT), "rev-parse", "--short", "HEAD"],
@@ -386,7 +389,7 @@ def _git_commit() -> str | None:
         out = None
     if out is not None and out.returncode == 0 and out.stdout.strip():
         return out.stdout.strip()
-    return os.environ.get("MOSS_BENCH_COMMIT") or None
+    return None
 
 
 def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: dict[str, Any]):
@@ -707,7 +710,7 @@ def results_markdown(result: dict[str, Any]) -> str:
     run = result["run"]
     slo = run["slo"]["codec_latency_p99_ms"]
     lines = [
-        f"# Codec stage under load: {run['preset']} on {run['device_name']}",
+        f"# Codec stage under load: {run['preset']} codec geometry on {run['device_name']}",
         "",
         f"Commit `{run['commit']}`, {run['date']}. Command: `{run['command']}`.",
         "",
@@ -806,7 +809,9 @@ def plot_latency_cdf(result: dict[str, Any], latencies: dict[str, dict[int, np.n
         )
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{result['run']['preset']} on {result['run']['device_name']} (o = p50, ^ = p99)", fontsize=10)
+    fig.suptitle(
+        f"{result['run']['preset']} codec geometry on {result['run']['device_name']} (o = p50, ^ = p99)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -851,7 +856,7 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     requests = ", ".join(f"{c}: {n}" for c, n in result["run"]["requests"].items())
     left.set_title(f"throughput (requests per C: {requests})", fontsize=9)
     right.set_title(f"latency, {result['run']['requests_per_stream']} requests/stream", fontsize=9)
-    fig.suptitle(f"{result['run']['preset']} on {result['run']['device_name']}", fontsize=10)
+    fig.suptitle(f"{result['run']['preset']} codec geometry on {result['run']['device_name']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
