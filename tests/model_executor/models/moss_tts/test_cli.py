@@ -160,6 +160,15 @@ def test_garbage_pt_file_gives_one_line(tmp_path, capsys):
     )
 
 
+def _our_readme() -> bool:
+    readme = REPO_ROOT / "README.md"
+    return readme.exists() and readme.read_text(encoding="utf-8").startswith("# vllm-omni-moss")
+
+
+# The fork form (scripts/build_fork.sh) carries these tests into vLLM-Omni's tree, whose README is its own.
+needs_our_readme = pytest.mark.skipif(not _our_readme(), reason="this tree's README.md is not vllm-omni-moss's")
+
+
 def _readme_block(heading: str) -> list[str]:
     """Lines of the first ```bash block after ``heading`` in README.md."""
     text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
@@ -168,6 +177,7 @@ def _readme_block(heading: str) -> list[str]:
     return [line for line in match.group(1).splitlines() if line.strip()]
 
 
+@needs_our_readme
 def test_readme_command_line_examples_run_as_written(tmp_path):
     """README's CLI block, run line by line in a scratch directory: ``.venv/bin/X`` becomes this
     interpreter (the venv the tests run in) and ``/tmp/codec`` a scratch path."""
@@ -189,6 +199,7 @@ def test_readme_command_line_examples_run_as_written(tmp_path):
     assert rate == 48000 and audio.shape == (codes.shape[1] * 3840, 2)
 
 
+@needs_our_readme
 def test_readme_states_the_code_format():
     text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     assert "`(12, T)` integers in `[0, 1024)`" in text

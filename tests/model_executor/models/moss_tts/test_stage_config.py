@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,17 +174,22 @@ def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
 
 
 DEPLOY_FILES = ["moss_tts_local_c64.yaml", "moss_tts_local_c128.yaml", "moss_tts_local_h200.yaml"]
+DEPLOY_DIR = Path(__file__).resolve().parents[4] / "deploy"
+# The fork form (scripts/build_fork.sh) carries these tests into a tree without this repository's deploy files.
+needs_deploy_files = pytest.mark.skipif(
+    not (DEPLOY_DIR / DEPLOY_FILES[-1]).exists(), reason="this tree has no vllm-omni-moss deploy/ files"
+)
 
 
+@needs_deploy_files
 @pytest.mark.parametrize("name", DEPLOY_FILES)
 def test_deploy_files_name_a_codec_dtype_and_a_token_budget_for_full_batches(name):
-    from pathlib import Path
 
     import yaml
 
     from vllm_omni_moss.model_executor.models.moss_tts.stage import CODEC_DTYPES, connector_chunk_frames
 
-    deploy = yaml.safe_load((Path(__file__).parents[4] / "deploy" / name).read_text())
+    deploy = yaml.safe_load((DEPLOY_DIR / name).read_text())
     (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]
     assert codec["hf_overrides"]["codec_dtype"] in CODEC_DTYPES
     chunk = max(connector_chunk_frames(deploy["connectors"]["shm"]["extra"]))
@@ -191,29 +197,29 @@ def test_deploy_files_name_a_codec_dtype_and_a_token_budget_for_full_batches(nam
     assert codec["max_num_batched_tokens"] >= codec["max_num_seqs"] * n_vq * chunk  # docs/serving_stage.md
 
 
+@needs_deploy_files
 @pytest.mark.parametrize("name", DEPLOY_FILES)
 def test_deploy_files_capture_a_graph_for_every_batch(name):
-    from pathlib import Path
 
     import yaml
 
-    deploy = yaml.safe_load((Path(__file__).parents[4] / "deploy" / name).read_text())
+    deploy = yaml.safe_load((DEPLOY_DIR / name).read_text())
     (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]
     sizes = codec["compilation_config"]["cudagraph_capture_sizes"]
     assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == codec["max_num_seqs"]
     assert codec["enforce_eager"] is False
 
 
+@needs_deploy_files
 def test_h200_deploy_file_fits_stage_1_state_in_its_share():
     """The arithmetic stated in deploy/moss_tts_local_h200.yaml (docs/memory.md)."""
-    from pathlib import Path
 
     import yaml
 
     from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
     from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
 
-    deploy = yaml.safe_load((Path(__file__).parents[4] / "deploy" / "moss_tts_local_h200.yaml").read_text())
+    deploy = yaml.safe_load((DEPLOY_DIR / "moss_tts_local_h200.yaml").read_text())
     (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]
     share = codec["gpu_memory_utilization"] * 139.8 * 2**30
     weights, graphs = 2.1 * 2**30, 4 * 2**30
