@@ -233,7 +233,8 @@ def test_new_streams_wait_for_a_slot_while_live_streams_decode(ring_decoder):
     stats = s.stats()
     assert stats["admitted_from_queue"] == 1 and stats["queue_wait_s_max"] > 0
     assert s.free_slots == 2
-    _close(torch.cat([got["c"].audio, last["c"].audio], -1), _solo(ring_decoder, c, [4, 2]), "c")
+    # The waiting stream keeps its chunk boundaries: decoded as 1, 3, then 2 frames.
+    _close(torch.cat([got["c"].audio, last["c"].audio], -1), _solo(ring_decoder, c, [1, 3, 2]), "c")
 
 
 def test_admitted_stream_equals_its_solo_decode(ring_decoder):
@@ -242,12 +243,12 @@ def test_admitted_stream_equals_its_solo_decode(ring_decoder):
     s.decode([ChunkRequest("a", a[:, :1])])
     assert s.decode([ChunkRequest("c", c[:, :1])])["c"].queued
     assert s.decode([ChunkRequest("c", c[:, 1:3])])["c"].queued
-    # a ends; c's two buffered chunks decode as one 3-frame chunk, returned under "c" although
-    # this call does not carry c.
+    # a ends; c's two buffered chunks (1 and 2 frames, boundaries kept) decode in this call and
+    # come back under "c" although this call does not carry c.
     got = s.decode([ChunkRequest("a", a[:, 1:], True)])
     assert sorted(got) == ["a", "c"] and got["c"].frames == 3
     last = s.decode([ChunkRequest("c", c[:, 3:], True)])["c"]
-    _close(torch.cat([got["c"].audio, last.audio], -1), _solo(ring_decoder, c, [3, 2]), "admitted c")
+    _close(torch.cat([got["c"].audio, last.audio], -1), _solo(ring_decoder, c, [1, 2, 2]), "admitted c")
     assert s.free_slots == 1
 
 
@@ -267,6 +268,16 @@ def test_admission_queue_bounds_fail_the_request_alone(ring_decoder):
     assert not s.waiting_requests and s.stats()["request_errors"] == 2
     s.on_requests_finished(["a"])
     assert s.free_slots == 1
+
+
+def test_slots_freed_between_calls_go_to_waiting_streams_first(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2, max_waiting_streams=1)
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1)), ChunkRequest("b", _codes(ring_decoder, 1, 2))])
+    assert s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 3))])["c"].queued
+    s.on_requests_finished(["a", "b"])
+    got = s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 4))])
+    assert got["d"].error is None and got["d"].frames == 1 and got["c"].frames == 1
+    assert set(s.live_requests) == {"c", "d"} and not s.waiting_requests
 
 
 def test_abort_of_a_waiting_stream_drops_its_chunks(ring_decoder):
@@ -307,6 +318,33 @@ def test_a_bad_request_fails_alone(ring_decoder):
     rest = s.decode([ChunkRequest("live", live[:, 1:], True)])["live"]
     first = _solo(ring_decoder, live, [1, 1])[:, ring_decoder.config.samples_per_frame :]
     _close(rest.audio, first, "live after a refused chunk")
+
+
+@pytest.mark.parametrize(
+    "bad_id,key,message",
+    [
+        (None, None, "request_id must be a non-empty str, got None"),
+        (["x"], "['x']", "request_id must be a non-empty str, got ['x']"),
+        (7, 7, "request_id must be a non-empty str, got 7"),
+    ],
+)
+def test_a_bad_request_id_fails_alone(bad_id, key, message, ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    good = _codes(ring_decoder, 2, 1)
+    got = s.decode([ChunkRequest("good", good, True), ChunkRequest(bad_id, good)])
+    assert got[key].error == message and got[key].frames == 0
+    _close(got["good"].audio, _solo(ring_decoder, good, [2]), "good beside a bad id")
+    assert s.free_slots == 2
+
+
+def test_a_non_bool_finished_flag_fails_its_request_alone(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    good = _codes(ring_decoder, 2, 1)
+    got = s.decode([ChunkRequest("good", good[:, :1]), ChunkRequest("b", good, torch.tensor([True, False]))])
+    assert got["b"].error == "request 'b': finished must be a bool, got tensor([ True, False])"
+    assert got["good"].frames == 1 and set(s.live_requests) == {"good"}
+    assert s.decode([ChunkRequest("good", good[:, 1:], True)])["good"].frames == 1
+    assert s.free_slots == 2
 
 
 def test_bad_batches_raise(ring_decoder):

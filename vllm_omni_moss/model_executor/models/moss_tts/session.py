@@ -90,6 +90,15 @@ class ChunkResult:
     queued: bool = False
 
 
+def _result_key(request_id) -> object:
+    """The key of a request's result: its id, or the id's ``repr`` when the id cannot key a dict."""
+    try:
+        hash(request_id)
+    except TypeError:
+        return repr(request_id)
+    return request_id
+
+
 @dataclass
 class _Stream:
     request_id: str
@@ -358,7 +367,8 @@ class CodecStreamSession:
         Returns:
             A :class:`ChunkResult` for every request id in ``requests`` (with ``error`` set
             for a refused chunk, ``queued`` while the stream waits), plus one for every
-            waiting stream that got a slot and was decoded in this call.
+            waiting stream that got a slot and was decoded in this call. A request whose id
+            is not a string gets its error under that id (its ``repr`` if it cannot key a dict).
         Raises:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
@@ -369,23 +379,25 @@ class CodecStreamSession:
         if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
             raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
         requests = list(requests)
-        ids = [req.request_id if isinstance(req, ChunkRequest) else None for req in requests]
-        if None in ids:
-            bad = requests[ids.index(None)]
-            raise TypeError(f"requests must hold ChunkRequest objects, got {type(bad).__name__}")
-        dupes = sorted({rid for rid in ids if ids.count(rid) > 1}, key=str)
+        for req in requests:
+            if not isinstance(req, ChunkRequest):
+                raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
+        ids = [_result_key(req.request_id) for req in requests]
+        named = [rid for rid in ids if isinstance(rid, str)]
+        dupes = sorted({rid for rid in named if named.count(rid) > 1})
         if dupes:
             raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
 
         results: dict[str, ChunkResult] = {}
         accepted = []
-        for req in requests:
+        for req, key in zip(requests, ids):
             error = self._chunk_error(req)
             if error is None:
                 accepted.append(req)
             else:
                 self._counters.request_errors += 1
-                results[req.request_id] = self._empty(error=error)
+                results[key] = self._empty(error=error)
+        self._admit_waiting()  # slots freed since the last call go to waiting streams first
         self._count_clamped([req.codes for req in accepted])
         for req in accepted:
             error = self._accept(req)
@@ -409,6 +421,8 @@ class CodecStreamSession:
         if not isinstance(rid, str) or not rid:
             # Ids are matched against on_requests_finished's strings: anything else would leak a slot.
             return f"request_id must be a non-empty str, got {rid!r}"
+        if not isinstance(req.finished, bool):
+            return f"request {rid!r}: finished must be a bool, got {req.finished!r}"
         if not isinstance(c, torch.Tensor) or c.dim() != 2 or c.shape[0] != self.n_vq:
             shape = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
             return f"request {rid!r}: codes must have shape ({self.n_vq}, T), got {shape}"
@@ -497,25 +511,27 @@ class CodecStreamSession:
         return self.graph_batch_sizes[-1] if self.graph_batch_sizes else None
 
     def _decode_streams(self, streams: list[_Stream]) -> dict[str, torch.Tensor]:
-        """Decode the buffered chunks of ``streams`` in as few steps as the graphs allow."""
-        codes = {}
+        """Decode the buffered chunks of ``streams`` in as few steps as the graphs allow.
+
+        Each stream's chunks keep their boundaries (a stream that waited in the queue is
+        decoded chunk by chunk, as if it had never waited); a chunk longer than
+        :attr:`max_piece_frames` is cut into pieces. Step ``i`` decodes every stream's
+        ``i``-th piece, split into steps of at most :attr:`max_step_rows` rows.
+        """
+        limit = self.max_piece_frames
+        pieces: dict[str, list[torch.Tensor]] = {}
         for s in streams:
-            codes[s.request_id] = s.chunks[0] if len(s.chunks) == 1 else torch.cat(s.chunks, dim=1)
+            pieces[s.request_id] = [c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)]
             s.chunks = []
-        piece = self.max_piece_frames
         max_rows = self.max_step_rows or len(streams)
         parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
-        start = 0
-        while True:
-            rows = [s for s in streams if codes[s.request_id].shape[1] > start]
-            if not rows:
-                break
-            for i in range(0, len(rows), max_rows):
-                batch = rows[i : i + max_rows]
-                pieces = [codes[s.request_id][:, start : start + piece] for s in batch]
-                for s, wav in zip(batch, self._step([s.slot for s in batch], pieces)):
+        for i in range(max(len(p) for p in pieces.values())):
+            rows = [s for s in streams if len(pieces[s.request_id]) > i]
+            for first in range(0, len(rows), max_rows):
+                batch = rows[first : first + max_rows]
+                step_pieces = [pieces[s.request_id][i] for s in batch]
+                for s, wav in zip(batch, self._step([s.slot for s in batch], step_pieces)):
                     parts[s.request_id].append(wav)
-            start += piece
         return {rid: p[0] if len(p) == 1 else torch.cat(p, dim=-1) for rid, p in parts.items()}
 
     def _step_frames(self, longest: int) -> int:

@@ -222,7 +222,9 @@ class DecoderStatePool(ABC):
         return frozenset(self._leased)
 
     def acquire(self) -> int:
-        """Lease a free slot (its state is all zeros) and return its id.
+        """Lease a free slot and return its id. Its state is all zeros: slots are reset on release and
+        start at zero, provided no step wrote them while unleased (steps do not check leases; the
+        session only steps leased slots).
 
         Raises:
             RuntimeError: the pool is not initialised, or every live slot is leased.
