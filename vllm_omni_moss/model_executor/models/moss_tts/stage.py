@@ -4,8 +4,8 @@
 Drop-in replacement for vLLM-Omni 0.30.0's ``MossTTSCodecDecoder``
 (``vllm_omni/model_executor/models/moss_tts/modeling_moss_tts_codec.py``): same
 constructor, ``forward`` contract and architecture name, upstream's model-interface
-flags plus ``requires_request_ids``. The plugin (``vllm_omni_moss.plugin``) registers it
-on ``OmniModelRegistry``. Differences in behaviour (details in ``docs/serving_stage.md``):
+flags plus ``requires_request_ids``. It is registered on ``OmniModelRegistry`` under
+``MossTTSCodecDecoder`` (by this package's plugin entry point, or by the registry entry of the fork form). Differences in behaviour (details in ``docs/serving_stage.md``):
 
 * Only the codec decoder is loaded (:func:`~.checkpoint.load_checkpoint`); the
   encoder is never built.
