@@ -3,7 +3,8 @@
 
 * ``codec_dtype`` (hf_overrides) picks weights, decode table and ring dtype; ``"auto"`` is
   upstream's policy (v1 float32; v2 bfloat16 on CUDA, float32 elsewhere); a bad value is
-  a ValueError listing the choices; the precision is in the startup log.
+  a ValueError listing the choices (null means ``"auto"``; a non-string never does); the
+  precision is in the startup log. ``n_vq`` must be an integer >= 1.
 * Graph frame sizes cover the whole chunk schedule (initial, steady, ramp).
 * The vLLM-decorated adapter class is built once per core adapter class.
 """
@@ -66,6 +67,32 @@ def test_bad_codec_dtype_is_rejected_at_construction(tmp_path):
     with pytest.raises(ValueError) as err:
         MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_dtype="fp16"))
     assert str(err.value) == "codec_dtype must be one of 'auto', 'bfloat16', 'float32'; got 'fp16'"
+
+
+@pytest.mark.parametrize(("value", "shown"), [(["bfloat16"], "['bfloat16']"), (0, "0"), ("", "''"), ("BF16", "'BF16'")])
+def test_codec_dtype_that_is_not_a_listed_string_is_rejected(tmp_path, value, shown):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_dtype=value))
+    assert str(err.value) == f"codec_dtype must be one of 'auto', 'bfloat16', 'float32'; got {shown}"
+
+
+def test_null_codec_dtype_means_auto(tmp_path):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    assert MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_dtype=None)).codec_dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(0, "0"), (-1, "-1"), (1.5, "1.5"), (12.0, "12.0"), ("12", "'12'"), (True, "True")]
+)
+def test_n_vq_must_be_an_integer_of_at_least_one(tmp_path, value, shown):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, value))
+    assert str(err.value) == f"n_vq must be an integer >= 1 (codebooks per frame); got {shown}"
 
 
 @pytest.mark.parametrize("preset", ["tiny-v1", "tiny-v2"])

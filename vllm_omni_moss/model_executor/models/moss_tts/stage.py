@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import numbers
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -89,10 +90,20 @@ def codec_dtype_for(choice: str, version: str, device: torch.device | str) -> to
 
 
 def _codec_dtype_choice(choice: Any) -> str:
-    """``choice`` if it names a :data:`CODEC_DTYPES` entry; ValueError listing them otherwise."""
-    if choice not in CODEC_DTYPES:
+    """``choice`` if it is a string naming a :data:`CODEC_DTYPES` entry; ValueError listing them otherwise."""
+    if not isinstance(choice, str) or choice not in CODEC_DTYPES:
         raise ValueError(f"codec_dtype must be one of {', '.join(map(repr, CODEC_DTYPES))}; got {choice!r}")
     return choice
+
+
+def _codebook_count(value: Any) -> int:
+    """``value`` (hf_config ``n_vq``, else ``rvq``) if it is an integer >= 1; ValueError otherwise.
+
+    Floats are refused, not truncated, and so are bools.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"n_vq must be an integer >= 1 (codebooks per frame); got {value!r}")
+    return int(value)
 
 
 def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
@@ -273,8 +284,9 @@ class MossTTSCodecDecoder(nn.Module):
     up to ``max_num_seqs``, none under ``enforce_eager`` (which defaults to true when absent).
 
     Raises:
-        ValueError: bad ``codec_dtype``, ``codec_attention_backend``, ``codec_ring_semantics``
-            or connector chunk sizes.
+        ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype`` (not one of
+            :data:`CODEC_DTYPES`; null means ``"auto"``), ``codec_attention_backend``,
+            ``codec_ring_semantics`` or connector chunk sizes.
     """
 
     # Model-interface flags: upstream's, read by vLLM from the class in its global registry
@@ -299,11 +311,12 @@ class MossTTSCodecDecoder(nn.Module):
         self.vllm_config = vllm_config
         model_config = vllm_config.model_config
         hf = model_config.hf_config
-        self.n_vq = int(getattr(hf, "n_vq", getattr(hf, "rvq", 16)))
+        self.n_vq = _codebook_count(getattr(hf, "n_vq", getattr(hf, "rvq", 16)))
         self.codec_path = str(
             getattr(hf, "codec_model_name_or_path", getattr(hf, "audio_tokenizer_name_or_path", _DEFAULT_CODEC))
         )
-        self.codec_dtype = _codec_dtype_choice(getattr(hf, "codec_dtype", None) or "auto")
+        dtype_choice = getattr(hf, "codec_dtype", None)
+        self.codec_dtype = "auto" if dtype_choice is None else _codec_dtype_choice(dtype_choice)
         self.codec_attention_backend = _hf_choice(hf, "codec_attention_backend", ATTENTION_BACKENDS)
         self.codec_ring_semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
         scheduler = getattr(vllm_config, "scheduler_config", None)
