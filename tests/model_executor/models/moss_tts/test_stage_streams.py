@@ -5,10 +5,13 @@
   in one batch position, or side by side in one forward, each equal their fresh decode.
 * Without runner ids a payload's own id keys its stream; without either the request
   gets a logged error, never a batch-position key.
-* A terminal payload always ends its stream (malformed, or the `[0]` placeholder); a
-  chunk split by the token budget is buffered until its declared size; a malformed
-  payload fails alone. Session errors are logged once per request; session statistics
-  are logged periodically.
+* A terminal payload always ends its stream (malformed, short of its declared size in a
+  step that left token budget unused, or the `[0]` placeholder); a chunk split by the
+  token budget is buffered until its declared size; a malformed payload (a bad count
+  field, a ``meta`` that is not a dict, in streaming and offline decode) fails alone.
+* Session errors are logged once per request; audio decoded from the admission queue
+  after a request's last row is logged as lost when the request finishes; session
+  statistics are logged periodically.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def test_split_chunk_is_buffered_until_its_declared_size(stage, caplog):
     got = run(stage, [head], [raw_info("s", 2, stage.n_vq)], ["s"])
     # A terminal 3-frame chunk split by the token budget: both parts carry its meta.
     terminal = raw_info("s", 3, stage.n_vq, finished=True)
+    stage.token_budget = 7  # the first part used the whole budget of its step
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
         part = run(stage, [tail[:7]], [terminal], ["s"])
         assert part[0].numel() == 0 and set(stage._session.live_requests) == {"s"}
@@ -160,6 +164,97 @@ def test_split_chunk_is_buffered_until_its_declared_size(stage, caplog):
     assert not _warnings(caplog)
     assert not stage._session.live_requests
     _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, codes, [2, 3]), "split")
+
+
+@pytest.mark.parametrize("budget", [None, 1000], ids=["no-budget", "budget-unused"])
+def test_short_terminal_payload_ends_its_stream_when_no_rest_can_follow(stage, caplog, budget):
+    first, short, again = _codes(stage, 1, seed=30), _codes(stage, 2, seed=31), _codes(stage, 2, seed=32)
+    n = stage.n_vq
+    stage.token_budget = budget
+    info = raw_info("x", 1, n)
+    run(stage, [first], [info], ["x"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [short], [raw_info("x", 5, n, finished=True, previous=info)], ["x"])
+    assert out[0].numel() == 0
+    assert not stage._partial and not stage._session.live_requests
+    assert stage._session.free_slots == stage.state_capacity
+    assert _warnings(caplog) == [
+        f"MOSS codec request x (batch row 0): the terminal payload declares {5 * n} codes but {2 * n} arrived in "
+        "a step that left token budget unused (not a split chunk); the incomplete chunk is dropped; "
+        "returning empty audio"
+    ]
+    _assert_audio(run(stage, [again], [raw_info("x", 2, n)], ["x"])[0], fresh_decode(stage, again, [2]), "next")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("codec_chunk_frames", "abc", "'abc'"),
+        ("codec_chunk_frames", float("nan"), "nan"),
+        ("codec_chunk_frames", float("inf"), "inf"),
+        ("codec_chunk_frames", -2, "-2"),
+        ("codec_chunk_frames", [1.5], "[1.5]"),
+        ("code_flat_numel", torch.tensor([22.5]), "tensor([22.5000])"),
+        ("code_flat_numel", True, "True"),
+    ],
+)
+def test_a_bad_count_field_fails_alone_and_a_terminal_one_frees_its_slot(stage, caplog, field, value, shown):
+    good, bad = _codes(stage, 3, seed=33), _codes(stage, 2, seed=34)
+    n = stage.n_vq
+    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
+    meta = {"stream_finished": torch.tensor(True), field: value}
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), {"meta": meta}], ["g", "b"])
+    assert out[1].numel() == 0
+    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    assert set(stage._session.live_requests) == {"g"} and stage._session.free_slots == stage.state_capacity - 1
+    assert _warnings(caplog) == [
+        f"MOSS codec request b (batch row 1): payload meta.{field} must be an integer >= 0, got {shown}; "
+        "returning empty audio"
+    ]
+
+
+@pytest.mark.parametrize("meta", [["x"], "oops"], ids=["list", "str"])
+def test_a_meta_that_is_not_a_dict_fails_alone(stage, caplog, meta):
+    good, bad = _codes(stage, 3, seed=35), _codes(stage, 2, seed=36)
+    n = stage.n_vq
+    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), {"meta": meta}], ["g", "b"])
+    assert out[1].numel() == 0
+    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    # No terminal flag can be read: b's stream is left as it was, until the runner ends it.
+    assert set(stage._session.live_requests) == {"g", "b"}
+    assert _warnings(caplog) == [
+        f"MOSS codec request b (batch row 1): payload meta must be a dict, got {type(meta).__name__}; "
+        "returning empty audio"
+    ]
+    stage.on_requests_finished(["b"])
+    assert set(stage._session.live_requests) == {"g"}
+
+
+@pytest.mark.parametrize(
+    ("info", "error"),
+    [
+        ({"meta": {"left_context_size": "abc"}}, "payload meta.left_context_size must be an integer >= 0, got 'abc'"),
+        (
+            {"meta": {"left_context_size": float("nan")}},
+            "payload meta.left_context_size must be an integer >= 0, got nan",
+        ),
+        ({"meta": {"left_context_size": -5}}, "payload meta.left_context_size must be an integer >= 0, got -5"),
+        ({"meta": [1]}, "payload meta must be a dict, got list"),
+    ],
+)
+def test_offline_decode_fails_a_bad_payload_alone(tmp_path, caplog, info, error):
+    stage = build_stage(tmp_path, async_chunk=False)
+    codes = _codes(stage, 3, seed=37)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [codes, codes], [{"meta": {"left_context_size": 1}}, info], ["good", "bad"])
+    assert out[1].numel() == 0
+    spf = stage._codec.config.samples_per_frame
+    ref = stage._codec.decode(codes[:, None])[0][..., spf:]  # whole utterance, minus 1 frame of left context
+    _assert_audio(out[0], ref.reshape(-1) if ref.shape[0] == 1 else ref, "good")
+    assert _warnings(caplog) == [f"MOSS codec request None (batch row 1): {error}; returning empty audio"]
 
 
 def test_finished_request_drops_its_buffered_prefix(stage):
@@ -234,6 +329,25 @@ def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, capl
     assert got.shape[-1] == ref.shape[-1] + spf
     assert torch.equal(got[..., :spf], held.reshape(got[..., :spf].shape))
     _assert_audio(got[..., spf:], ref, "q")
+
+
+def test_audio_decoded_from_the_queue_after_the_last_row_is_logged_as_lost(tmp_path, caplog):
+    stage = build_stage(tmp_path, max_num_seqs=1)
+    n = stage.n_vq
+    a, q = _codes(stage, 4, seed=38), _codes(stage, 4, seed=39)
+    ia, iq = raw_info("a", 1, n), raw_info("q", 1, n)
+    run(stage, [a[:, :1]], [ia], ["a"])
+    assert run(stage, [q[:, :1]], [iq], ["q"])[0].numel() == 0  # no free slot: q waits in the queue
+    assert run(stage, [q[:, 1:]], [raw_info("q", 3, n, finished=True, previous=iq)], ["q"])[0].numel() == 0
+    run(stage, [a[:, 1:]], [raw_info("a", 3, n, finished=True, previous=ia)], ["a"])  # a's slot goes to q
+    assert stage._held_frames == {"q": 4}
+    with caplog.at_level(logging.ERROR, logger=STAGE_LOGGER):
+        stage.on_requests_finished(["a", "q"])
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        "MOSS codec request q finished with 4 decoded frames never returned: the session decoded them from its "
+        "admission queue after the request's last batch row; dropped"
+    ]
+    assert not stage._held and not stage._held_frames
 
 
 def test_session_stats_are_logged_every_interval(stage, caplog):

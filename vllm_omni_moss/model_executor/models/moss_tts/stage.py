@@ -208,6 +208,45 @@ def _meta_scalar(value: Any) -> Any:
     return value
 
 
+class _PayloadError(ValueError):
+    """A malformed payload field; its message is that request's logged error."""
+
+
+def _meta_of(info: dict) -> dict:
+    """The payload's ``meta`` dict (``{}`` when absent or null).
+
+    Raises:
+        _PayloadError: ``meta`` is something other than a dict.
+    """
+    meta = info.get("meta")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise _PayloadError(f"payload meta must be a dict, got {type(meta).__name__}")
+    return meta
+
+
+def _meta_count(meta: dict, name: str) -> int | None:
+    """``meta[name]`` as a count >= 0 (frames or codes); None when absent or empty.
+
+    Integers and integral finite floats (a scalar, or the first element of a
+    list / tuple / tensor) are accepted.
+
+    Raises:
+        _PayloadError: anything else (a string, NaN, infinity, a fraction, a negative
+            number); the message names the field and the value.
+    """
+    raw = meta.get(name)
+    value = _meta_scalar(raw)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():  # False for NaN and infinities
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise _PayloadError(f"payload meta.{name} must be an integer >= 0, got {raw!r}")
+    return int(value)
+
+
 def _meta_flag(meta: dict, *names: str) -> bool:
     """The first of ``names`` present in ``meta``, as a bool (False when none is)."""
     for name in names:
@@ -321,6 +360,12 @@ class MossTTSCodecDecoder(nn.Module):
         self.codec_ring_semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
         scheduler = getattr(vllm_config, "scheduler_config", None)
         self.state_capacity = max(1, int(getattr(scheduler, "max_num_seqs", 1) or 1))
+        # Tokens one engine step may schedule (vLLM's Scheduler: max_num_scheduled_tokens, else
+        # max_num_batched_tokens); None without a scheduler config (direct calls).
+        budget = getattr(scheduler, "max_num_scheduled_tokens", None) or getattr(
+            scheduler, "max_num_batched_tokens", None
+        )
+        self.token_budget = int(budget) if budget else None
         self.graph_frame_sizes = connector_chunk_frames(self._connector_extra())
         self.max_step_frames = max(self.graph_frame_sizes, default=_DEFAULT_MAX_STEP_FRAMES)
         self.async_chunk = bool(getattr(model_config, "async_chunk", False))
@@ -335,6 +380,7 @@ class MossTTSCodecDecoder(nn.Module):
         self._sr_tensor = torch.tensor(self._OUTPUT_SAMPLE_RATE, dtype=torch.int32)
         self._partial: dict[str, torch.Tensor] = {}  # stream key -> buffered prefix of a split chunk
         self._held: dict[str, list[torch.Tensor]] = {}  # stream key -> audio decoded while it was not batched
+        self._held_frames: dict[str, int] = {}  # stream key -> frames of that audio
         self._reported: set[str] = set()  # stream keys whose error was logged
         self._mismatch_warned: set[str] = set()  # stream keys whose payload names another request
         self._stats_logged_at = time.monotonic()
@@ -526,7 +572,15 @@ class MossTTSCodecDecoder(nn.Module):
         return counts or None
 
     def _decode_offline(self, index: int, seg: torch.Tensor, info: dict) -> torch.Tensor:
-        """Whole-utterance decode (``async_chunk`` off), minus ``left_context_size`` frames."""
+        """Whole-utterance decode (``async_chunk`` off), minus ``left_context_size`` frames.
+
+        A malformed ``meta`` or ``left_context_size`` fails that request alone (logged, empty audio).
+        """
+        try:
+            left = _meta_count(_meta_of(info), "left_context_size") or 0
+        except _PayloadError as exc:
+            self._report(None, index, str(exc))
+            return self._empty_audio()
         if seg.numel() % self.n_vq:
             self._report(None, index, f"{seg.numel()} codes are not a multiple of n_vq={self.n_vq}")
             return self._empty_audio()
@@ -535,7 +589,6 @@ class MossTTSCodecDecoder(nn.Module):
         K = self._codec.config.codebook_size
         codes = seg.reshape(self.n_vq, -1).to(self._codec.device, torch.long).clamp(0, K - 1)
         wav = self._codec.decode(codes[:, None])[0].float().cpu()
-        left = int(_meta_scalar((info.get("meta") or {}).get("left_context_size", 0)) or 0)
         if left > 0:
             wav = wav[..., left * self._codec.config.samples_per_frame :]
         return self._shape_audio(wav)
@@ -544,7 +597,14 @@ class MossTTSCodecDecoder(nn.Module):
     def _decode_streams(self, batch: list[tuple[torch.Tensor, dict]], runner_ids: Any) -> list[torch.Tensor]:
         """One ``async_chunk`` step: every row through the session, each failing alone."""
         keys = self._stream_keys(batch, runner_ids)
-        chunks = [self._stream_chunk(i, seg, info, key) for i, ((seg, info), key) in enumerate(zip(batch, keys))]
+        # vLLM-Omni's generation scheduler gives a request min(its tokens, the budget left)
+        # (core/sched/omni_generation_scheduler.py): a chunk can only be split in a step that
+        # used the whole token budget.
+        tokens = sum(seg.numel() for seg, _ in batch)
+        may_split = self.token_budget is not None and tokens >= self.token_budget
+        chunks = [
+            self._stream_chunk(i, seg, info, key, may_split) for i, ((seg, info), key) in enumerate(zip(batch, keys))
+        ]
         for c in chunks:
             if c.error is not None:
                 self._report(c.key, c.index, c.error)
@@ -560,6 +620,7 @@ class MossTTSCodecDecoder(nn.Module):
                 self._report(key, None, result.error)
             elif result.frames:
                 self._held.setdefault(key, []).append(result.audio)
+                self._held_frames[key] = self._held_frames.get(key, 0) + result.frames
         for c in chunks:
             if c.finished and c.codes is not None:
                 self._reported.discard(c.key)  # the stream ended: the id may start a new one
@@ -576,7 +637,8 @@ class MossTTSCodecDecoder(nn.Module):
             raise RuntimeError(f"{len(runner_ids)} request_ids for {len(batch)} requests (seq_token_counts)")
         keys: list[str | tuple[str]] = []
         for i, (_, info) in enumerate(batch):
-            own = _payload_id(info, info.get("meta") or {})
+            meta = info.get("meta")
+            own = _payload_id(info, meta if isinstance(meta, dict) else {})
             key = str(runner_ids[i]) if runner_ids is not None else own
             if key is None:
                 keys.append(("no stream id: the runner passed no request_ids and the payload names no req_id",))
@@ -589,12 +651,17 @@ class MossTTSCodecDecoder(nn.Module):
             keys.append(("request id appears twice in one batch",) if key in keys else key)
         return keys
 
-    def _stream_chunk(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple[str]) -> _StreamChunk:
-        meta = info.get("meta") or {}
+    def _stream_chunk(
+        self, index: int, seg: torch.Tensor, info: dict, key: str | tuple[str], may_split: bool
+    ) -> _StreamChunk:
+        try:
+            meta = _meta_of(info)
+        except _PayloadError as exc:  # no terminal flag can be read: the stream is left as it was
+            return _StreamChunk(index, None if isinstance(key, tuple) else key, None, False, str(exc))
         finished = _meta_flag(meta, "stream_finished", "finished")
         if isinstance(key, tuple):
             return _StreamChunk(index, None, None, finished, key[0])
-        codes, error = self._assemble(key, seg, meta, finished)
+        codes, error = self._assemble(key, seg, meta, finished, may_split)
         if error is not None:
             # A terminal payload still ends its stream: a zero-frame terminal chunk.
             codes = seg.new_zeros(self.n_vq, 0) if finished else None
@@ -608,20 +675,30 @@ class MossTTSCodecDecoder(nn.Module):
         ``meta`` into the previous one and a payload that omits a field inherits the old
         value: the raw processor's terminal placeholder declares ``codec_chunk_frames=0``
         but omits ``code_flat_numel`` (``stage_input_processors/moss_tts.py``).
+
+        Raises:
+            _PayloadError: the field it reads is not an integer >= 0 (:func:`_meta_count`).
         """
-        frames = _meta_scalar(meta.get("codec_chunk_frames"))
+        frames = _meta_count(meta, "codec_chunk_frames")
         if frames is not None:
-            return int(frames) * self.n_vq
-        numel = _meta_scalar(meta.get("code_flat_numel"))
-        return None if numel is None else int(numel)
+            return frames * self.n_vq
+        return _meta_count(meta, "code_flat_numel")
 
     def _assemble(
-        self, key: str, seg: torch.Tensor, meta: dict, finished: bool
+        self, key: str, seg: torch.Tensor, meta: dict, finished: bool, may_split: bool
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``((n_vq, T) codes or None while a split chunk is incomplete, error or None)``."""
+        """``((n_vq, T) codes or None while a split chunk is incomplete, error or None)``.
+
+        A chunk with fewer codes than declared is buffered as split, except a terminal one
+        in a step that did not use the whole token budget (``may_split`` false): no rest
+        can follow it, so it is refused (the caller still ends the stream).
+        """
         pending = self._partial.pop(key, None)
         tokens = seg if pending is None else torch.cat([pending, seg])
-        declared = self._declared_numel(meta)
+        try:
+            declared = self._declared_numel(meta)
+        except _PayloadError as exc:
+            return None, str(exc)
         n = tokens.numel()
         single = n == 1 and pending is None
         if n == 0 or (single and (declared == 0 or (self.n_vq > 1 and (finished or _placeholder(meta))))):
@@ -631,6 +708,11 @@ class MossTTSCodecDecoder(nn.Module):
             if declared % self.n_vq:
                 return None, f"the payload declares {declared} codes, not a multiple of n_vq={self.n_vq}"
             if n < declared:
+                if finished and not may_split:
+                    return None, (
+                        f"the terminal payload declares {declared} codes but {n} arrived in a step that left "
+                        "token budget unused (not a split chunk); the incomplete chunk is dropped"
+                    )
                 self._partial[key] = tokens  # the token budget split the chunk: wait for the rest
                 return None, None
             if n > declared:
@@ -644,6 +726,7 @@ class MossTTSCodecDecoder(nn.Module):
         if result.error is not None:
             self._report(chunk.key, chunk.index, result.error)
         parts = self._held.pop(chunk.key, [])
+        self._held_frames.pop(chunk.key, None)
         if result.error is None and result.frames:
             parts.append(result.audio)
         if not parts:
@@ -687,11 +770,23 @@ class MossTTSCodecDecoder(nn.Module):
     def on_requests_finished(self, finished_req_ids: Iterable[str]) -> None:
         """Called by the runner for every finished request (normal, abort, disconnect):
         releases and resets any codec slot those requests still hold and drops what the
-        stage buffered for them (split-chunk prefixes, undelivered audio)."""
+        stage buffered for them (split-chunk prefixes, undelivered audio).
+
+        Undelivered audio is logged as an error naming the request and its frames: audio
+        the session decoded from its admission queue after the request's last batch row
+        (``docs/serving_stage.md``, "Admission queue").
+        """
         ids = [str(rid) for rid in finished_req_ids]
         for rid in ids:
             self._partial.pop(rid, None)
-            self._held.pop(rid, None)
+            if self._held.pop(rid, None):
+                logger.error(
+                    "MOSS codec request %s finished with %d decoded frames never returned: the session decoded "
+                    "them from its admission queue after the request's last batch row; dropped",
+                    rid,
+                    self._held_frames.get(rid, 0),
+                )
+            self._held_frames.pop(rid, None)
             self._reported.discard(rid)
             self._mismatch_warned.discard(rid)
         if self._session is not None:
