@@ -125,6 +125,79 @@ def test_make_checkpoint_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert not torch.equal(load_checkpoint(directory).lut, lut_before)
 
 
+@pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**63), "-1", "abc"])
+@pytest.mark.parametrize("command", ["make-checkpoint", "decode"])
+def test_seed_outside_64_bits_is_a_usage_error_that_touches_nothing(tmp_path, capsys, seed, command):
+    directory = tmp_path / "ck"
+    assert main(["make-checkpoint", "--preset", "tiny-v2", str(directory)]) == 0
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    np.save(tmp_path / "ok.npy", np.zeros((12, 3), dtype=np.int64))
+    capsys.readouterr()
+    if command == "make-checkpoint":
+        argv = [command, "--preset", "tiny-v2", str(directory), "--force", f"--seed={seed}"]
+    else:
+        argv = [command, str(tmp_path / "ok.npy"), "-o", str(tmp_path / "x.wav"), f"--seed={seed}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"vllm-omni-moss {command}: error: argument --seed: must be an integer in [0, 2**63), got {seed!r}"
+    )
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ok.npy"]
+
+
+def test_force_replaces_the_checkpoint_only_once_the_new_one_is_written(tmp_path, capsys, monkeypatch):
+    directory = tmp_path / "ck"
+    assert main(["make-checkpoint", "--preset", "tiny-v2", str(directory), "--seed", "3"]) == 0
+    (directory / "notes.txt").write_text("mine\n")
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    save = checkpoint.save_random_checkpoint
+
+    def fail_half_way(config, path, **kwargs):
+        Path(path, "model.safetensors").write_bytes(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_random_checkpoint", fail_half_way)
+    assert main(["make-checkpoint", "--preset", "tiny-v2", str(directory), "--seed", "4", "--force"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"vllm-omni-moss: error: cannot write a checkpoint to {directory}: No space left on device\n"
+    )
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no scratch directory left beside it
+
+    monkeypatch.setattr(checkpoint, "save_random_checkpoint", save)
+    assert main(["make-checkpoint", "--preset", "tiny-v2", str(directory), "--seed", "4", "--force"]) == 0
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert torch.equal(load_checkpoint(directory).lut, load_checkpoint(save("tiny-v2", tmp_path / "ref", seed=4)).lut)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir() if p.name != "notes.txt"} == {0o644}
+
+
+def test_big_endian_npy_decodes_like_native(tmp_path, capsys):
+    codes = np.random.default_rng(1).integers(0, 1024, size=(12, 4))
+    for order in ("<", ">"):
+        np.save(tmp_path / f"{order == '>'}.npy", codes.astype(f"{order}i8"))
+        assert main(["decode", str(tmp_path / f"{order == '>'}.npy"), "-o", str(tmp_path / f"{order == '>'}.wav")]) == 0
+    assert (tmp_path / "True.wav").read_bytes() == (tmp_path / "False.wav").read_bytes()
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".pt"])
+def test_uint64_code_beyond_int64_is_reported_with_its_value(tmp_path, capsys, suffix):
+    path = tmp_path / f"codes{suffix}"
+    values = np.full((12, 3), 7, dtype=np.uint64)
+    values[3, 1] = 2**63 + 5
+    if suffix == ".npy":
+        np.save(path, values)
+    else:
+        torch.save(torch.from_numpy(values), path)
+    assert main(["decode", str(path), "-o", str(tmp_path / "x.wav")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"vllm-omni-moss: error: {path}: code 9223372036854775813 is outside the codebook range [0, 1023]"
+    )
+    assert not (tmp_path / "x.wav").exists()
+
+
 def _text(path):
     path.write_text("12 34 56\n")
 

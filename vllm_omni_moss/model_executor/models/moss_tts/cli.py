@@ -13,7 +13,10 @@ the v2 codec, each code in ``[0, 1024)``; ``T`` frames give ``T x 3840`` samples
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +27,31 @@ class CliError(Exception):
     """A user-facing error: printed without a traceback, exit status 2."""
 
 
+#: Seeds ``--seed`` accepts: ``[0, SEED_LIMIT)`` (``torch.Generator.manual_seed`` takes 64-bit seeds).
+SEED_LIMIT = 2**63
+_INT64_MAX = 2**63 - 1
+
+
+def _seed(text: str) -> int:
+    """argparse type of ``--seed``: an integer in ``[0, 2**63)``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}")
+    return value
+
+
 def _load_codes(path: Path):
     """``(n_vq, T)`` int64 codes from a ``.pt``/``.pth`` tensor or (any other suffix) a ``.npy`` array.
 
+    Arrays of any byte order are read (big-endian ones converted to native order).
+
+    Returns:
+        ``(codes, too_large)``: the codes as int64, and the largest code when it does not
+        fit int64 (an unsigned 64-bit code >= 2**63; the caller reports it against the
+        codebook range), else None.
     Raises:
         CliError: one line naming the file when it is missing, unreadable, not an
             integer array, not 2-D, or empty.
@@ -46,6 +71,8 @@ def _load_codes(path: Path):
         kind = ".npy array"
         try:
             array = np.load(path, allow_pickle=False)
+            if isinstance(array, np.ndarray) and not array.dtype.isnative:
+                array = array.astype(array.dtype.newbyteorder("="))
             codes = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else None
         except Exception:  # numpy's messages advise allow_pickle, which a codes file never needs
             codes = None
@@ -57,7 +84,13 @@ def _load_codes(path: Path):
         raise CliError(f"{path}: codes must be integers, got dtype {codes.dtype}")
     if codes.shape[1] == 0:
         raise CliError(f"{path}: codes have no frames (T = 0)")
-    return codes.long()
+    too_large = None
+    if codes.dtype == torch.uint64 and codes.numel():
+        largest = int(codes.numpy().max())
+        if largest > _INT64_MAX:
+            too_large = largest
+            codes = torch.zeros(codes.shape, dtype=torch.long)  # never decoded: the caller refuses the file
+    return codes.long(), too_large
 
 
 def _parse_chunks(text: str) -> list[int]:
@@ -127,14 +160,44 @@ def _cmd_make_checkpoint(args) -> int:
         f"writing a random {args.preset} checkpoint (seed {args.seed}) to {directory}: "
         f"{total:,} bytes ({_format_bytes(total)}) of fp32 tensors"
     )
+    staging = None
     try:
+        # Written into a scratch directory beside the target and swapped in only once complete,
+        # so a failed or interrupted run leaves an existing checkpoint as it was.
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="make-checkpoint") as bar:
-            save_random_checkpoint(config, directory, seed=args.seed, overwrite=args.force, progress=bar.update)
+            save_random_checkpoint(config, staging, seed=args.seed, progress=bar.update)
+        _swap_in(staging, directory)
     except OSError as exc:
         raise CliError(f"cannot write a checkpoint to {directory}: {exc}") from exc
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     written = sum(p.stat().st_size for p in checkpoint_files(directory))
     print(f"wrote {len(checkpoint_files(directory))} files ({_format_bytes(written)}) to {directory}")
     return 0
+
+
+def _swap_in(staging: Path, directory: Path) -> None:
+    """Move the checkpoint files of ``staging`` into ``directory`` (created), each replacing its old
+    version in one rename, ``config.json`` last; then remove old checkpoint files the new one lacks
+    (shards of a different count). Other files in ``directory`` stay.
+
+    Raises:
+        OSError: ``directory`` cannot be created or a file cannot be moved.
+    """
+    from .checkpoint import checkpoint_files
+
+    directory.mkdir(exist_ok=True)
+    old = checkpoint_files(directory)
+    new = sorted(checkpoint_files(staging), key=lambda p: p.name == "config.json")
+    for path in new:
+        os.replace(path, directory / path.name)
+    names = {p.name for p in new}
+    for path in old:
+        if path.name not in names:
+            path.unlink()
 
 
 def _load_decoder(args, device):
@@ -165,7 +228,7 @@ def _cmd_decode(args) -> int:
 
     from .decoder import chunk_schedule
 
-    codes = _load_codes(Path(args.codes))
+    codes, too_large = _load_codes(Path(args.codes))
     chunks = _parse_chunks(args.chunks)
     device = _parse_device(args.device)
     out = Path(args.output)
@@ -173,6 +236,8 @@ def _cmd_decode(args) -> int:
         raise CliError(f"output {out} must be a .wav file path")
     decoder, source = _load_decoder(args, device)
     cfg = decoder.config
+    if too_large is not None:
+        raise CliError(f"{args.codes}: code {too_large} is outside the codebook range [0, {cfg.codebook_size - 1}]")
     try:
         decoder.validate_codes(codes[:, None])
     except ValueError as exc:
@@ -215,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official format")
     make.add_argument("directory", help="output directory (config.json + model.safetensors)")
     make.add_argument("--preset", required=True, help=f"codec geometry: {presets}")
-    make.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    make.add_argument("--seed", type=_seed, default=0, help="random seed in [0, 2**63) (default 0)")
     make.add_argument("--force", action="store_true", help="replace a checkpoint already in the directory")
     make.set_defaults(func=_cmd_make_checkpoint)
     dec = sub.add_parser("decode", help="stream codes through the fixed-width decoder and write a WAV")
@@ -230,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--preset", default="tiny-v2", help=f"random weights of this geometry when no checkpoint: {presets}"
     )
-    dec.add_argument("--seed", type=int, default=0, help="seed of the random weights (with --preset)")
+    dec.add_argument("--seed", type=_seed, default=0, help="seed of the random weights (with --preset), in [0, 2**63)")
     dec.add_argument(
         "--chunks",
         default="1,15",
