@@ -90,6 +90,25 @@ PLUGIN_ONLY = {
     "vllm_omni_moss/model_executor/models/__init__.py",
 }
 CONFTEST_ADDENDUM = Path(__file__).resolve().parent / "conftest_addendum.py"
+# The keys of the manifest.json a build writes: ``--force`` replaces only a directory holding one.
+MANIFEST_KEYS = (
+    "base_wheel",
+    "source_revision",
+    "wheel",
+    "build_tag",
+    "patches",
+    "base_tree",
+    "head_tree",
+    "stage_class",
+    "op_namespace",
+    "added",
+    "kept_upstream",
+    "removed_upstream",
+    "left_out",
+    "warnings",
+)
+_OUTPUT_WHEEL = re.compile(rf"vllm_omni-{re.escape(UPSTREAM_VERSION)}-[0-9][0-9A-Za-z_.]*-py3-none-any\.whl")
+_OUTPUT_PATCH = re.compile(r"[0-9]{4}-[^/]*\.patch")
 
 _REWRITES = (
     # Module paths, dotted and slashed: the plugin's model_executor tree sits at the same place in vllm_omni.
@@ -417,9 +436,12 @@ def edit_registry(tree: Path, stage_module: str) -> str:
     """Point the ``MossTTSCodecDecoder`` registry tuple's module at ``stage_module`` (one line).
 
     Raises:
-        BuildError: the entry is not in 0.30.0's form ``("moss_tts", "modeling_moss_tts_codec", "MossTTSCodecDecoder")``.
+        BuildError: ``registry.py`` is missing, or the entry is not in 0.30.0's form
+            ``("moss_tts", "modeling_moss_tts_codec", "MossTTSCodecDecoder")``.
     """
     path = tree / REGISTRY
+    if not path.is_file():
+        raise BuildError(f"{REGISTRY} is not in the base wheel; is it {UPSTREAM_NAME} {UPSTREAM_VERSION}?")
     text = path.read_text(encoding="utf-8")
     pattern = re.compile(
         rf'("{ARCHITECTURE}":\s*\(\s*"moss_tts",\s*)"{UPSTREAM_STAGE_MODULE}"(,\s*"{ARCHITECTURE}",\s*\))'
@@ -564,6 +586,53 @@ def _wheel_cli(*args: str, env: dict[str, str] | None = None) -> None:
         raise BuildError(f"wheel {args[0]} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
 
 
+def check_replaceable(out: Path) -> None:
+    """Refuse to replace an existing ``out`` that is not an earlier build's output.
+
+    Replaceable: an empty directory, or one holding exactly what a build writes: ``manifest.json``
+    (a JSON object with the keys :data:`MANIFEST_KEYS`), ``patches/`` (only ``000N-*.patch`` files)
+    and the wheel the manifest names (``vllm_omni-0.30.0-<tag>-py3-none-any.whl``), none a symlink.
+
+    Raises:
+        BuildError: naming what makes ``out`` something else.
+    """
+    if not out.is_dir() or out.is_symlink():
+        raise BuildError(f"{out} is not an earlier build_fork output (not a directory); not replacing it")
+    entries = sorted(out.iterdir())
+    if not entries:
+        return
+    manifest_path = out / "manifest.json"
+    if not manifest_path.is_file():
+        raise BuildError(f"{out} is not an earlier build_fork output (no manifest.json); not replacing it")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or sorted(manifest) != sorted(MANIFEST_KEYS):
+        raise BuildError(
+            f"{out} is not an earlier build_fork output (its manifest.json is not a build_fork manifest); "
+            "not replacing it"
+        )
+    wheel = manifest["wheel"]
+    for entry in entries:
+        name = entry.name
+        if entry.is_symlink():
+            ok = False
+        elif name == "manifest.json":
+            ok = True
+        elif name == "patches":
+            ok = entry.is_dir() and all(
+                p.is_file() and not p.is_symlink() and _OUTPUT_PATCH.fullmatch(p.name) for p in entry.iterdir()
+            )
+        else:
+            ok = name == wheel and entry.is_file() and _OUTPUT_WHEEL.fullmatch(name) is not None
+        if not ok:
+            raise BuildError(
+                f"{out} is not an earlier build_fork output (it holds {name}, which a build does not write); "
+                "not replacing it"
+            )
+
+
 def build(wheel: Path | None, out: Path, force: bool, build_tag: str) -> Path:
     """Build the patch series and the patched wheel into ``out``; returns ``out``.
 
@@ -571,13 +640,13 @@ def build(wheel: Path | None, out: Path, force: bool, build_tag: str) -> Path:
 
     Raises:
         BuildError: see :func:`check_wheel`, plus an existing ``out`` without ``force`` (or, with it, one
-            that holds no ``manifest.json``), a missing ``wheel`` package or git, a bad build tag, or a
-            base/source that does not fit the fork map.
+            that is not an earlier build's output, :func:`check_replaceable`), a missing ``wheel`` package
+            or git, a bad build tag, or a base/source that does not fit the fork map.
     """
     if out.exists() and not force:
         raise BuildError(f"{out} already exists; pass --force to replace it")
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "manifest.json").is_file())):
-        raise BuildError(f"{out} is not an earlier build_fork output (no manifest.json); not replacing it")
+    if out.exists() or out.is_symlink():
+        check_replaceable(out)
     if not re.fullmatch(r"[0-9][0-9A-Za-z_.]*", build_tag):
         raise BuildError(f"build tag {build_tag!r} must start with a digit and hold only letters, digits, '_' and '.'")
     info = check_wheel(wheel) if wheel is not None else None
@@ -649,6 +718,7 @@ def build(wheel: Path | None, out: Path, force: bool, build_tag: str) -> Path:
             "left_out": plan.left_out,
             "warnings": plan.warnings,
         }
+        assert tuple(manifest) == MANIFEST_KEYS
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
         if out.exists():

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import re
@@ -36,6 +38,23 @@ SCRIPT = ROOT / "scripts" / "build_fork.sh"
 ARCH = "MossTTSCodecDecoder"
 OLD_ENV_VAR = "VLLM_OMNI_MOSS_CODEC_SHARED_KV"
 WHEEL_NAME = "vllm_omni-0.30.0-1moss-py3-none-any.whl"
+# The keys of the manifest.json a build writes (scripts/fork/build_fork.py, MANIFEST_KEYS).
+MANIFEST_KEYS = [
+    "base_wheel",
+    "source_revision",
+    "wheel",
+    "build_tag",
+    "patches",
+    "base_tree",
+    "head_tree",
+    "stage_class",
+    "op_namespace",
+    "added",
+    "kept_upstream",
+    "removed_upstream",
+    "left_out",
+    "warnings",
+]
 SIGN_OFF = "Signed-off-by: vllm-omni-moss developers <dev@vllm-omni-moss.invalid>"
 SUBJECTS = (
     "[PATCH 1/3] moss_tts: add the streaming codec core and its ops",
@@ -150,6 +169,92 @@ def test_force_replaces_only_an_earlier_build_output(tmp_path):
     assert (out / "main.py").read_text() == "print()\n"
 
 
+def _earlier_output(out: Path) -> Path:
+    """A directory shaped like a build's output: manifest.json, patches/, the wheel it names."""
+    (out / "patches").mkdir(parents=True)
+    (out / "patches" / "0001-moss_tts-add.patch").write_text("patch\n")
+    (out / WHEEL_NAME).write_bytes(b"wheel")
+    manifest = dict.fromkeys(MANIFEST_KEYS) | {"wheel": WHEEL_NAME}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def _foreign_manifest(out: Path) -> str:
+    (out / "manifest.json").write_text('{"name": "my-app", "version": "1.0"}')
+    return "its manifest.json is not a build_fork manifest"
+
+
+def _extra_file(out: Path) -> str:
+    (out / "notes.txt").write_text("mine\n")
+    return "it holds notes.txt, which a build does not write"
+
+
+def _extra_in_patches(out: Path) -> str:
+    (out / "patches" / "README").write_text("mine\n")
+    return "it holds patches, which a build does not write"
+
+
+def _other_wheel(out: Path) -> str:
+    (out / WHEEL_NAME).rename(out / "vllm_omni-0.30.0-2moss-py3-none-any.whl")
+    return "it holds vllm_omni-0.30.0-2moss-py3-none-any.whl, which a build does not write"
+
+
+def _symlinked_patches(out: Path) -> str:
+    (out / "patches" / "0001-moss_tts-add.patch").unlink()
+    (out / "patches").rmdir()
+    (out / "elsewhere").mkdir()
+    (out / "patches").symlink_to(out / "elsewhere")
+    return "it holds elsewhere, which a build does not write"
+
+
+@pytest.mark.parametrize("spoil", [_foreign_manifest, _extra_file, _extra_in_patches, _other_wheel, _symlinked_patches])
+def test_force_refuses_a_directory_that_is_not_exactly_a_build_output(tmp_path, spoil):
+    out = _earlier_output(tmp_path / "out")
+    reason = spoil(out)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    proc = _run_script("--wheel", str(_fake_wheel(tmp_path / "w.whl")), "--out", str(out), "--force")
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"build_fork: error: {out} is not an earlier build_fork output ({reason}); not replacing it\n",
+    )
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_force_accepts_an_earlier_build_output_before_checking_the_wheel(tmp_path):
+    out = _earlier_output(tmp_path / "out")
+    wheel = _fake_wheel(tmp_path / "vllm_omni-0.29.0-py3-none-any.whl")
+    proc = _run_script("--wheel", str(wheel), "--out", str(out), "--force")
+    assert proc.returncode == 2 and proc.stderr.startswith(f"build_fork: error: {wheel} is vllm-omni 0.29.0;")
+    assert (out / WHEEL_NAME).read_bytes() == b"wheel"  # refused later: nothing replaced
+
+
+def test_refuses_a_0_30_0_wheel_without_the_registry(tmp_path):
+    # A 0.30.0 wheel with a valid RECORD (so `wheel unpack` accepts it) but no registry.py.
+    stem = "vllm_omni-0.30.0"
+    files = {
+        f"{stem}.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm-omni\nVersion: 0.30.0\n",
+        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "vllm_omni/__init__.py": "",
+    }
+    record = "".join(
+        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+        f"{len(text.encode())}\n"
+        for name, text in files.items()
+    )
+    wheel = tmp_path / f"{stem}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{stem}.dist-info/RECORD", record + f"{stem}.dist-info/RECORD,,\n")
+    proc = _run_script("--wheel", str(wheel), "--out", str(tmp_path / "out"))
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        "build_fork: error: vllm_omni/model_executor/models/registry.py is not in the base wheel; "
+        "is it vllm-omni 0.30.0?\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_refuses_a_build_tag_not_starting_with_a_digit(tmp_path):
     proc = _run_script("--build-tag", "moss1", "--out", str(tmp_path / "out"))
     assert (proc.returncode, proc.stderr) == (
@@ -216,6 +321,7 @@ def test_outputs_patch_series_and_wheel(fork, manifest):
         assert f"\n{SIGN_OFF}\n---\n" in text
     assert manifest["stage_class"] == _expected_stage_class()
     assert manifest["base_wheel"]["version"] == "0.30.0" and manifest["wheel"] == WHEEL_NAME
+    assert list(manifest) == MANIFEST_KEYS
 
 
 def test_registry_change_is_one_line(fork, manifest):
