@@ -90,8 +90,9 @@ class GroupStep:
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, group: GroupStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q, k, v`` ``(B, H, T, Dh)`` before RoPE -> ``(B, H, T, Dh)``; ``layer`` indexes the whole decoder."""
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` ``(3, B, H, T, Dh)`` projections before RoPE -> ``(B, H, T, Dh)``; ``layer``
+        indexes the whole decoder."""
         ...
 
 
