@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -48,6 +52,26 @@ def ring_codec_raw() -> dict:
             "quantizer_type": "rlfq",
         },
     }
+
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+
+
+def assert_interpreted_tests_pass(test_file: str, timeout: float) -> None:
+    """Run the tests of ``test_file`` whose names contain ``interpreted`` in a child pytest with
+    ``TRITON_INTERPRET=1`` (Triton fixes at import whether kernels are interpreted, so this
+    process cannot switch), and assert that they ran and passed, none skipped."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(
+        argv + ["-k", "interpreted"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    # A silently skipped kernel test would pass vacuously.
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, report
 
 
 def build_decoder(raw: dict, tmp_path, *, version: str | None = None, seed: int = 17, device: str = "cpu"):

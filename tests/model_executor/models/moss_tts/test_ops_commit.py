@@ -12,17 +12,12 @@ the ``*interpreted*`` tests; those are skipped in the parent. To run them direct
 With triton 3.9 the interpreter runs the kernels on CPU tensors as they are (no CUDA needed).
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from moss_codecs import assert_interpreted_tests_pass
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as kernels
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 INTERPRETED = kernels.cpu_uses_triton_interpreter()
 
 cpu = pytest.mark.cpu
@@ -294,31 +289,7 @@ def test_commit_offsets_rejects_bad_inputs(name, bad):
 @pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton not installed")
 @pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
 def test_triton_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            str(Path(__file__).resolve()),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "interpreted",
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    # A silently skipped kernel test would pass vacuously.
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, report
+    assert_interpreted_tests_pass(__file__, timeout=300)
 
 
 @cpu

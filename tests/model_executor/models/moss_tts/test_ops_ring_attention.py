@@ -17,16 +17,12 @@ To run them directly:
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moss_codecs import build_decoder, random_codes
+from moss_codecs import assert_interpreted_tests_pass, build_decoder, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
@@ -34,7 +30,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as 
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import build_ring_metadata
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
 SEMANTICS = ("upstream", "exact")
 
@@ -289,22 +284,7 @@ def test_ops_trace_fullgraph_with_fake_impls():
 @pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
 @pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
 def test_triton_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"]
-        + ["-k", "interpreted"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    # A silently skipped kernel test would pass vacuously.
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, report
+    assert_interpreted_tests_pass(__file__, timeout=900)
 
 
 @cpu
