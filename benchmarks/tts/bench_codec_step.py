@@ -30,7 +30,8 @@ CUDA each step is bracketed by CUDA events after a synchronize (per-step latency
 included); on CPU by ``time.perf_counter``. Per arm: median, p10/p25/p75/p90 in ms; per (B, T, mode):
 ``v2/legacy`` and ``v2/upstream`` median ratios from the same run, and each of our arms against the faster
 upstream arm (``<arm>/upstream-best``). Peak transient memory of one eager step (``max_memory_allocated``
-above the allocation before it) is reported per arm on CUDA.
+above the allocation before it) is reported per arm on CUDA. ``--profile`` (CUDA) adds, per arm and shape,
+the kernel time of one eager step from ``torch.profiler``, summed by :data:`KERNEL_CATEGORIES`.
 
 Usage::
 
@@ -82,6 +83,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after each shape)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: also profile one eager step per (arm, B, T) and report kernel time by category",
+    )
     args = parser.parse_args(argv)
     for name in ("repeats", "steps_per_round", "code_sets"):
         if getattr(args, name) < 1:
@@ -294,6 +300,64 @@ def _peak_transient_bytes(arm: Arm, inputs: dict[str, Any], device: torch.device
     return int(peak)
 
 
+#: Kernel categories of ``--profile``, matched in this order against the lower-cased kernel name.
+KERNEL_CATEGORIES = (
+    ("ring attention (ours)", ("_ring_attention_kernel",)),
+    ("ring write / commit (ours)", ("_ring_write_kernel", "_commit_cache_kernel", "_commit_offsets_kernel")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
+    ("sdpa / upstream attention", ("flash", "fmha", "attention", "attn")),
+    ("norm", ("layer_norm", "layernorm")),
+    ("gather / scatter / index", ("index", "gather", "scatter")),
+    ("copies / cat", ("copy", "cat_", "catarray", "concat")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduce", ("reduce",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The :data:`KERNEL_CATEGORIES` entry a CUDA kernel name falls in (``"other"`` if none)."""
+    lowered = name.lower()
+    for category, needles in KERNEL_CATEGORIES:
+        if any(needle in lowered for needle in needles):
+            return category
+    return "other"
+
+
+def _profile_step(arm: Arm, inputs: dict[str, Any], device: torch.device, steps: int = 2) -> dict[str, Any]:
+    """Kernel time of one eager step of ``arm`` by :func:`kernel_category` (mean of ``steps`` steps).
+
+    Returns ``{"kernel_ms": total, "kernels": launches per step, "categories": {name: ms}, "top": [...]}``
+    from ``torch.profiler`` (CUDA activity only).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def step() -> None:
+        arm.step(inputs["codes"][0], inputs["lengths"], inputs["slots"], inputs["valid"])
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+    categories: dict[str, float] = {}
+    kernels: list[tuple[float, int, str]] = []
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        ms = event.self_device_time_total / 1e3 / steps
+        categories[kernel_category(event.key)] = categories.get(kernel_category(event.key), 0.0) + ms
+        kernels.append((ms, event.count // steps, event.key))
+    kernels.sort(reverse=True)
+    return {
+        "kernel_ms": round(sum(ms for ms, _, _ in kernels), 3),
+        "kernels": sum(count for _, count, _ in kernels),
+        "categories": {name: round(ms, 3) for name, ms in sorted(categories.items(), key=lambda kv: -kv[1])},
+        "top": [{"ms": round(ms, 3), "count": count, "name": name[:120]} for ms, count, name in kernels[:12]],
+    }
+
+
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     if not a or not b or "median_ms" not in a or "median_ms" not in b or b["median_ms"] <= 0:
         return None
@@ -315,6 +379,8 @@ def _bench_shape(
     record: dict[str, Any] = {"batch": batch, "frames": frames, "modes": {}}
     if device.type == "cuda":
         record["peak_transient_bytes"] = {arm.name: _peak_transient_bytes(arm, inputs, device) for arm in arms}
+        if args.profile:
+            record["profile"] = {arm.name: _profile_step(arm, inputs, device) for arm in arms}
     for mode in modes:
         runners: dict[str, Runner] = {}
         entry: dict[str, Any] = {"arms": {}, "errors": {}}
@@ -387,6 +453,13 @@ def _print_tables(result: dict[str, Any]) -> None:
     if peak_rows:
         print("\n### peak transient memory of one eager step (GiB)\n")
         print(common.markdown_table(["B", "T"] + arms, peak_rows))
+    for rec in result["results"]:
+        for arm, prof in rec.get("profile", {}).items():
+            print(
+                f"\n### eager kernel time by category, {arm}, B={rec['batch']} T={rec['frames']}: "
+                f"{prof['kernel_ms']:.2f} ms in {prof['kernels']} kernels\n"
+            )
+            print(common.markdown_table(["category", "ms"], [[k, f"{v:.2f}"] for k, v in prof["categories"].items()]))
     compile_rows = [
         [rec["batch"], rec["frames"]]
         + [rec["modes"]["compiled"]["arms"].get(a, {}).get("compile_s", "-") for a in arms]

@@ -78,3 +78,23 @@ print(count, len(layers))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split()[-2:] == ["7", "7"]  # tiny-v2: 2 + 1 + 1 + 1 + 1 + 1 attention layers
+
+
+@pytest.mark.parametrize(
+    "name,category",
+    [
+        ("_ring_attention_kernel", "ring attention (ours)"),
+        ("_ring_write_kernel", "ring write / commit (ours)"),
+        ("nvjet_tst_128x64_64x8_2x1_v_bz_coopA_TNN", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "sdpa / upstream attention"),
+        ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>", "norm"),
+        ("void at::native::index_elementwise_kernel<128, 4>", "gather / scatter / index"),
+        ("void at::native::elementwise_kernel<128, 2>(int, direct_copy_kernel_cuda)", "copies / cat"),
+        ("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "elementwise"),
+        ("void at::native::reduce_kernel<512, 1>", "reduce"),
+        ("cudaMemsetAsync", "other"),
+    ],
+)
+def test_profile_kernel_categories(name, category):
+    assert _bench().kernel_category(name) == category

@@ -28,7 +28,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
-from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import build_ring_metadata
+from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, build_ring_metadata, rope_tables
 
 INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
 SEMANTICS = ("upstream", "exact")
@@ -77,9 +77,10 @@ def reference_layer(cache, routed, offsets, written, q, k, v, semantics):
     return torch.where(valid, out, 0.0).transpose(1, 2)
 
 
-def kernel_layer(cache, slot_ids, offsets, written, q, k, v, semantics):
-    out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, semantics)
-    ring_ops.ring_write(k, v, cache, slot_ids, offsets, written)
+def kernel_layer(cache, slot_ids, offsets, written, q, k, v, semantics, rope=(None, None)):
+    """The ops on ``cache`` (mutated); ``rope``: the chunk's ``(cos, sin)`` when ``q``/``k`` are unrotated."""
+    out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, semantics, *rope)
+    ring_ops.ring_write(k, v, cache, slot_ids, offsets, written, *rope)
     return out
 
 
@@ -105,6 +106,7 @@ def step_scripts(draw):
         "offsets": draw(st.lists(st.integers(0, 4 * capacity), min_size=live, max_size=live)),
         "seed": draw(st.integers(0, 2**16)),
         "blocks": draw(st.sampled_from([(64, 64), (16, 16)])),
+        "rope": draw(st.booleans()),
         "steps": [],
     }
     for _ in range(draw(st.integers(1, 4))):
@@ -146,9 +148,17 @@ def run_script(script, semantics, heads=2, head_dim=16):
         written = torch.tensor(step["written"] + [0] * len(step["padding"]))
         row_offsets = offsets[routed]
         q, k, v = (2 * torch.randn(B, heads, T, head_dim, generator=gen) for _ in range(3))
-        ref = reference_layer(ref_cache, routed, row_offsets, written, q, k, v, semantics)
+        rope = (None, None)
+        if script.get("rope"):
+            # Unrotated q/k to the ops, which rotate them in the kernels; rotated to the reference path.
+            rope = rope_tables(row_offsets, T, head_dim, 10000.0)
+            ref = reference_layer(
+                ref_cache, routed, row_offsets, written, *apply_rope(torch.stack((q, k)), *rope), v, semantics
+            )
+        else:
+            ref = reference_layer(ref_cache, routed, row_offsets, written, q, k, v, semantics)
         with block_sizes(*script["blocks"]):
-            got = kernel_layer(ops_cache, kernel_ids, row_offsets, written, q, k, v, semantics)
+            got = kernel_layer(ops_cache, kernel_ids, row_offsets, written, q, k, v, semantics, rope)
         assert_outputs_close(got, ref, written, f"step {i}")
         assert torch.equal(ops_cache, ref_cache), f"step {i}: ring contents differ from the reference path"
         assert not ops_cache[:, null].any(), f"step {i}: the null slot was written"
@@ -245,6 +255,34 @@ def test_ops_reject_bad_inputs(name, bad, message):
 
 
 @cpu
+@pytest.mark.parametrize(
+    "cos,sin,message",
+    [
+        (torch.zeros(3, 1, 4, 8), None, "`cos` and `sin` must be given together"),
+        (
+            torch.zeros(3, 1, 4, 16),
+            torch.zeros(3, 1, 4, 16),
+            r"`cos` must have shape \(B, 1, T, Dh/2\) = \(3, 1, 4, 8\)",
+        ),
+        (torch.zeros(3, 1, 4, 8), torch.zeros(3, 1, 4, 8, dtype=torch.float64), "`sin` must have dtype torch.float32"),
+        (
+            torch.zeros(3, 1, 8, 4).transpose(2, 3),
+            torch.zeros(3, 1, 4, 8),
+            r"`cos` and `sin` must have the same strides, got \(32, 32, 1, 4\) and \(32, 32, 8, 1\)",
+        ),
+    ],
+)
+def test_ops_reject_bad_rope_tables(cos, sin, message):
+    args = _good_args()
+    ring_ops.ring_attention(**args, semantics="exact", cos=torch.zeros(3, 1, 4, 8), sin=torch.zeros(3, 1, 4, 8))
+    with pytest.raises(ValueError, match=f"ring_attention: {message}"):
+        ring_ops.ring_attention(**args, semantics="exact", cos=cos, sin=sin)
+    del args["q"]
+    with pytest.raises(ValueError, match=f"ring_write: {message}"):
+        ring_ops.ring_write(**args, cos=cos, sin=sin)
+
+
+@cpu
 def test_ring_attention_rejects_unknown_semantics():
     with pytest.raises(
         ValueError, match=r"ring_attention: unknown ring semantics 'v2'; expected one of \('upstream', 'exact'\)"
@@ -300,13 +338,14 @@ def test_kernels_interpreted_match_the_reference_path(semantics, script):
 @needs_interpreter
 @pytest.mark.parametrize("semantics", SEMANTICS)
 def test_kernels_interpreted_on_wrapped_and_oversized_rows(semantics):
-    # A fixed script with every hard case at once, both block configurations.
-    for blocks in ((64, 64), (16, 16)):
+    # A fixed script with every hard case at once, both block configurations, RoPE outside and inside.
+    for blocks, rope in (((64, 64), False), ((16, 16), False), ((16, 16), True)):
         script = {
             "capacity": 13,
             "offsets": [0, 29, 1234],
             "seed": 7,
             "blocks": blocks,
+            "rope": rope,
             "steps": [
                 {"T": 40, "rows": [1, 2, 0], "written": [40, 27, 13], "padding": ["junk", "null"], "reset": []},
                 {"T": 17, "rows": [0, 2, 1], "written": [1, 17, 16], "padding": ["null"], "reset": [2]},
@@ -331,8 +370,8 @@ def _visible_cells(offset: int, written: int, capacity: int, semantics: str) -> 
 @cpu
 @needs_interpreter
 @pytest.mark.parametrize("semantics", SEMANTICS)
-@pytest.mark.parametrize("blocks", [(64, 64), (16, 16)])
-def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks):
+@pytest.mark.parametrize("blocks,fused_rope", [((64, 64), False), ((16, 16), False), ((16, 16), True)])
+def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks, fused_rope):
     """Every ring cell no valid query may see, every unused slot, the null slot and every padding
     token of q, k and v filled with NaN: the outputs and the written cells are bitwise unchanged."""
     C, H, Dh, T = 8, 2, 16, 20
@@ -348,14 +387,15 @@ def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks):
             poisoned[:, slot_ids[b], :, cell] = cache[:, slot_ids[b], :, cell]
     padding = (torch.arange(T) >= written.view(-1, 1)).view(6, 1, T, 1).expand(6, H, T, Dh)
     nan_q, nan_k, nan_v = (x.masked_fill(padding, float("nan")) for x in (q, k, v))
+    rope = rope_tables(offsets, T, Dh, 10000.0) if fused_rope else (None, None)
     with block_sizes(*blocks):
-        clean = kernel_layer(cache.clone(), slot_ids, offsets, written, q, k, v, semantics)
+        clean = kernel_layer(cache.clone(), slot_ids, offsets, written, q, k, v, semantics, rope)
         after = poisoned.clone()
-        dirty = kernel_layer(after, slot_ids, offsets, written, nan_q, nan_k, nan_v, semantics)
+        dirty = kernel_layer(after, slot_ids, offsets, written, nan_q, nan_k, nan_v, semantics, rope)
     assert torch.equal(dirty, clean) and torch.isfinite(dirty).all()
     touched = commit_ops.touched_ring_mask(offsets, written, C)  # (B, C)
     expected = poisoned.clone()
-    ring_ops.ring_write_reference(k, v, expected, slot_ids, offsets, written)
+    ring_ops.ring_write_reference(k, v, expected, slot_ids, offsets, written, *rope)
     for b in range(6):
         cells = touched[b].nonzero().flatten()
         assert torch.equal(after[:, slot_ids[b], :, cells], expected[:, slot_ids[b], :, cells])
@@ -474,15 +514,21 @@ def _cuda_case(B, H, T, C, Dh, dtype, seed, offsets, written):
     "T,C,written",
     [(15, 125, [15, 7, 0, 1]), (480, 400, [480, 401, 399, 0]), (1, 400, [1, 1, 0, 1]), (60, 250, [60, 3, 60, 59])],
 )
-def test_cuda_kernels_match_reference_float32(semantics, T, C, written):
+@pytest.mark.parametrize("fused_rope", [False, True])
+def test_cuda_kernels_match_reference_float32(semantics, T, C, written, fused_rope):
     # The reference path runs on the CPU copies: CPU SDPA is the documented oracle (a query that sees
-    # no key gives zeros there), and copied ring cells are bitwise the same on either device.
+    # no key gives zeros there), and copied ring cells are bitwise the same on either device. With
+    # fused_rope the kernels rotate q and k themselves: the ring must still be bitwise the CPU's.
     args = _cuda_case(4, 12, T, C, 64, torch.float32, T + C, [0, 397, 1234, 5], written)
     q, k, v, cache, slot_ids, offsets, num_written = args
     ref_cache = cache.cpu()
     host = [t.cpu() for t in (slot_ids, offsets, num_written, q, k, v)]
+    rope = (None, None)
+    if fused_rope:
+        rope = rope_tables(offsets, T, 64, 10000.0)
+        host[3:5] = apply_rope(torch.stack(host[3:5]), *(t.cpu() for t in rope))
     expected = reference_layer(ref_cache, *host, semantics)
-    got = kernel_layer(cache, slot_ids, offsets, num_written, q, k, v, semantics)
+    got = kernel_layer(cache, slot_ids, offsets, num_written, q, k, v, semantics, rope)
     assert_outputs_close(got.cpu(), expected, num_written.cpu())
     assert torch.equal(cache.cpu(), ref_cache)
 

@@ -43,7 +43,7 @@ from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache
-from .step_metadata import RingMetadata, rope_tables
+from .step_metadata import RingMetadata, apply_rope, rope_tables
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -164,20 +164,6 @@ def check_attention_backend(name: str) -> str:
 # --------------------------------------------------------------------------- reference
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``(..., B, H, T, Dh)`` by GPT-J interleaved pairs in float32, cast back to ``x.dtype``.
-
-    ``cos``/``sin`` ``(B, 1, T, Dh/2)`` broadcast over the leading dims, so queries and keys
-    (``qkv[:2]``) rotate in one pass.
-    """
-    dims = x.shape[:-1]
-    half = x.shape[-1] // 2
-    pair = x.view(*dims, half, 2)
-    re, im = pair[..., 0].float(), pair[..., 1].float()
-    rot = torch.stack(((re * cos - im * sin).to(x.dtype), (re * sin + im * cos).to(x.dtype)), dim=-1)
-    return rot.view(*dims, 2 * half)
-
-
 def ring_attention_reference(
     semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor, keep_empty_rows: bool = False
 ) -> torch.Tensor:
@@ -253,11 +239,13 @@ class CompactRingAttention:
 class CompactTritonRingAttention:
     """Compact pool, ``"triton"`` backend: rings read in place, chunk tokens written once.
 
-    Per layer: RoPE on queries and keys (:func:`apply_rope`, as the reference path, so the
-    stored keys are bitwise the reference path's), then :func:`~.ops.ring_attention.ring_attention`
-    over the slot's ring and the chunk, then :func:`~.ops.ring_attention.ring_write` of each
-    row's last ``min(valid tokens, C)`` tokens. Needs no :class:`~.step_metadata.RingMetadata`:
-    the offsets and RoPE tables of each group are built once here, at construction.
+    Per layer: :func:`~.ops.ring_attention.ring_attention` over the slot's ring and the chunk,
+    then :func:`~.ops.ring_attention.ring_write` of each row's last ``min(valid tokens, C)``
+    tokens. Both rotate queries and keys by RoPE as they load them, with the roundings of
+    :func:`apply_rope`, so the stored keys are bitwise the reference path's (when the
+    projections and the rings differ in dtype, :func:`apply_rope` runs first instead). Needs no
+    :class:`~.step_metadata.RingMetadata`: the offsets and RoPE tables of each group are built
+    once here, at construction.
 
     Args:
         config: the codec.
@@ -286,11 +274,18 @@ class CompactTritonRingAttention:
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         offsets, cos, sin = self.tables[group.first_layer]
-        ring = self.rings[layer]
-        qk = apply_rope(qkv[:2], cos, sin)
-        keys, values = qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
-        out = ring_ops.ring_attention(qk[0], keys, values, ring, self.slots, offsets, group.num_written, self.semantics)
-        ring_ops.ring_write(keys, values, ring, self.slots, offsets, group.num_written)
+        ring, written = self.rings[layer], group.num_written
+        if qkv.dtype == ring.dtype:
+            # The kernels rotate queries and keys as they load them (no separate RoPE pass).
+            q, keys, values = qkv[0], qkv[1], qkv[2]
+            rope = (cos, sin)
+        else:
+            # Rotation rounds to the projection dtype first, then the ring dtype: as the reference path.
+            qk = apply_rope(qkv[:2], cos, sin)
+            q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
+            rope = (None, None)
+        out = ring_ops.ring_attention(q, keys, values, ring, self.slots, offsets, written, self.semantics, *rope)
+        ring_ops.ring_write(keys, values, ring, self.slots, offsets, written, *rope)
         return out.transpose(1, 2)
 
 

@@ -34,7 +34,14 @@ import torch
 
 from .config import GroupSpec
 
-__all__ = ["RING_SEMANTICS", "RingMetadata", "build_ring_metadata", "default_ring_semantics", "rope_tables"]
+__all__ = [
+    "RING_SEMANTICS",
+    "RingMetadata",
+    "apply_rope",
+    "build_ring_metadata",
+    "default_ring_semantics",
+    "rope_tables",
+]
 
 #: Ring semantics a pool can be built with (see the module docstring).
 RING_SEMANTICS = ("upstream", "exact")
@@ -101,6 +108,24 @@ def rope_tables(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_perio
     ts = offsets.float().view(-1, 1) + torch.arange(num_tokens, device=device, dtype=torch.float32)
     angles = freqs * ts.view(-1, 1, num_tokens, 1)
     return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``(..., B, H, T, Dh)`` by GPT-J interleaved pairs in float32, cast back to ``x.dtype``.
+
+    ``cos``/``sin`` ``(B, 1, T, Dh/2)`` (:func:`rope_tables`) broadcast over the leading dims, so
+    queries and keys (``qkv[:2]``) rotate in one pass. Pair ``(x[2i], x[2i+1])`` becomes
+    ``(x[2i] cos - x[2i+1] sin, x[2i] sin + x[2i+1] cos)`` (the convention of ``apply_rope`` in
+    upstream's ``audio_tokenizer_v2.py``). Each product and each sum is rounded to float32 on its
+    own (one PyTorch kernel per operation, no fused multiply-add); the Triton kernels of
+    ``ops/ring_attention.py`` rotate with the same roundings, so their keys are bitwise these.
+    """
+    dims = x.shape[:-1]
+    half = x.shape[-1] // 2
+    pair = x.view(*dims, half, 2)
+    re, im = pair[..., 0].float(), pair[..., 1].float()
+    rot = torch.stack(((re * cos - im * sin).to(x.dtype), (re * sin + im * cos).to(x.dtype)), dim=-1)
+    return rot.view(*dims, 2 * half)
 
 
 def _latest_position(last: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -30,8 +30,11 @@ with ``register_fake``, a PyTorch reference, and a public function that validate
 ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the Triton
 interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs interpreted. Both are
 safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
-syncs). Keys and queries arrive already rotated (RoPE is applied before the op, as on the reference
-path, so ring contents are bitwise those of the reference path).
+syncs). Keys and queries arrive either already rotated, or unrotated with the chunk's RoPE tables
+(``cos``, ``sin``): the kernels then rotate them as they load them, with float32 roundings equal to
+``step_metadata.apply_rope``'s (kernels launched with ``enable_fp_fusion=False``, so no multiply-add
+is fused), which saves the separate RoPE pass; either way ring contents are bitwise those of the
+reference path.
 
 Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
 float32 with base-2 exponentials; probabilities times values use TF32 tensor cores for 16-bit rings
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..step_metadata import RING_SEMANTICS, RingMetadata, build_ring_metadata
+from ..step_metadata import RING_SEMANTICS, RingMetadata, apply_rope, build_ring_metadata
 from .commit import HAS_TRITON, _check_tensor, _device_guard, cpu_uses_triton_interpreter, tl, triton
 
 __all__ = [
@@ -138,6 +141,22 @@ def _check_semantics(op: str, semantics) -> None:
         raise ValueError(f"{op}: unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
 
 
+def _check_rope(op: str, cos, sin, shape, device) -> None:
+    """Check the optional RoPE tables against the step's ``(B, H, T, Dh)``."""
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{op}: `cos` and `sin` must be given together")
+    if cos is None:
+        return
+    num_rows, _, num_tokens, head_dim = shape
+    if head_dim % 2:
+        raise ValueError(f"{op}: RoPE needs an even head dim, got Dh = {head_dim}")
+    table = (num_rows, 1, num_tokens, head_dim // 2)
+    _check_tensor(op, "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, device)
+    _check_tensor(op, "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, device)
+    if cos.stride() != sin.stride():
+        raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
+
+
 def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
     """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
     _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
@@ -186,10 +205,36 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
+    def _load_rotated(
+        x_ptrs,
+        cos_ptrs,
+        sin_ptrs,
+        load_ok,
+        half_ok,
+        BLOCK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROPE: tl.constexpr,
+    ):
+        # A (BLOCK, BLOCK_D) tile of queries or keys in its own dtype; with ROPE, rotated by GPT-J pairs
+        # (x[2i], x[2i+1]) with the (BLOCK, BLOCK_D // 2) float32 tables, each product and sum rounded
+        # to float32 on its own (launched with enable_fp_fusion=False), then rounded to the input dtype:
+        # bitwise step_metadata.apply_rope.
+        x = tl.load(x_ptrs, mask=load_ok, other=0.0)
+        if ROPE:
+            cos = tl.load(cos_ptrs, mask=half_ok, other=0.0)
+            sin = tl.load(sin_ptrs, mask=half_ok, other=0.0)
+            re, im = tl.split(tl.reshape(x.to(tl.float32), (BLOCK, BLOCK_D // 2, 2)))
+            rotated = tl.join(re * cos - im * sin, re * sin + im * cos)
+            x = tl.reshape(rotated, (BLOCK, BLOCK_D)).to(x.dtype)
+        return x
+
+    @triton.jit
     def _ring_attention_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
+        cos_ptr,
+        sin_ptr,
         cache_ptr,
         out_ptr,
         slot_ids_ptr,
@@ -199,6 +244,9 @@ if HAS_TRITON:
         capacity,  # C, also the attention window
         head_dim,  # Dh
         scale_log2,  # log2(e) / sqrt(Dh)
+        rope_stride_b,  # of cos and sin (B, 1, T, Dh/2)
+        rope_stride_t,
+        rope_stride_d,
         q_stride_b,
         q_stride_h,
         q_stride_t,
@@ -224,6 +272,7 @@ if HAS_TRITON:
         offsets_stride,
         num_written_stride,
         UPSTREAM: tl.constexpr,
+        ROPE: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -238,6 +287,10 @@ if HAS_TRITON:
         t = first + tl.arange(0, BLOCK_Q)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
+        i = tl.arange(0, BLOCK_D // 2)  # RoPE pair index
+        i_ok = i < head_dim // 2
+        cos_row = cos_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
+        sin_row = sin_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
         written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int32)
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
@@ -247,10 +300,15 @@ if HAS_TRITON:
             slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
             offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
             q_ok = t < written
-            q = tl.load(
+            q = _load_rotated(
                 q_ptr + row * q_stride_b + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
-                mask=q_ok[:, None] & d_ok[None, :],
-                other=0.0,
+                cos_row + t[:, None] * rope_stride_t,
+                sin_row + t[:, None] * rope_stride_t,
+                q_ok[:, None] & d_ok[None, :],
+                q_ok[:, None] & i_ok[None, :],
+                BLOCK_Q,
+                BLOCK_D,
+                ROPE,
             ).to(cache_ptr.dtype.element_ty)
             # Oldest position any query of the block may see: the window of its first query, and under
             # "upstream" the oldest position the post-write ring still holds.
@@ -286,7 +344,16 @@ if HAS_TRITON:
                 s = start + tl.arange(0, BLOCK_K)
                 key_ok = s < chunk_hi
                 load_ok = key_ok[:, None] & d_ok[None, :]
-                keys = tl.load(k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d, mask=load_ok, other=0.0)
+                keys = _load_rotated(
+                    k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d,
+                    cos_row + s[:, None] * rope_stride_t,
+                    sin_row + s[:, None] * rope_stride_t,
+                    load_ok,
+                    key_ok[:, None] & i_ok[None, :],
+                    BLOCK_K,
+                    BLOCK_D,
+                    ROPE,
+                )
                 values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
                 distance = t[:, None] - s[None, :]
                 visible = key_ok[None, :] & (distance >= 0) & (distance < capacity)
@@ -304,7 +371,16 @@ if HAS_TRITON:
         )
 
 
-def _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics) -> torch.Tensor:
+def _rope_arguments(cos, sin, fallback):
+    # Kernel arguments for the optional RoPE tables: pointers, (b, t, d) strides and the ROPE flag.
+    if cos is None:
+        return (fallback, fallback, 0, 0, 0), False
+    return (cos, sin, cos.stride(0), cos.stride(2), cos.stride(3)), True
+
+
+def _launch_ring_attention_triton(
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None
+) -> torch.Tensor:
     """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
     Arguments as in :func:`ring_attention`; not validated here. Returns ``(B, T, H, Dh)`` in the
@@ -321,11 +397,14 @@ def _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written
     block_q = min(_MAX_BLOCK_QUERIES, max(16, triton.next_power_of_2(num_tokens)))
     grid = (num_rows, num_heads, triton.cdiv(num_tokens, block_q))
     pv_precision = "ieee" if cache.dtype == torch.float32 else "tf32"
+    (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, q)
     with _device_guard(cache):
         _ring_attention_kernel[grid](
             q,
             k,
             v,
+            cos,
+            sin,
             cache,
             out,
             slot_ids,
@@ -335,6 +414,7 @@ def _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written
             capacity,
             head_dim,
             math.log2(math.e) / math.sqrt(head_dim),
+            *rope_strides,
             *q.stride(),
             *k.stride(),
             *v.stride(),
@@ -344,6 +424,7 @@ def _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written
             offsets.stride(0),
             num_written.stride(0),
             UPSTREAM=semantics == "upstream",
+            ROPE=rope,
             BLOCK_Q=block_q,
             BLOCK_K=_BLOCK_KEYS,
             BLOCK_D=block_d,
@@ -351,17 +432,23 @@ def _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written
             PV_PRECISION=pv_precision,
             num_warps=4,
             num_stages=2,
+            enable_fp_fusion=False,
         )
     return out
 
 
-def ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics) -> torch.Tensor:
+def ring_attention_reference(
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None
+) -> torch.Tensor:
     """PyTorch oracle for :func:`ring_attention`; same arguments and result.
 
-    Gathers the rows' rings, builds the step's ring metadata (``step_metadata.build_ring_metadata``)
-    and runs :func:`attend_gathered_rows` (the reference path's computation); padding queries and
-    padding rows are then set to zero, as the kernel leaves them.
+    Rotates ``q`` and ``k`` with ``step_metadata.apply_rope`` when tables are given, gathers the
+    rows' rings, builds the step's ring metadata (``step_metadata.build_ring_metadata``) and runs
+    :func:`attend_gathered_rows` (the reference path's computation); padding queries and padding
+    rows are then set to zero, as the kernel leaves them.
     """
+    if cos is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     num_rows, num_heads, num_tokens, head_dim = q.shape
     # Rows that write nothing are never looked up (their ids may be out of range).
     slots = torch.where(num_written > 0, slot_ids, 0)
@@ -383,14 +470,16 @@ def _ring_attention_op(
     offsets: torch.Tensor,
     num_written: torch.Tensor,
     semantics: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
-        return _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics)
-    return ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics)
+        return _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
+    return ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
 
 
 @_ring_attention_op.register_fake
-def _ring_attention_fake(q, k, v, cache, slot_ids, offsets, num_written, semantics) -> torch.Tensor:
+def _ring_attention_fake(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None) -> torch.Tensor:
     num_rows, num_heads, num_tokens, head_dim = q.shape
     return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
 
@@ -404,12 +493,16 @@ def ring_attention(
     offsets: torch.Tensor,
     num_written: torch.Tensor,
     semantics: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's streaming attention for ``B`` rows, reading the rings in place (module docstring).
 
     Args:
-        q: ``(B, H, T, Dh)`` floating queries after RoPE (any float dtype; cast to the cache dtype).
-        k, v: ``(B, H, T, Dh)`` the chunk's keys after RoPE and values, in the cache dtype.
+        q: ``(B, H, T, Dh)`` floating queries (any float dtype; cast to the cache dtype), after
+            RoPE, or before it when ``cos``/``sin`` are given.
+        k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
+            are given) and values, in the cache dtype.
         cache: ``(2, S, H, C, Dh)`` the layer's rings (plane 0 keys, plane 1 values), read only. ``C``
             is both the ring capacity and the attention window (``GroupSpec.context``).
         slot_ids: ``(B,)`` int64 slot of each row; read only for rows with ``num_written > 0``.
@@ -417,9 +510,12 @@ def ring_attention(
         num_written: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it
             are padding.
         semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
+        cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions
+            (``step_metadata.rope_tables``): the kernel then rotates ``q`` and ``k`` as it loads
+            them, bitwise ``step_metadata.apply_rope``, saving one pass over them.
     Returns:
         ``(B, T, H, Dh)`` in the cache dtype; zeros for padding queries, padding rows and queries
-        that see no key. Call :func:`ring_write` afterwards to store the chunk.
+        that see no key. Call :func:`ring_write` (with the same tables) afterwards to store the chunk.
     Raises:
         TypeError: an argument is not a tensor.
         ValueError: a shape, dtype or device is inconsistent (the message names the argument), or
@@ -432,7 +528,8 @@ def ring_attention(
     _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
     if not q.dtype.is_floating_point:
         raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
-    return torch.ops.vllm_omni_moss.ring_attention(q, k, v, cache, slot_ids, offsets, num_written, semantics)
+    _check_rope(op, cos, sin, shape, cache.device)
+    return torch.ops.vllm_omni_moss.ring_attention(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,12 +542,17 @@ if HAS_TRITON:
     def _ring_write_kernel(
         k_ptr,
         v_ptr,
+        cos_ptr,
+        sin_ptr,
         cache_ptr,
         slot_ids_ptr,
         offsets_ptr,
         num_written_ptr,
         capacity,
         head_dim,
+        rope_stride_b,
+        rope_stride_t,
+        rope_stride_d,
         k_stride_b,
         k_stride_h,
         k_stride_t,
@@ -467,6 +569,7 @@ if HAS_TRITON:
         slot_ids_stride,
         offsets_stride,
         num_written_stride,
+        ROPE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -487,9 +590,17 @@ if HAS_TRITON:
             cell = (offset + token) % capacity
             d = tl.arange(0, BLOCK_D)
             ok = (i < kept)[:, None] & (d < head_dim)[None, :]
-            keys = tl.load(
+            pair = tl.arange(0, BLOCK_D // 2)
+            rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
+            keys = _load_rotated(
                 k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
-                mask=ok,
+                cos_ptr + rope,
+                sin_ptr + rope,
+                ok,
+                (i < kept)[:, None] & (pair < head_dim // 2)[None, :],
+                BLOCK_T,
+                BLOCK_D,
+                ROPE,
             )
             values = tl.load(
                 v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
@@ -501,7 +612,7 @@ if HAS_TRITON:
             tl.store(dst + cache_stride_p, values, mask=ok)
 
 
-def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written) -> None:
+def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None) -> None:
     """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
     Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
@@ -517,32 +628,40 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written) -> No
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(triton.next_power_of_2(kept), _WRITE_TILE_ELEMENTS // block_d))
     grid = (num_rows, num_heads, triton.cdiv(kept, block_t))
+    (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, k)
     with _device_guard(cache):
         _ring_write_kernel[grid](
             k,
             v,
+            cos,
+            sin,
             cache,
             slot_ids,
             offsets,
             num_written,
             capacity,
             head_dim,
+            *rope_strides,
             *k.stride(),
             *v.stride(),
             *cache.stride(),
             slot_ids.stride(0),
             offsets.stride(0),
             num_written.stride(0),
+            ROPE=rope,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
+            enable_fp_fusion=False,
         )
 
 
-def ring_write_reference(k, v, cache, slot_ids, offsets, num_written) -> None:
+def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None) -> None:
     """PyTorch oracle for :func:`ring_write`; same arguments and effect.
 
     Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
     """
+    if cos is not None:
+        k = apply_rope(k, cos, sin)
     num_rows, _, num_tokens, _ = k.shape
     capacity = cache.shape[3]
     token = torch.arange(num_tokens, device=k.device)
@@ -563,15 +682,17 @@ def _ring_write_op(
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
     num_written: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> None:
     if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
-        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written)
+        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin)
     else:
-        ring_write_reference(k, v, cache, slot_ids, offsets, num_written)
+        ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos, sin)
 
 
 @_ring_write_op.register_fake
-def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written) -> None:
+def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None) -> None:
     return None
 
 
@@ -582,16 +703,21 @@ def ring_write(
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
     num_written: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> None:
     """Store each row's last ``min(num_written, C)`` chunk tokens into its slot's ring.
 
     Args:
-        k, v: ``(B, H, T, Dh)`` the chunk's keys after RoPE and values, in the cache dtype.
+        k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
+            are given) and values, in the cache dtype.
         cache: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
         slot_ids: ``(B,)`` int64; among rows with ``num_written > 0`` distinct and in ``[0, S)``;
             other rows' ids are never read.
         offsets: ``(B,)`` int64 tokens each row wrote before this chunk.
         num_written: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
+        cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables: keys are rotated as they are
+            stored, bitwise ``step_metadata.apply_rope``.
 
     Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
     ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``num_written[b] - C <= t < num_written[b]``:
@@ -603,5 +729,6 @@ def ring_write(
         ValueError: a shape, dtype or device is inconsistent (the message names the argument).
         RuntimeError: CUDA tensors without Triton installed.
     """
-    _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
-    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written)
+    shape = _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
+    _check_rope("ring_write", cos, sin, shape, cache.device)
+    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin)
