@@ -8,7 +8,8 @@ Read top-down:
    plus one bias: ``z[b, t] = sum_q lut[q, codes[q, b, t]] + bias``.
 2. :func:`run_decoder` - for each resolution group: input projection, pre-norm layers
    (LayerNorm, QKV, GPT-J RoPE, causal sliding-window attention, LayerScale, exact-GELU
-   FFN, no biases), output projection, pure-reshape upsampling.
+   FFN, no biases; each residual add fused with the LayerNorm after it,
+   ``ops/residual_norm.py``), output projection, pure-reshape upsampling.
 3. :func:`to_audio` - channel de-interleave (v2 stereo) and float32.
 
 Modules hold weights only. Attention and state are reached through a
@@ -31,6 +32,7 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
+from .ops.residual_norm import residual_layer_norm, residual_layer_norm_reference
 from .step_metadata import RING_SEMANTICS, default_ring_semantics
 
 __all__ = [
@@ -200,22 +202,49 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
     return lut[rows, codes].sum(dim=0) + decoder.lut_bias
 
 
-def _layer_forward(
-    layer: DecoderLayer, x: torch.Tensor, group: GroupStep, index: int, attention: AttentionBackend
-) -> torch.Tensor:
-    """One pre-norm layer on ``(B, T, d)``; ``index`` is the layer's index in the whole decoder."""
+def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """LayerNorm in float32 (as bf16 autocast runs it), rounded back to ``x.dtype`` for the next projection."""
+    h = F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+    return h.to(x.dtype)
+
+
+def _add_scaled(x: torch.Tensor, update: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x + scale * update`` in ``update``'s dtype (the end of a group's last layer: no norm follows)."""
+    if scale is not None:
+        update = scale * update
+    return x.to(update.dtype) + update
+
+
+def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attention: AttentionBackend) -> torch.Tensor:
+    """A group's pre-norm layers on ``(B, T, d)``.
+
+    Each sublayer ends with ``x + layer_scale * update`` followed by the next LayerNorm (the second of
+    the layer, or the first of the next layer): :func:`~.ops.residual_norm.residual_layer_norm` does
+    both in one pass and hands the normalised ``h`` to the next projection.
+    """
     B, T, d = x.shape
     heads = group.spec.num_heads
-    qkv = layer.in_proj(layer.norm1(x)).view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-    attn = attention(group, index, qkv).transpose(1, 2).reshape(B, T, d)
-    update = layer.out_proj(attn)
-    if layer.layer_scale_1 is not None:
-        update = layer.layer_scale_1 * update
-    x = x.to(update.dtype) + update
-    update = layer.linear2(F.gelu(layer.linear1(layer.norm2(x))))
-    if layer.layer_scale_2 is not None:
-        update = layer.layer_scale_2 * update
-    return x.to(update.dtype) + update
+    layers = weights.layers
+    if not layers:
+        return x
+    # CPU decodes with the reference (the unfused PyTorch ops, also under the Triton interpreter).
+    residual_norm = residual_layer_norm if x.is_cuda else residual_layer_norm_reference
+    h = _layer_norm(x, layers[0].norm1)
+    for i, layer in enumerate(layers):
+        qkv = layer.in_proj(h).view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        attn = attention(group, group.first_layer + i, qkv).transpose(1, 2).reshape(B, T, d)
+        del qkv  # not alive during the FFN: bounds the step's transient memory
+        update = layer.out_proj(attn)
+        del attn
+        norm = layer.norm2
+        x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
+        # Exact GELU in place on the fresh FFN activation (the widest tensor of the step).
+        update = layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
+        if i + 1 == len(layers):
+            return _add_scaled(x, update, layer.layer_scale_2)
+        norm = layers[i + 1].norm1
+        x, h = residual_norm(x, update, layer.layer_scale_2, norm.weight, norm.bias, norm.eps)
+    return x
 
 
 def _upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
@@ -244,8 +273,7 @@ def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> t
     for group, weights in zip(plan.groups, decoder.groups):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
-        for i, layer in enumerate(weights.layers):
-            x = _layer_forward(layer, x, group, group.first_layer + i, plan.attention)
+        x = _run_layers(weights, x, group, plan.attention)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)

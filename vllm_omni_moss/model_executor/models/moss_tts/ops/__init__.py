@@ -5,5 +5,8 @@
 * :mod:`.commit` - ``commit_cache`` / ``commit_offsets``: masked write-back of a step's ring cells
   and offsets into the state pool.
 * :mod:`.ring_attention` - ``ring_attention`` / ``ring_write``: one layer's streaming attention
-  reading the pool's rings in place, and the write of each row's last ``min(tokens, C)`` tokens.
+  reading the pool's rings in place, and the write of each row's last ``min(tokens, C)`` tokens;
+  both can rotate queries and keys by RoPE as they load them.
+* :mod:`.residual_norm` - ``residual_layer_norm``: LayerScale, residual add and the next LayerNorm
+  of a decoder layer in one pass (CUDA; CPU decodes with its reference).
 """

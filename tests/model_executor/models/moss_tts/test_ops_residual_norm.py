@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests for ``moss_tts.ops.residual_norm``: LayerScale + residual add + LayerNorm in one pass.
+
+The reference is the unfused decoder's arithmetic. The Triton kernel runs on CPU in Triton's interpreter
+in the ``TRITON_INTERPRET=1`` child of ``test_triton_interpreter_subprocess`` (float32 only: the
+interpreter rounds float32 to bfloat16 toward zero, the GPU to nearest even); bfloat16 is checked on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moss_codecs import assert_interpreted_tests_pass
+
+from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops import residual_norm as ops
+
+INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
+cpu = pytest.mark.cpu
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
+)
+
+
+def _case(shape, width, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*size, scale=1.0):
+        return (scale * torch.randn(*size, generator=gen, device=device)).to(dtype)
+
+    x, update = draw(*shape, width, scale=3.0), draw(*shape, width)
+    return x, update, draw(width, scale=0.1), 1 + draw(width, scale=0.1), draw(width, scale=0.1)
+
+
+def _unfused(x, update, layer_scale, weight, bias, eps=1e-5):
+    """The decoder before fusion, written out independently of the op's reference."""
+    if layer_scale is not None:
+        update = layer_scale * update
+    x = x.to(update.dtype) + update
+    norm = torch.nn.LayerNorm(x.shape[-1], eps=eps).to(x.device)
+    with torch.no_grad():
+        norm.weight.copy_(weight.float())
+        norm.bias.copy_(bias.float())
+    return x, norm(x.float()).to(x.dtype)
+
+
+@cpu
+@pytest.mark.skipif(INTERPRETED, reason="CPU runs the interpreted kernel in this process")
+@pytest.mark.parametrize("scaled", [True, False])
+def test_reference_is_the_unfused_decoder_bitwise(scaled):
+    x, update, scale, weight, bias = _case((2, 7), 48, torch.float32)
+    scale = scale if scaled else None
+    got = ops.residual_layer_norm(x, update, scale, weight, bias, 1e-5)  # CPU: the reference
+    expected = _unfused(x, update, scale, weight, bias)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+@cpu
+@pytest.mark.parametrize(
+    "name,bad,message",
+    [
+        ("x", torch.zeros(2, 7, 40), r"`x` must have shape \(2, 7, 48\), got \(2, 7, 40\)"),
+        ("layer_scale", torch.zeros(47), r"`layer_scale` must have shape \(48,\), got \(47,\)"),
+        ("weight", torch.zeros(48, dtype=torch.long), "`weight` must have a floating-point dtype, got torch.int64"),
+        ("bias", [0.0], "`bias` must be a torch.Tensor, got list"),
+    ],
+)
+def test_rejects_bad_inputs(name, bad, message):
+    args = dict(zip(("x", "update", "layer_scale", "weight", "bias"), _case((2, 7), 48, torch.float32)))
+    args[name] = bad
+    error = TypeError if isinstance(bad, list) else ValueError
+    with pytest.raises(error, match=f"residual_layer_norm: {message}"):
+        ops.residual_layer_norm(**args, eps=1e-5)
+
+
+@cpu
+def test_traces_fullgraph_with_the_fake_impl():
+    def layer(x, update, scale, weight, bias):
+        x, h = ops.residual_layer_norm(x, update, scale, weight, bias, 1e-5)
+        return x * 2, F.gelu(h)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    for shape in ((3, 5), (1, 9)):
+        args = _case(shape, 32, torch.float32, seed=shape[1])
+        expected = layer(*args)
+        got = compiled(*args)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@cpu
+@pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
+def test_triton_interpreter_subprocess():
+    assert_interpreted_tests_pass(__file__, timeout=600)
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("width", [48, 100])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_kernel_interpreted_float32(width, scaled):
+    x, update, scale, weight, bias = _case((3, 4), width, torch.float32, seed=width)
+    scale = scale if scaled else None
+    x_out, h = ops.residual_layer_norm(x, update, scale, weight, bias, 1e-5)
+    expected_x, expected_h = _unfused(x, update, scale, weight, bias)
+    assert torch.equal(x_out, expected_x), "the residual stream must be bitwise the unfused one"
+    assert (h - expected_h).abs().max().item() <= 2e-6 * expected_h.abs().max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")
+@pytest.mark.parametrize("width", [768, 1280])
+def test_cuda_bfloat16_residual_bitwise_norm_within_one_rounding(width):
+    x, update, scale, weight, bias = _case((64, 480), width, torch.bfloat16, device="cuda", seed=width)
+    x_out, h = ops.residual_layer_norm(x, update, scale, weight, bias, 1e-5)
+    expected_x, expected_h = _unfused(x, update, scale, weight, bias)
+    assert torch.equal(x_out, expected_x)
+    # h: float32 LayerNorms that differ in accumulation order, then one bf16 rounding.
+    ulp = expected_h.float().abs().clamp(min=1e-30) * 2.0**-7
+    assert ((h.float() - expected_h.float()).abs() <= ulp).all()
+    assert (h != expected_h).float().mean().item() < 0.01
