@@ -5,9 +5,11 @@ One step = one ``decode_streaming_tensors`` call on ``B`` live rows (slots ``0..
 padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 
 * ``legacy``   - our legacy pool (``initialize(maxB, maxB)``), per-layer metadata, whole-ring write-back.
-* ``v2``       - our V2 pool (``initialize(maxB, maxB)`` = maxB live + 1 null slot).
+* ``v2``       - our V2 pool (``initialize(maxB, maxB)`` = maxB live + 1 null slot) with its default attention
+  backend: ``triton`` on CUDA, ``sdpa`` on CPU (``attention.default_attention_backend``).
 * ``upstream`` - upstream 0.30.0's v2 codec model with ``initialize_decoder_state_pool(maxB, maxB)``, its
   own ``decode_streaming_tensors``; skipped (reason in the JSON) when its files are not available.
+* ``v2-sdpa``  - the V2 pool with ``attention_backend="sdpa"``: the reference path (gathered rings, SDPA).
 * ``v2-triton`` - the V2 pool with ``attention_backend="triton"`` (rings read in place, ``ops/ring_attention.py``).
 * ``v2-exact`` - the V2 pool with ``attention_backend="triton"`` and ``ring_semantics="exact"`` (the exact
   sliding window: a ring-plus-chunk window per query instead of the post-write ring).
@@ -59,9 +61,9 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
 
-ARMS = ("legacy", "v2", "upstream", "v2-triton", "v2-exact", "upstream-triton")
+ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton")
 #: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics) of a V2 pool.
-TRITON_ARMS = {"v2-triton": ("triton", None), "v2-exact": ("triton", "exact")}
+TRITON_ARMS = {"v2-sdpa": ("sdpa", None), "v2-triton": ("triton", None), "v2-exact": ("triton", "exact")}
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
 MODES = ("eager", "graph", "compiled")
 

@@ -65,6 +65,8 @@ def test_defaults_and_choices(ring_decoder, ring_decoder_v1):
     pool = make_state_pool(ring_decoder)
     assert (pool.attention_backend, pool.ring_semantics) == ("sdpa", "upstream")
     assert attention_mod.default_attention_backend(torch.device("cpu")) == "sdpa"
+    cuda_default = "triton" if attention_mod.ring_ops.HAS_TRITON else "sdpa"
+    assert attention_mod.default_attention_backend("cuda:1") == cuda_default
     legacy = make_state_pool(ring_decoder_v1)
     assert (legacy.attention_backend, legacy.ring_semantics) == ("sdpa", "exact")
     pool = make_state_pool(ring_decoder, ring_semantics="exact", attention_backend="triton")

@@ -138,10 +138,11 @@ def group_steps(
 def default_attention_backend(device: torch.device | str) -> str:
     """The attention backend a compact pool on ``device`` uses when none is asked for.
 
-    ``"sdpa"`` everywhere until the ``"triton"`` backend has passed its H200 gates; switching
-    CUDA over is the one line below.
+    ``"triton"`` on CUDA when the ``triton`` package is installed (its H200 gates and step table:
+    ``benchmarks/RESULTS.md``); ``"sdpa"`` (the reference path) on every other device, and on CUDA
+    without Triton.
     """
-    return "sdpa"
+    return "triton" if torch.device(device).type == "cuda" and ring_ops.HAS_TRITON else "sdpa"
 
 
 def check_attention_backend(name: str) -> str:
