@@ -296,7 +296,9 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
     sdpa_error = _rel_rms(stream_pool(fresh_pool(bf16, semantics, "sdpa"), codes, [1, 15]), reference)
     triton_error = _rel_rms(stream_pool(fresh_pool(bf16, semantics, "triton"), codes, [1, 15]), reference)
     print(f"{semantics}: bf16 relative RMS vs fp32: sdpa {sdpa_error:.3e}, triton {triton_error:.3e}")
-    assert triton_error <= sdpa_error, f"triton {triton_error:.3e} > sdpa {sdpa_error:.3e}"
+    # "exact": both backends attend the same keys and their errors agree to four digits on the H200
+    # (2.416e-2 each); 0.1% absorbs that last digit. "upstream": triton 2.4e-2 against sdpa 4.2e-2.
+    assert triton_error <= 1.001 * sdpa_error, f"triton {triton_error:.4e} > sdpa {sdpa_error:.4e}"
 
 
 @pytest.fixture
