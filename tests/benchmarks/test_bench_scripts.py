@@ -240,6 +240,11 @@ def test_stage_trace_and_slo_helpers():
     assert bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.0}}) is None
     warning = bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.5}})
     assert warning.startswith("warning: v2 C=64: step time max 100.5 ms > 10x its p50 10.0 ms")
+    slowest = {"step_ms": {"p50": 10.0, "max": 100.5}, "slowest_step": {"chunks": 61, "max_frames": 15}}
+    assert bench.stall_warning("v2", 64, slowest) == (
+        "warning: v2 C=64: step time max 100.5 ms > 10x its p50 10.0 ms; that step decoded 61 chunks of up to "
+        "15 frames (a burst of chunks when that is most of the live streams, a stall of the machine when it is a few)"
+    )
 
 
 def test_upstream_stage_plan_follows_upstream_policy():
