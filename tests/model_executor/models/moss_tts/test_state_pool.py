@@ -554,3 +554,137 @@ def test_padding_policy(ring_decoder):
         legacy.padding_slot_ids(3)
     with pytest.raises(ValueError, match="padding row count must be an integer >= 0, got -1"):
         compact.padding_slot_ids(-1)
+
+
+# ----------------------------------------------------------------------------- save / restore
+
+
+def _decode(pool, slots, T, seed):
+    """One step of ``T`` frames for live ``slots``; returns the audio."""
+    codes = random_codes(pool.decoder, len(slots), T, seed=seed)
+    B = len(slots)
+    audio, _ = pool.decode_streaming_batch(
+        codes, torch.full((B,), T), torch.tensor(slots), torch.ones(B, dtype=torch.bool)
+    )
+    return audio
+
+
+def _slot_bits(pool, slot):
+    return [ring[:, slot].clone() for ring in pool.rings], [t.clone() for t in pool.offset_tensors()]
+
+
+@pytest.mark.parametrize("codec", ["v2", "v1"])
+@pytest.mark.parametrize("history", [[1], [3, 7], [7, 7, 7]])
+def test_save_restore_round_trip_is_bitwise_and_decoding_continues_exactly(
+    codec, history, ring_decoder, ring_decoder_v1
+):
+    """Rings of 5 and 10 tokens (2 tokens per frame in the second group): not yet full, full and wrapped.
+    Save slot 1, restore it into slot 2 of another pool; the next steps decode bit for bit as in the
+    original pool, and restoring into the original slot after a reset gives back its bytes."""
+    decoder = ring_decoder if codec == "v2" else ring_decoder_v1
+    source = make_state_pool(decoder)
+    source.initialize(3)
+    for step, T in enumerate(history):
+        _decode(source, [0, 1], T, seed=10 + step)
+    state = source.save_slot(1)
+    used = [min(int(o), ring.shape[3]) for o, ring in zip(source.slot_state(1)["layer_offsets"], source.rings)]
+    assert [c.shape[2] for c in state.cells] == used
+    assert all(c.device.type == "cpu" for c in state.cells)
+    assert state.nbytes == sum(c.numel() * c.element_size() for c in state.cells) + state.offsets.numel() * 8
+
+    target = make_state_pool(decoder)
+    target.initialize(3)
+    _decode(target, [2, 0], 3, seed=99)  # slot 2 holds another stream first: restore must replace it
+    target.restore_slot(2, state)
+    expected = source.slot_state(1)
+    got = target.slot_state(2)
+    assert torch.equal(got["layer_offsets"], expected["layer_offsets"])
+    assert all(torch.equal(a, b) for a, b in zip(got["rings"], expected["rings"]))
+    for step in range(2):
+        a = _decode(source, [1], 4, seed=50 + step)
+        b = _decode(target, [2], 4, seed=50 + step)
+        assert torch.equal(a, b), f"step {step} after the restore differs"
+
+    before = _slot_bits(source, 1)
+    state = source.save_slot(1)
+    source.reset([1])
+    source.restore_slot(1, state)
+    after = _slot_bits(source, 1)
+    assert all(torch.equal(x, y) for x, y in zip(before[0], after[0]))
+    assert all(torch.equal(x, y) for x, y in zip(before[1], after[1]))
+
+
+def test_save_of_a_fresh_slot_keeps_no_cells(ring_decoder):
+    pool = make_state_pool(ring_decoder)
+    pool.initialize(2)
+    state = pool.save_slot(0)
+    assert state.offsets.tolist() == [0] and all(c.shape[2] == 0 for c in state.cells)
+    _decode(pool, [0], 3, seed=1)
+    pool.restore_slot(0, state)
+    assert all(not ring[:, 0].any() for ring in pool.rings) and int(pool.frames_decoded[0]) == 0
+
+
+@pytest.mark.parametrize(
+    "make_target,message",
+    [
+        (lambda d: make_state_pool(d, "legacy"), r"the state's pool kind is 'compact'; this pool's is 'legacy'"),
+        (
+            lambda d: make_state_pool(d, dtype=torch.float64),
+            r"the state's ring dtype is torch.float32; this pool's is torch.float64",
+        ),
+        (
+            lambda d: make_state_pool(d, ring_semantics="exact"),
+            r"the state's ring semantics is 'upstream'; this pool's is 'exact'",
+        ),
+    ],
+)
+def test_restore_refuses_a_state_of_another_pool_and_changes_nothing(make_target, message, ring_decoder):
+    source = make_state_pool(ring_decoder)
+    source.initialize(2)
+    _decode(source, [0], 3, seed=2)
+    state = source.save_slot(0)
+    target = make_target(ring_decoder)
+    target.initialize(2)
+    for layer, ring in enumerate(target.rings):  # a slot holding something: the refusal must leave it
+        ring[:, 1].fill_(0.5 + layer)
+    target.offset_tensors()[0][..., 1] = 7
+    before = _slot_bits(target, 1)
+    with pytest.raises(ValueError, match=f"restore_slot: {message}"):
+        target.restore_slot(1, state)
+    after = _slot_bits(target, 1)
+    assert all(torch.equal(x, y) for x, y in zip(before[0] + before[1], after[0] + after[1]))
+
+
+def test_restore_refuses_another_geometry_and_tampered_states(ring_decoder):
+    import dataclasses
+
+    source = make_state_pool(ring_decoder)
+    source.initialize(2)
+    _decode(source, [0], 3, seed=4)
+    state = source.save_slot(0)
+    tiny = make_state_pool(CodecDecoder(preset_config("tiny-v2")))
+    tiny.initialize(1)
+    with pytest.raises(
+        ValueError, match=r"restore_slot: the state's codec geometry .* is \(\(3, 2, 5, 64, 1\), \(3, 2, 10, 64, 2\)\)"
+    ):
+        tiny.restore_slot(0, state)
+    pool = make_state_pool(ring_decoder)
+    pool.initialize(2)
+    cases = [
+        (dataclasses.replace(state, offsets=torch.tensor([-1])), r"state offsets must be >= 0, got \[-1\]"),
+        (
+            dataclasses.replace(state, offsets=torch.tensor([2])),
+            r"layer 0 cells must be \(2, 2, 2, 64\) torch.float32 for offset 2",
+        ),
+        (dataclasses.replace(state, offsets=torch.tensor([3.0])), r"state offsets must be int64 of shape \(1,\)"),
+        (dataclasses.replace(state, cells=state.cells[:-1]), r"the state has 5 layers of cells; the codec has 6"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=f"restore_slot: {message}"):
+            pool.restore_slot(0, bad)
+        assert all(not ring[:, 0].any() for ring in pool.rings) and int(pool.frames_decoded[0]) == 0
+    with pytest.raises(TypeError, match="restore_slot: state must be a SlotState"):
+        pool.restore_slot(0, {"cells": []})
+    for op in (pool.save_slot, lambda s: pool.restore_slot(s, state)):
+        with pytest.raises(ValueError, match=r"slot 2 is not a live slot id \(0..1\)"):
+            op(2)

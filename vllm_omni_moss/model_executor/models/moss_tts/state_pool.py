@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -73,6 +74,7 @@ __all__ = [
     "CompactDecoderStatePool",
     "DecoderStatePool",
     "LegacyDecoderStatePool",
+    "SlotState",
     "make_state_pool",
     "state_bytes_for",
 ]
@@ -101,6 +103,46 @@ def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int
 def _check_count(count) -> None:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"padding row count must be an integer >= 0, got {count!r}")
+
+
+def ring_geometry(config) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Per resolution group ``(layers, heads, context, head_dim, tokens_per_frame)``: what a slot's state
+    depends on besides the ring dtype (two codecs with equal geometry have interchangeable slot states)."""
+    return tuple((g.num_layers, g.num_heads, g.context, g.head_dim, g.tokens_per_frame) for g in config.groups)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One stream's decoder state on the host, from :meth:`DecoderStatePool.save_slot`.
+
+    Only the ring cells in use are kept: for an attention layer whose stream has written ``o`` tokens
+    into a ring of ``C`` cells, the cells of positions ``max(0, o - C) .. o - 1`` (all ``C`` once the
+    ring has wrapped; none for a fresh slot). The other cells of a slot are zero by construction (slots
+    start zeroed and are reset on release), so :meth:`DecoderStatePool.restore_slot` rebuilds the slot
+    bit for bit.
+
+    Attributes:
+        pool_kind: ``"compact"`` or ``"legacy"`` (the offset layout).
+        geometry: :func:`ring_geometry` of the codec.
+        dtype: the ring dtype.
+        ring_semantics: ``"upstream"`` or ``"exact"``.
+        offsets: the slot's int64 offsets in the pool's layout: ``(1,)`` frames decoded (compact) or
+            the ``(R,)`` column of the legacy offset table.
+        cells: per attention layer, ``(2, H, n, Dh)`` keys and values of the ``n = min(o, C)`` latest
+            positions, oldest first, on the CPU.
+    """
+
+    pool_kind: str
+    geometry: tuple[tuple[int, int, int, int, int], ...]
+    dtype: torch.dtype
+    ring_semantics: str
+    offsets: torch.Tensor
+    cells: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held (cells plus offsets)."""
+        return sum(t.numel() * t.element_size() for t in (*self.cells, self.offsets))
 
 
 def _legacy_table_rows(config) -> int:
@@ -364,7 +406,95 @@ class DecoderStatePool(ABC):
     def offset_tensors(self) -> list[torch.Tensor]:
         """The persistent offset tensors (for byte accounting and address checks)."""
 
+    # ----------------------------------------------------------------- save / restore
+    def save_slot(self, slot: int) -> SlotState:
+        """Copy live slot ``slot``'s state to the host: its offsets and only the ring cells in use.
+
+        The slot is unchanged. A round trip through :meth:`restore_slot` (into this pool or another
+        pool of the same kind, codec geometry, ring dtype and ring semantics, on any device) gives back
+        the slot's rings and offsets bit for bit, so decoding continues exactly as without it.
+
+        Raises:
+            ValueError: ``slot`` is not a live slot id.
+            RuntimeError: the pool is not initialised.
+        """
+        slot = self._live_slot(slot, "save_slot")
+        column = self._offset_column(slot).cpu()
+        cells = []
+        for ring, offset in zip(self.rings, self._layer_offsets_in(column).tolist()):
+            cells.append(ring[:, slot].index_select(2, self._cells_in_use(offset, ring.shape[3])).cpu())
+        return SlotState(self.kind, ring_geometry(self.config), self.dtype, self.ring_semantics, column, tuple(cells))
+
+    def restore_slot(self, slot: int, state: SlotState) -> None:
+        """Make live slot ``slot`` hold ``state`` (from :meth:`save_slot`): reset it, then write the
+        saved cells and offsets. Leases are unchanged (acquire the slot first).
+
+        Raises:
+            TypeError: ``state`` is not a :class:`SlotState`.
+            ValueError: ``slot`` is not a live slot id, or ``state`` comes from another pool kind, codec
+                geometry, ring dtype or ring semantics, or its tensors do not match its offsets (the
+                message names the mismatch). Nothing changes then.
+            RuntimeError: the pool is not initialised.
+        """
+        slot = self._live_slot(slot, "restore_slot")
+        self._check_slot_state(state)
+        self.reset([slot])
+        for ring, offset, saved in zip(self.rings, self._layer_offsets_in(state.offsets).tolist(), state.cells):
+            cells = self._cells_in_use(offset, ring.shape[3]).to(self.device)
+            ring[:, slot].index_copy_(2, cells, saved.to(self.device))
+        self._write_offset_column(slot, state.offsets.to(self.device))
+
     # ----------------------------------------------------------------- helpers
+    def _live_slot(self, slot, op: str) -> int:
+        self._require_initialized()
+        if isinstance(slot, torch.Tensor) and slot.numel() == 1 and not slot.dtype.is_floating_point:
+            slot = int(slot)
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.state_capacity:
+            raise ValueError(f"{op}: slot {slot!r} is not a live slot id (0..{self.state_capacity - 1})")
+        return slot
+
+    @staticmethod
+    def _cells_in_use(offset: int, capacity: int) -> torch.Tensor:
+        # Cells of the latest min(offset, C) positions, oldest first.
+        used = min(offset, capacity)
+        return torch.remainder(torch.arange(offset - used, offset), capacity)
+
+    def _check_slot_state(self, state) -> None:
+        if not isinstance(state, SlotState):
+            raise TypeError(f"restore_slot: state must be a SlotState (from save_slot), got {type(state).__name__}")
+        expected = {
+            "pool kind": (self.kind, state.pool_kind),
+            "codec geometry (layers, heads, context, head_dim, tokens per frame per group)": (
+                ring_geometry(self.config),
+                state.geometry,
+            ),
+            "ring dtype": (self.dtype, state.dtype),
+            "ring semantics": (self.ring_semantics, state.ring_semantics),
+        }
+        for what, (ours, theirs) in expected.items():
+            if ours != theirs:
+                raise ValueError(f"restore_slot: the state's {what} is {theirs!r}; this pool's is {ours!r}")
+        column = self._offset_column(0).cpu()
+        offsets = state.offsets
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.shape != column.shape:
+            got = (getattr(offsets, "shape", None), getattr(offsets, "dtype", None))
+            raise ValueError(f"restore_slot: state offsets must be int64 of shape {tuple(column.shape)}, got {got}")
+        if bool((offsets < 0).any()):
+            raise ValueError(f"restore_slot: state offsets must be >= 0, got {offsets.tolist()}")
+        if len(state.cells) != len(self.rings):
+            raise ValueError(
+                f"restore_slot: the state has {len(state.cells)} layers of cells; the codec has {len(self.rings)}"
+            )
+        for layer, (ring, offset, saved) in enumerate(
+            zip(self.rings, self._layer_offsets_in(offsets).tolist(), state.cells)
+        ):
+            shape = (2, ring.shape[2], min(offset, ring.shape[3]), ring.shape[4])
+            if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != shape or saved.dtype != self.dtype:
+                got = (tuple(getattr(saved, "shape", ())), getattr(saved, "dtype", None))
+                raise ValueError(
+                    f"restore_slot: layer {layer} cells must be {shape} {self.dtype} for offset {offset}, got {got}"
+                )
+
     def _require_initialized(self) -> None:
         if not self.initialized:
             raise RuntimeError(f"{type(self).__name__} is not initialised; call initialize(state_capacity) first")
@@ -445,8 +575,19 @@ class DecoderStatePool(ABC):
     @abstractmethod
     def _route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor: ...
 
+    def _layer_offsets(self, slot: int) -> torch.Tensor:
+        return self._layer_offsets_in(self._offset_column(slot).cpu())
+
     @abstractmethod
-    def _layer_offsets(self, slot: int) -> torch.Tensor: ...
+    def _offset_column(self, slot: int) -> torch.Tensor:
+        """A copy of slot ``slot``'s offsets in the pool's layout (:attr:`SlotState.offsets`)."""
+
+    @abstractmethod
+    def _write_offset_column(self, slot: int, column: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _layer_offsets_in(self, column: torch.Tensor) -> torch.Tensor:
+        """``(L,)`` int64 token offset of every attention layer, from a CPU offset column."""
 
 
 # =============================================================================== legacy
@@ -550,8 +691,14 @@ class LegacyDecoderStatePool(DecoderStatePool):
         )
         return StepPlan(group_steps(self.config, num_frames, lengths), attention)
 
-    def _layer_offsets(self, slot: int) -> torch.Tensor:
-        return self.offset_table[[attn for attn, _ in self.layer_rows], slot].cpu()
+    def _offset_column(self, slot: int) -> torch.Tensor:
+        return self.offset_table[:, slot].clone()
+
+    def _write_offset_column(self, slot: int, column: torch.Tensor) -> None:
+        self.offset_table[:, slot] = column
+
+    def _layer_offsets_in(self, column: torch.Tensor) -> torch.Tensor:
+        return column[[attn for attn, _ in self.layer_rows]]
 
 
 # =============================================================================== compact
@@ -643,10 +790,16 @@ class CompactDecoderStatePool(DecoderStatePool):
         attention = CompactTritonRingAttention(self.config, self.rings, self.ring_semantics, slots, start, num_frames)
         return groups, attention
 
-    def _layer_offsets(self, slot: int) -> torch.Tensor:
-        frames = self.frames_decoded[slot].cpu()
+    def _offset_column(self, slot: int) -> torch.Tensor:
+        return self.frames_decoded[slot : slot + 1].clone()
+
+    def _write_offset_column(self, slot: int, column: torch.Tensor) -> None:
+        self.frames_decoded[slot : slot + 1] = column
+
+    def _layer_offsets_in(self, column: torch.Tensor) -> torch.Tensor:
+        frames = int(column[0])
         return torch.tensor(
-            [int(frames) * spec.tokens_per_frame for spec in self.config.groups for _ in range(spec.num_layers)],
+            [frames * spec.tokens_per_frame for spec in self.config.groups for _ in range(spec.num_layers)],
             dtype=torch.long,
         )
 
