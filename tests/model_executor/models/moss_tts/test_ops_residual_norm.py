@@ -65,6 +65,12 @@ def test_reference_is_the_unfused_decoder_bitwise(scaled):
         ("layer_scale", torch.zeros(47), r"`layer_scale` must have shape \(48,\), got \(47,\)"),
         ("weight", torch.zeros(48, dtype=torch.long), "`weight` must have a floating-point dtype, got torch.int64"),
         ("bias", [0.0], "`bias` must be a torch.Tensor, got list"),
+        (
+            "layer_scale",
+            torch.zeros(48, dtype=torch.bfloat16),
+            r"`layer_scale` must have the dtype of `update` \(torch.float32\), got torch.bfloat16",
+        ),
+        ("update", torch.tensor(1.0), r"`update` must have shape \(\.\.\., d\), got a 0-dim tensor"),
     ],
 )
 def test_rejects_bad_inputs(name, bad, message):
@@ -73,6 +79,26 @@ def test_rejects_bad_inputs(name, bad, message):
     error = TypeError if isinstance(bad, list) else ValueError
     with pytest.raises(error, match=f"residual_layer_norm: {message}"):
         ops.residual_layer_norm(**args, eps=1e-5)
+
+
+@cpu
+@pytest.mark.parametrize("scaled", [True, False])
+def test_outputs_are_contiguous_whatever_the_input_strides(scaled):
+    # Non-contiguous x and update, strided and broadcast (d,) vectors: the values of the contiguous
+    # case, contiguous outputs (the fake impl promises them). Interpreted too, in the child.
+    x, update, scale, weight, bias = _case((3, 4), 48, torch.float32, seed=5)
+    expected = ops.residual_layer_norm(x, update, scale if scaled else None, weight, bias, 1e-5)
+    x_t = x.transpose(0, 1).contiguous().transpose(0, 1)
+    update_t = update.transpose(0, 1).contiguous().transpose(0, 1)
+    weight_s = torch.stack((weight, weight)).t().contiguous()[:, 0]  # stride 2
+    scale_s = torch.stack((scale, scale)).t().contiguous()[:, 1] if scaled else None
+    bias_b = torch.stack((bias, bias)).t().contiguous()[:, 0]
+    assert not (x_t.is_contiguous() or weight_s.is_contiguous() or bias_b.is_contiguous())
+    got = ops.residual_layer_norm(x_t, update_t, scale_s, weight_s, bias_b, 1e-5)
+    for g, e in zip(got, expected):
+        assert g.is_contiguous() and torch.equal(g, e)
+    one = ops.residual_layer_norm(x, update, torch.full((1,), 0.5).expand(48), weight, bias, 1e-5)
+    assert torch.equal(one[0], x + 0.5 * update)
 
 
 @cpu

@@ -231,7 +231,12 @@ def _good_args():
     "name,bad,message",
     [
         ("cache", torch.zeros(4, 2, 5, 16), r"`cache` must have shape \(2, S, H, C, Dh\)"),
-        ("cache", torch.zeros(2, 4, 2, 5, 16, dtype=torch.long), "`cache` must have a floating-point dtype"),
+        ("cache", torch.zeros(2, 4, 2, 5, 16, dtype=torch.long), "`cache` must have one of the dtypes"),
+        (
+            "cache",
+            torch.zeros(2, 4, 2, 5, 16, dtype=torch.float64),
+            r"`cache` must have one of the dtypes \(torch.float32, torch.bfloat16, torch.float16\), got torch.float64",
+        ),
         ("k", torch.zeros(3, 3, 4, 16), r"`k` must have shape \(B, H, T, Dh\) = \(None, 2, None, 16\)"),
         ("k", torch.zeros(3, 2, 4, 16, dtype=torch.bfloat16), "`k` must have dtype torch.float32"),
         ("v", torch.zeros(3, 2, 5, 16), r"`v` must have shape \(B, H, T, Dh\) = \(3, 2, 4, 16\), got \(3, 2, 5, 16\)"),
@@ -400,6 +405,27 @@ def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks, f
         cells = touched[b].nonzero().flatten()
         assert torch.equal(after[:, slot_ids[b], :, cells], expected[:, slot_ids[b], :, cells])
     assert torch.equal(after.isnan(), expected.isnan()), "the write touched a cell it must not"
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("plane", [0, 1])
+def test_kernels_interpreted_propagate_a_nan_the_queries_see(plane):
+    # A NaN key (plane 0) or value (plane 1) in one ring cell: the queries that see it output NaN, as
+    # the reference path's SDPA does; the others stay finite and match it.
+    C, H, Dh, T = 6, 2, 16, 5
+    gen = torch.Generator().manual_seed(13)
+    cache = torch.randn(2, 2, H, C, Dh, generator=gen)
+    cache[plane, 0, 1, 2, 3] = float("nan")  # slot 0, head 1, cell 2 = position 8, seen under both semantics
+    q, k, v = (torch.randn(1, H, T, Dh, generator=gen) for _ in range(3))
+    args = (cache, torch.tensor([0]), torch.tensor([9]), torch.tensor([T]))
+    for semantics in SEMANTICS:
+        got = ring_ops.ring_attention(q, k, v, *args, semantics)
+        expected = ring_ops.ring_attention_reference(q, k, v, *args, semantics)
+        assert torch.equal(got.isnan(), expected.isnan()) and got[0, :, 1].isnan().any(), semantics
+        assert not got[0, :, 0].isnan().any(), "head 0 never reads the NaN"
+        finite = ~expected.isnan()
+        assert (got[finite] - expected[finite]).abs().max().item() <= 1e-5 * expected[finite].abs().max().item()
 
 
 @cpu

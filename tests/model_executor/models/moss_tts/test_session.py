@@ -320,6 +320,41 @@ def test_a_bad_request_fails_alone(ring_decoder):
     _close(rest.audio, first, "live after a refused chunk")
 
 
+def test_a_refused_chunk_of_an_admitted_stream_keeps_its_error_beside_the_buffered_audio(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 1)
+    a, w = _codes(ring_decoder, 1, 1), _codes(ring_decoder, 2, 2)
+    s.decode([ChunkRequest("a", a), ChunkRequest("w", w)])  # "w" waits for the only slot
+    n_vq = ring_decoder.config.num_quantizers
+    bad = torch.zeros(n_vq + 1, 2, dtype=torch.long)
+    got = s.decode([ChunkRequest("a", a[:, :0], True), ChunkRequest("w", bad)])  # "a" ends, "w" is admitted
+    assert got["w"].error == f"request 'w': codes must have shape ({n_vq}, T), got ({n_vq + 1}, 2)"
+    assert got["w"].frames == 2  # its buffered chunk, decoded
+    _close(got["w"].audio, _solo(ring_decoder, w, [2]), "buffered chunk of the admitted stream")
+    assert s.stats()["request_errors"] == 1
+
+
+def test_codes_that_are_not_dense_fail_their_request_alone(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    good = _codes(ring_decoder, 2, 1)
+    got = s.decode([ChunkRequest("good", good, True), ChunkRequest("sparse", good.to_sparse())])
+    assert (
+        got["sparse"].error == "request 'sparse': codes must be a dense (strided) tensor, got a torch.sparse_coo tensor"
+    )
+    _close(got["good"].audio, _solo(ring_decoder, good, [2]), "good beside sparse codes")
+    assert s.free_slots == 2
+
+
+def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    c = _codes(ring_decoder, 1, 1)
+    s.decode([ChunkRequest("req-1", c), ChunkRequest("r", c)])
+    with pytest.raises(TypeError, match="request_ids must be a collection of request ids, got the single id 'req-1'"):
+        s.on_requests_finished("req-1")
+    assert set(s.live_requests) == {"req-1", "r"}
+    s.on_requests_finished(["req-1"])
+    assert set(s.live_requests) == {"r"}
+
+
 @pytest.mark.parametrize(
     "bad_id,key,message",
     [

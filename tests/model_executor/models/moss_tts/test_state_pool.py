@@ -688,3 +688,27 @@ def test_restore_refuses_another_geometry_and_tampered_states(ring_decoder):
     for op in (pool.save_slot, lambda s: pool.restore_slot(s, state)):
         with pytest.raises(ValueError, match=r"slot 2 is not a live slot id \(0..1\)"):
             op(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_ring_dtype_other_than_the_weights_decodes(dtype, ring_decoder):
+    # Attention hands the layer its output in the projections' dtype, whatever the rings hold.
+    reference = make_state_pool(ring_decoder, attention_backend="sdpa")
+    other = make_state_pool(ring_decoder, dtype=dtype, attention_backend="sdpa")
+    for pool in (reference, other):
+        pool.initialize(2)
+    for step, T in enumerate((3, 7, 2)):
+        expected, got = _decode(reference, [0, 1], T, seed=20 + step), _decode(other, [0, 1], T, seed=20 + step)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        tolerance = 1e-5 if dtype == torch.float64 else 5e-2
+        assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item(), f"step {step}"
+    assert other.rings[0].dtype == dtype
+
+
+def test_backend_and_semantics_must_be_named_and_triton_needs_a_kernel_dtype(ring_decoder):
+    with pytest.raises(ValueError, match=r"attention backend 'triton' needs a ring dtype in \(torch.float32, "):
+        make_state_pool(ring_decoder, dtype=torch.float64, attention_backend="triton")
+    with pytest.raises(ValueError, match="unknown attention backend ''"):
+        make_state_pool(ring_decoder, attention_backend="")
+    with pytest.raises(ValueError, match="unknown ring semantics ''"):
+        make_state_pool(ring_decoder, ring_semantics="")

@@ -79,7 +79,9 @@ class ChunkResult:
             when nothing was decoded).
         sample_rate: samples per second per channel.
         frames: code frames decoded for this request in this call.
-        error: why this request's chunk was refused (nothing of its stream changed), or None.
+        error: why this request's chunk in this call was refused (nothing of its stream changed
+            by it), or None. A refused chunk of a stream whose earlier, buffered chunks were
+            decoded in the same call comes back with that audio and the error together.
         queued: True while the stream waits for a slot (its chunk is buffered).
     """
 
@@ -331,7 +333,13 @@ class CodecStreamSession:
     # ------------------------------------------------------------------ lifecycle
     def on_requests_finished(self, request_ids: Iterable[str]) -> None:
         """Abort, disconnect or completion: release every slot these ids hold and drop their
-        buffered chunks. Ids that are not live or waiting are ignored."""
+        buffered chunks. Ids that are not live or waiting are ignored.
+
+        Raises:
+            TypeError: ``request_ids`` is a single ``str`` (or bytes), not a collection of ids.
+        """
+        if isinstance(request_ids, (str, bytes)):
+            raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
         if self._closed:
             return
         released = []
@@ -408,7 +416,9 @@ class CodecStreamSession:
         audio = self._decode_ready()
         for rid, parts in audio.items():
             wav = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-            results[rid] = ChunkResult(wav, self.sample_rate, wav.shape[-1] // self.samples_per_frame)
+            refused = results.get(rid)  # this call's chunk refused, the buffered ones decoded
+            error = None if refused is None else refused.error
+            results[rid] = ChunkResult(wav, self.sample_rate, wav.shape[-1] // self.samples_per_frame, error)
         for rid in ids:
             if rid not in results:
                 results[rid] = self._empty(queued=rid in self._waiting)
@@ -423,6 +433,9 @@ class CodecStreamSession:
             return f"request_id must be a non-empty str, got {rid!r}"
         if not isinstance(req.finished, bool):
             return f"request {rid!r}: finished must be a bool, got {req.finished!r}"
+        if isinstance(c, torch.Tensor) and (c.layout != torch.strided or c.is_nested):
+            layout = "nested" if c.is_nested else c.layout
+            return f"request {rid!r}: codes must be a dense (strided) tensor, got a {layout} tensor"
         if not isinstance(c, torch.Tensor) or c.dim() != 2 or c.shape[0] != self.n_vq:
             shape = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
             return f"request {rid!r}: codes must have shape ({self.n_vq}, T), got {shape}"

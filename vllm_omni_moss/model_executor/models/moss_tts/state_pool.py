@@ -67,6 +67,7 @@ from .attention import (
 )
 from .decoder import CodecDecoder, _autocast, run_decoder
 from .ops.commit import commit_offsets
+from .ops.ring_attention import RING_DTYPES
 from .step_metadata import RING_SEMANTICS, default_ring_semantics
 
 __all__ = [
@@ -167,7 +168,8 @@ class DecoderStatePool(ABC):
 
     Raises:
         ValueError: a non-floating ``dtype``, unknown ``ring_semantics`` or ``attention_backend``
-            (the message lists the choices), or ``"triton"`` for the legacy pool.
+            (the message lists the choices), ``"triton"`` for the legacy pool, or ``"triton"``
+            with a ring dtype outside ``ops.ring_attention.RING_DTYPES``.
         RuntimeError: ``"triton"`` without the ``triton`` package installed.
     """
 
@@ -185,11 +187,17 @@ class DecoderStatePool(ABC):
         self.dtype = dtype or decoder.state_dtype
         if not self.dtype.is_floating_point:
             raise ValueError(f"ring dtype must be a floating-point dtype, got {self.dtype}")
-        self.ring_semantics = ring_semantics or default_ring_semantics(self.config.version)
+        if ring_semantics is None:
+            ring_semantics = default_ring_semantics(self.config.version)
+        self.ring_semantics = ring_semantics
         if self.ring_semantics not in RING_SEMANTICS:
             raise ValueError(f"unknown ring semantics {self.ring_semantics!r}; expected one of {RING_SEMANTICS}")
         self.device = decoder.device
-        self.attention_backend = check_attention_backend(attention_backend or self._default_attention_backend())
+        if attention_backend is None:
+            attention_backend = self._default_attention_backend()
+        self.attention_backend = check_attention_backend(attention_backend)
+        if self.attention_backend == "triton" and self.dtype not in RING_DTYPES:
+            raise ValueError(f"attention backend 'triton' needs a ring dtype in {RING_DTYPES}, got {self.dtype}")
         self.rings: list[torch.Tensor] = []
         self.state_capacity = 0
         self.scratch_capacity = 0

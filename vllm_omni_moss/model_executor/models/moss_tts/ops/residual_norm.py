@@ -90,7 +90,9 @@ def _launch_triton(x, update, layer_scale, weight, bias, eps):
     rows = x_out.numel() // max(width, 1)
     if rows == 0:
         return x_out, h
-    scale = layer_scale if layer_scale is not None else weight
+    # The kernel indexes the (d,) vectors with unit stride.
+    weight, bias = weight.contiguous(), bias.contiguous()
+    scale = layer_scale.contiguous() if layer_scale is not None else weight
     with _device_guard(x):
         _residual_layer_norm_kernel[(rows,)](
             x,
@@ -121,7 +123,7 @@ def _residual_layer_norm_op(
     if update.is_cuda or (update.device.type == "cpu" and cpu_uses_triton_interpreter()):
         return _launch_triton(x, update, layer_scale, weight, bias, eps)
     x_out, h = residual_layer_norm_reference(x, update, layer_scale, weight, bias, eps)
-    return x_out, h.contiguous()
+    return x_out.contiguous(), h.contiguous()
 
 
 @_residual_layer_norm_op.register_fake
@@ -155,7 +157,7 @@ def residual_layer_norm(
     Args:
         x: ``(..., d)`` the residual stream (any float dtype; cast to ``update``'s dtype first).
         update: ``(..., d)`` the sublayer's output (bf16 on CUDA under autocast, float32 on CPU).
-        layer_scale: ``(d,)`` LayerScale vector, or ``None`` (update added unscaled).
+        layer_scale: ``(d,)`` LayerScale vector in ``update``'s dtype, or ``None`` (update added unscaled).
         weight, bias: ``(d,)`` the next LayerNorm's affine parameters.
         eps: the LayerNorm epsilon (1e-5 in the codec).
     Returns:
@@ -166,9 +168,15 @@ def residual_layer_norm(
         RuntimeError: CUDA tensors without Triton installed.
     """
     _check("update", update, getattr(update, "shape", ()), getattr(update, "device", None))
+    if update.dim() == 0:
+        raise ValueError("residual_layer_norm: `update` must have shape (..., d), got a 0-dim tensor")
     width = update.shape[-1]
     _check("x", x, update.shape, update.device)
     for name, value in (("layer_scale", layer_scale), ("weight", weight), ("bias", bias)):
         if value is not None or name != "layer_scale":
             _check(name, value, (width,), update.device)
+    if layer_scale is not None and layer_scale.dtype != update.dtype:
+        raise ValueError(
+            f"residual_layer_norm: `layer_scale` must have the dtype of `update` ({update.dtype}), got {layer_scale.dtype}"
+        )
     return torch.ops.vllm_omni_moss.residual_layer_norm(x, update, layer_scale, weight, bias, float(eps))

@@ -54,6 +54,7 @@ from ..step_metadata import RING_SEMANTICS, RingMetadata, apply_rope, build_ring
 from .commit import HAS_TRITON, _check_tensor, _device_guard, cpu_uses_triton_interpreter, tl, triton
 
 __all__ = [
+    "RING_DTYPES",
     "attend_gathered_rows",
     "ring_attention",
     "ring_attention_reference",
@@ -61,6 +62,8 @@ __all__ = [
     "ring_write_reference",
 ]
 
+#: Ring dtypes the kernels support (their dot products take 16- or 32-bit floats).
+RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Keys per inner iteration of the attention kernel.
 _BLOCK_KEYS = 64
 #: Largest block of queries per program (smaller steps use the next power of two >= T, at least 16).
@@ -160,8 +163,8 @@ def _check_rope(op: str, cos, sin, shape, device) -> None:
 def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
     """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
     _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
-    if not cache.dtype.is_floating_point:
-        raise ValueError(f"{op}: `cache` must have a floating-point dtype, got {cache.dtype}")
+    if cache.dtype not in RING_DTYPES:
+        raise ValueError(f"{op}: `cache` must have one of the dtypes {RING_DTYPES}, got {cache.dtype}")
     _, _, num_heads, _, head_dim = cache.shape
     _check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
     num_rows, _, num_tokens, _ = k.shape
@@ -361,7 +364,9 @@ if HAS_TRITON:
                     q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
                 )
 
-        has_keys = (t < written) & (l_i > 0.0)
+        # l == 0: the query saw no key (zeros, as SDPA). A NaN l (a NaN or infinite key or value it saw)
+        # is kept: the output is NaN, as SDPA's, not a silent zero.
+        has_keys = (t < written) & (l_i != 0.0)
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         out = tl.where(has_keys[:, None], out, 0.0)
         tl.store(
