@@ -45,6 +45,8 @@ whatever its p99. ``arms.<arm>.max_streams_at_slo`` is the largest swept concurr
 (null if none). A warning is printed when a run's step
 time max exceeds 10x its p50, naming the slowest step's batch (chunks and frames): a stall of the machine
 when that batch is small, a burst of chunks arriving together when it holds most of the live streams.
+``--time-replays`` (CUDA, our arms) brackets every graph replay with device synchronisations and splits each
+decode call into replay time and the host time around it (``details.replay_ms``, ``details.host_ms``).
 
 Writes ``results.json`` (rewritten after every run), ``latencies.npz`` (every chunk's codec-added latency in
 ms per arm and concurrency, keys ``"<arm>/<C>"``), ``results.md``, ``latency_cdf.png`` and ``concurrency.png``
@@ -144,7 +146,17 @@ class OurArm:
     graphs are captured, ``max_step_frames`` = the largest chunk size.
     """
 
-    def __init__(self, decoder, concurrency: int, kind: str, graphs: bool, chunk_sizes: list[int], n_vq: int):
+    def __init__(
+        self,
+        decoder,
+        concurrency: int,
+        kind: str,
+        graphs: bool,
+        chunk_sizes: list[int],
+        n_vq: int,
+        time_replays: bool = False,
+    ):
+        self.replay_s = 0.0
         self.session = CodecStreamSession(
             decoder,
             concurrency,
@@ -154,6 +166,31 @@ class OurArm:
             max_step_frames=max(chunk_sizes),
             n_vq=n_vq,
         )
+        self.time_replays = time_replays and self.session.runner is not None
+        if self.time_replays:
+            self._time_replays(self.session.runner)
+
+    def _time_replays(self, runner) -> None:
+        # Bracket every graph replay with device synchronisations (only under --time-replays: the extra
+        # syncs cost a little) so a decode call splits into replay time and host time around it.
+        replay = runner.decode
+
+        def timed(codes, lengths, slot_ids):
+            torch.cuda.synchronize(codes.device)
+            t0 = time.perf_counter()
+            out = replay(codes, lengths, slot_ids)
+            torch.cuda.synchronize(codes.device)
+            self.replay_s += time.perf_counter() - t0
+            return out
+
+        runner.decode = timed
+
+    def take_replay_seconds(self) -> float | None:
+        """Graph replay seconds since the last call (None without --time-replays)."""
+        if not self.time_replays:
+            return None
+        seconds, self.replay_s = self.replay_s, 0.0
+        return seconds
 
     def decode(self, chunks: list[upstream_stage.StageChunk]) -> dict[str, torch.Tensor]:
         results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
@@ -202,6 +239,9 @@ class UpstreamArm:
     def decode(self, chunks):
         return self.stage.decode(chunks)
 
+    def take_replay_seconds(self) -> float | None:
+        return None  # --time-replays times our session only
+
     def abort(self, request_ids):
         self.stage.release(request_ids)
 
@@ -234,6 +274,7 @@ class Run:
     step_wall: list[float] = field(default_factory=list)
     step_chunks: list[int] = field(default_factory=list)  # chunks decoded by each step
     step_frames: list[int] = field(default_factory=list)  # frames of each step's longest chunk
+    step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
     serving_s: float = 0.0
     audio_s: float = 0.0
     finished_requests: int = 0
@@ -287,6 +328,9 @@ def simulate(arm, trace: Trace, concurrency: int, chunk_sizes: list[int], cfg, a
         run.step_wall.append(wall)
         run.step_chunks.append(len(chunks))
         run.step_frames.append(max(chunk.frames for chunk in chunks))
+        replay = arm.take_replay_seconds()
+        if replay is not None:
+            run.step_replay.append(replay)
         clock += wall
         if set(audio) != {c.request_id for c in chunks}:
             raise AssertionError(
@@ -350,6 +394,12 @@ def summarize(run: Run, stats: dict[str, Any], peak: int | None) -> tuple[dict[s
     slowest = int(np.argmax(walls))
     if slowest < len(run.step_chunks):
         details["slowest_step"] = {"chunks": run.step_chunks[slowest], "max_frames": run.step_frames[slowest]}
+    if run.step_replay and len(run.step_replay) == len(walls):
+        # Per decode call: graph replay time and the host time around it (call wall minus replay).
+        host = [w - r for w, r in zip(walls, run.step_replay)]
+        details["replay_ms"] = {"p50": _pct(run.step_replay, 50), "p99": _pct(run.step_replay, 99)}
+        details["host_ms"] = {"p50": _pct(host, 50), "p99": _pct(host, 99)}
+        details["slowest_step"]["replay_ms"] = round(run.step_replay[slowest] * 1e3, 3)
     return figures, details
 
 
@@ -413,7 +463,7 @@ def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: d
             models.clear()  # one arm's weights on the device at a time
             common.free_memory(device)
             models["ours"] = common.random_decoder(args.preset, device, seed=args.seed)
-        return lambda c: OurArm(models["ours"], c, name, graphs, chunk_sizes, args.n_vq)
+        return lambda c: OurArm(models["ours"], c, name, graphs, chunk_sizes, args.n_vq, args.time_replays)
     if "upstream" not in models:
         models.clear()
         common.free_memory(device)
@@ -482,6 +532,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="run nothing: rewrite results.md and the plots from --out's results.json and latencies.npz",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--time-replays",
+        action="store_true",
+        help="CUDA, our arms: time each graph replay between device syncs; details gain replay_ms and host_ms",
+    )
     args = p.parse_args(argv)
     if args.requests_per_stream < 1 or args.n_vq < 1:
         p.error("--requests-per-stream and --n-vq must be >= 1")

@@ -247,6 +247,21 @@ def test_stage_trace_and_slo_helpers():
     )
 
 
+def test_stage_summary_splits_decode_calls_into_replay_and_host_time():
+    bench = _load("bench_codec_stage")
+    run = bench.Run(codec_latency=[0.01], first_latency=[0.1], serving_s=1.0, audio_s=1.0)
+    run.step_wall, run.step_chunks, run.step_frames = [0.010, 0.050, 0.020], [1, 8, 2], [1, 15, 15]
+    stats = {"decoded_frames": 10, "padded_frames": 0, "steps_by_path": {"graph": 3, "eager": 0}}
+    _, details = bench.summarize(run, stats, None)
+    assert details["slowest_step"] == {"chunks": 8, "max_frames": 15}
+    assert "replay_ms" not in details  # not timed without --time-replays
+    run.step_replay = [0.004, 0.030, 0.015]
+    _, details = bench.summarize(run, stats, None)
+    assert details["slowest_step"] == {"chunks": 8, "max_frames": 15, "replay_ms": 30.0}
+    assert details["replay_ms"]["p50"] == 15.0 and details["host_ms"]["p50"] == 6.0
+    assert details["host_ms"]["p99"] == pytest.approx(19.72)  # numpy percentile of [6, 20, 5] ms
+
+
 def test_upstream_stage_plan_follows_upstream_policy():
     plan_steps = _load("bench_codec_stage").upstream_stage.plan_steps
 

@@ -288,6 +288,22 @@ def test_ops_reject_bad_rope_tables(cos, sin, message):
 
 
 @cpu
+@pytest.mark.parametrize("rope", [False, True])
+def test_ops_handle_an_empty_chunk(rope):
+    # T = 0 (a direct caller's empty step): an empty output, the rings untouched; reference and kernel alike.
+    q = torch.zeros(2, 2, 0, 16)
+    cache = torch.randn(2, 3, 2, 5, 16)
+    ids, offsets, written = torch.tensor([0, 1]), torch.tensor([4, 9]), torch.tensor([0, 0])
+    tables = rope_tables(offsets, 0, 16, 10000.0) if rope else (None, None)
+    assert tables[0] is None or tables[0].shape == (2, 1, 0, 8)
+    out = ring_ops.ring_attention(q, q, q, cache, ids, offsets, written, "upstream", *tables)
+    assert out.shape == (2, 0, 2, 16)
+    before = cache.clone()
+    ring_ops.ring_write(q, q, cache, ids, offsets, written, *tables)
+    assert torch.equal(cache, before)
+
+
+@cpu
 def test_ring_attention_rejects_unknown_semantics():
     with pytest.raises(
         ValueError, match=r"ring_attention: unknown ring semantics 'v2'; expected one of \('upstream', 'exact'\)"

@@ -106,7 +106,7 @@ def rope_tables(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_perio
     ds = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
     freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
     ts = offsets.float().view(-1, 1) + torch.arange(num_tokens, device=device, dtype=torch.float32)
-    angles = freqs * ts.view(-1, 1, num_tokens, 1)
+    angles = freqs * ts.view(offsets.shape[0], 1, num_tokens, 1)  # B explicit: T may be 0
     return torch.cos(angles), torch.sin(angles)
 
 
