@@ -446,6 +446,24 @@ def test_kernels_interpreted_propagate_a_nan_the_queries_see(plane):
 
 @cpu
 @needs_interpreter
+def test_bfloat16_rings_take_the_reference_under_the_interpreter():
+    # The interpreter's bfloat16 arithmetic is not the GPU's: bf16 rings run the reference even here.
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(2, 2, 7, 16, generator=gen).bfloat16() for _ in range(3))
+    cache = torch.randn(2, 3, 2, 5, 16, generator=gen).bfloat16()
+    args = (torch.tensor([2, 0]), torch.tensor([3, 11]), torch.tensor([7, 4]))
+    rope = rope_tables(args[1], 7, 16, 10000.0)
+    for semantics in SEMANTICS:
+        got = ring_ops.ring_attention(q, k, v, cache, *args, semantics, *rope)
+        assert torch.equal(got, ring_ops.ring_attention_reference(q, k, v, cache, *args, semantics, *rope))
+    expected = cache.clone()
+    ring_ops.ring_write(k, v, cache, *args, *rope)
+    ring_ops.ring_write_reference(k, v, expected, *args, *rope)
+    assert torch.equal(cache, expected)
+
+
+@cpu
+@needs_interpreter
 def test_kernels_interpreted_follow_strides():
     # q and k as views of one (2, B, H, T, Dh) tensor, v a strided view of a (B, T, 3, H, Dh) projection.
     C, H, Dh, T, B = 5, 2, 16, 7, 3

@@ -58,6 +58,16 @@ def cpu_uses_triton_interpreter() -> bool:
     return HAS_TRITON and TRITON_INTERPRET_AT_IMPORT and ALLOW_CPU_TRITON_INTERPRETER
 
 
+def runs_triton_kernel(tensor: torch.Tensor) -> bool:
+    """Whether an op whose arithmetic runs in ``tensor``'s dtype launches its Triton kernel for it: always
+    on CUDA; on CPU only under the interpreter (:func:`cpu_uses_triton_interpreter`) and not for bfloat16,
+    which Triton's interpreter computes wrongly (it converts float32 to bfloat16 toward zero and its
+    bfloat16 dot products are not IEEE); the reference runs instead."""
+    if tensor.is_cuda:
+        return True
+    return tensor.device.type == "cpu" and cpu_uses_triton_interpreter() and tensor.dtype != torch.bfloat16
+
+
 def _device_guard(tensor: torch.Tensor):
     # Triton launches on the current CUDA device; make it the tensors' device.
     if tensor.is_cuda:
@@ -448,5 +458,6 @@ __all__ = [
     "commit_offsets",
     "commit_offsets_reference",
     "cpu_uses_triton_interpreter",
+    "runs_triton_kernel",
     "touched_ring_mask",
 ]

@@ -18,7 +18,8 @@ projection. :func:`residual_layer_norm` does it in one kernel per token row, wit
   sum here, Welford there): a few float32 ulps before the final rounding.
 
 Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference (bitwise
-the unfused decoder) unless the Triton interpreter is active at import. The decoder calls the kernel only
+the unfused decoder) unless the Triton interpreter is active at import (bfloat16 excepted, as in
+``ops/commit.py``'s ``runs_triton_kernel``). The decoder calls the kernel only
 on CUDA, so CPU decoding (and its parity with upstream) is unchanged.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .commit import HAS_TRITON, _device_guard, cpu_uses_triton_interpreter, tl, triton
+from .commit import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["residual_layer_norm", "residual_layer_norm_reference"]
 
@@ -120,7 +121,7 @@ def _residual_layer_norm_op(
     bias: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if update.is_cuda or (update.device.type == "cpu" and cpu_uses_triton_interpreter()):
+    if runs_triton_kernel(update):
         return _launch_triton(x, update, layer_scale, weight, bias, eps)
     x_out, h = residual_layer_norm_reference(x, update, layer_scale, weight, bias, eps)
     return x_out.contiguous(), h.contiguous()

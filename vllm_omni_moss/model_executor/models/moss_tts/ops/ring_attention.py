@@ -27,8 +27,9 @@ their slot id) and output zeros; padding tokens are never read as keys and never
 
 Each operation comes with a Triton kernel, a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``)
 with ``register_fake``, a PyTorch reference, and a public function that validates shapes. Dispatch is
-``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the Triton
-interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs interpreted. Both are
+``ops/commit.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
+unless the Triton interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs
+interpreted, except for bfloat16 rings (the interpreter's bfloat16 arithmetic is not the GPU's). Both are
 safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
 syncs). Keys and queries arrive either already rotated, or unrotated with the chunk's RoPE tables
 (``cos``, ``sin``): the kernels then rotate them as they load them, with float32 roundings equal to
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..step_metadata import RING_SEMANTICS, RingMetadata, apply_rope, build_ring_metadata
-from .commit import HAS_TRITON, _check_tensor, _device_guard, cpu_uses_triton_interpreter, tl, triton
+from .commit import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = [
     "RING_DTYPES",
@@ -478,7 +479,7 @@ def _ring_attention_op(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
+    if runs_triton_kernel(cache):
         return _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
     return ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
 
@@ -690,7 +691,7 @@ def _ring_write_op(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
 ) -> None:
-    if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
+    if runs_triton_kernel(cache):
         _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin)
     else:
         ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos, sin)
