@@ -91,8 +91,8 @@ class GroupStep:
 
 class AttentionBackend(Protocol):
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        """``qkv`` ``(3, B, H, T, Dh)`` projections before RoPE -> ``(B, H, T, Dh)`` in ``qkv``'s dtype
-        (whatever the ring dtype); ``layer`` indexes the whole decoder."""
+        """``qkv`` ``(3, B, H, T, Dh)`` projections before RoPE -> ``(B, H, T, Dh)`` (in the ring dtype
+        for the ring backends; the decoder casts it to ``qkv``'s); ``layer`` indexes the whole decoder."""
         ...
 
 
@@ -234,7 +234,7 @@ class CompactRingAttention:
         rows = ring.index_select(1, self.slots)
         out = ring_attention_reference(self.semantics, rows, meta, qkv)
         commit_cache(rows, ring, self.slots, meta.offsets, meta.num_written, group.num_tokens)
-        return out.to(qkv.dtype)
+        return out
 
 
 class CompactTritonRingAttention:
@@ -287,7 +287,7 @@ class CompactTritonRingAttention:
             rope = (None, None)
         out = ring_ops.ring_attention(q, keys, values, ring, self.slots, offsets, written, self.semantics, *rope)
         ring_ops.ring_write(keys, values, ring, self.slots, offsets, written, *rope)
-        return out.to(qkv.dtype).transpose(1, 2)
+        return out.transpose(1, 2)
 
 
 class LegacyRingAttention:
@@ -316,7 +316,7 @@ class LegacyRingAttention:
         ring = self.rings[layer]
         rows = ring.index_select(1, self.slots)
         # The whole rows are written back: rows that write nothing must come back as they were.
-        out = ring_attention_reference(self.semantics, rows, meta, qkv, keep_empty_rows=True).to(qkv.dtype)
+        out = ring_attention_reference(self.semantics, rows, meta, qkv, keep_empty_rows=True)
         ring.index_copy_(1, self.slots, rows)
         for row in {attn_row, ring_row}:
             self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
@@ -340,4 +340,4 @@ class FixedWidthAttention:
         )
         out = ring_attention_reference(self.semantics, self.rings[layer], meta, qkv)
         offsets.copy_(meta.next_offsets)
-        return out.to(qkv.dtype)
+        return out

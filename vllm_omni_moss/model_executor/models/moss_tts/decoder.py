@@ -27,12 +27,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .ops.residual_norm import residual_layer_norm, residual_layer_norm_reference
+from .ops.residual_norm import (
+    add_scaled,
+    layer_norm_float32,
+    residual_layer_norm,
+    residual_layer_norm_reference,
+)
 from .step_metadata import RING_SEMANTICS, default_ring_semantics
 
 __all__ = [
@@ -202,19 +206,6 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
     return lut[rows, codes].sum(dim=0) + decoder.lut_bias
 
 
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    """LayerNorm in float32 (as bf16 autocast runs it), rounded back to ``x.dtype`` for the next projection."""
-    h = F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
-    return h.to(x.dtype)
-
-
-def _add_scaled(x: torch.Tensor, update: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x + scale * update`` in ``update``'s dtype (the end of a group's last layer: no norm follows)."""
-    if scale is not None:
-        update = scale * update
-    return x.to(update.dtype) + update
-
-
 def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attention: AttentionBackend) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
@@ -229,10 +220,12 @@ def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attent
         return x
     # CPU decodes with the reference (the unfused PyTorch ops, also under the Triton interpreter).
     residual_norm = residual_layer_norm if x.is_cuda else residual_layer_norm_reference
-    h = _layer_norm(x, layers[0].norm1)
+    norm = layers[0].norm1
+    h = layer_norm_float32(x, norm.weight, norm.bias, norm.eps)
     for i, layer in enumerate(layers):
         qkv = layer.in_proj(h).view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        attn = attention(group, group.first_layer + i, qkv).transpose(1, 2).reshape(B, T, d)
+        # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
+        attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
         del qkv  # not alive during the FFN: bounds the step's transient memory
         update = layer.out_proj(attn)
         del attn
@@ -241,7 +234,7 @@ def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attent
         # Exact GELU in place on the fresh FFN activation (the widest tensor of the step).
         update = layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
         if i + 1 == len(layers):
-            return _add_scaled(x, update, layer.layer_scale_2)
+            return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
         x, h = residual_norm(x, update, layer.layer_scale_2, norm.weight, norm.bias, norm.eps)
     return x

@@ -30,16 +30,25 @@ import torch.nn.functional as F
 
 from .commit import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
 
-__all__ = ["residual_layer_norm", "residual_layer_norm_reference"]
+__all__ = ["add_scaled", "layer_norm_float32", "residual_layer_norm", "residual_layer_norm_reference"]
+
+
+def add_scaled(x: torch.Tensor, update: torch.Tensor, layer_scale: torch.Tensor | None) -> torch.Tensor:
+    """``x + layer_scale * update`` in ``update``'s dtype (``update`` unscaled when ``layer_scale`` is None)."""
+    if layer_scale is not None:
+        update = layer_scale * update
+    return x.to(update.dtype) + update
+
+
+def layer_norm_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim in float32 (as bf16 autocast runs it), rounded back to ``x.dtype``."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 
 
 def residual_layer_norm_reference(x, update, layer_scale, weight, bias, eps: float):
     """PyTorch oracle for :func:`residual_layer_norm`; same arguments and results (the unfused decoder)."""
-    if layer_scale is not None:
-        update = layer_scale * update
-    x = x.to(update.dtype) + update
-    h = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps)
-    return x, h.to(x.dtype)
+    x = add_scaled(x, update, layer_scale)
+    return x, layer_norm_float32(x, weight, bias, eps)
 
 
 if HAS_TRITON:
