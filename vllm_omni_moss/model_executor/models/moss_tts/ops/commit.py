@@ -59,10 +59,10 @@ def cpu_uses_triton_interpreter() -> bool:
 
 
 def runs_triton_kernel(tensor: torch.Tensor) -> bool:
-    """Whether an op whose arithmetic runs in ``tensor``'s dtype launches its Triton kernel for it: always
-    on CUDA; on CPU only under the interpreter (:func:`cpu_uses_triton_interpreter`) and not for bfloat16,
-    which Triton's interpreter computes wrongly (it converts float32 to bfloat16 toward zero and its
-    bfloat16 dot products are not IEEE); the reference runs instead."""
+    """Whether an op of this package launches its Triton kernel for ``tensor`` (the one whose dtype it
+    computes in): always on CUDA; on CPU only under the interpreter (:func:`cpu_uses_triton_interpreter`)
+    and not for bfloat16, which Triton's interpreter computes wrongly (it converts float32 to bfloat16
+    toward zero and its bfloat16 dot products are not IEEE); the reference runs instead."""
     if tensor.is_cuda:
         return True
     return tensor.device.type == "cpu" and cpu_uses_triton_interpreter() and tensor.dtype != torch.bfloat16
@@ -272,7 +272,7 @@ def _commit_cache_op(
     num_written: torch.Tensor,
     max_written: int,
 ) -> None:
-    if cache.is_cuda or (cache.device.type == "cpu" and cpu_uses_triton_interpreter()):
+    if runs_triton_kernel(cache):
         _launch_commit_cache_triton(rows, cache, slot_ids, offsets, num_written, max_written)
     else:
         commit_cache_reference(rows, cache, slot_ids, offsets, num_written, max_written)
@@ -409,7 +409,7 @@ def _commit_offsets_op(
     slot_ids: torch.Tensor,
     valid_rows: torch.Tensor,
 ) -> None:
-    if table.is_cuda or (table.device.type == "cpu" and cpu_uses_triton_interpreter()):
+    if runs_triton_kernel(table):
         _launch_commit_offsets_triton(values, table, slot_ids, valid_rows)
     else:
         commit_offsets_reference(values, table, slot_ids, valid_rows)
