@@ -349,7 +349,8 @@ def _profile_step(arm: Arm, inputs: dict[str, Any], device: torch.device, steps:
         if event.device_type != DeviceType.CUDA:
             continue
         ms = event.self_device_time_total / 1e3 / steps
-        categories[kernel_category(event.key)] = categories.get(kernel_category(event.key), 0.0) + ms
+        category = kernel_category(event.key)
+        categories[category] = categories.get(category, 0.0) + ms
         kernels.append((ms, event.count // steps, event.key))
     kernels.sort(reverse=True)
     return {

@@ -482,11 +482,11 @@ class DecoderStatePool(ABC):
         for what, (ours, theirs) in expected.items():
             if ours != theirs:
                 raise ValueError(f"restore_slot: the state's {what} is {theirs!r}; this pool's is {ours!r}")
-        column = self._offset_column(0).cpu()
+        shape = self._offset_column(0).shape
         offsets = state.offsets
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.shape != column.shape:
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.shape != shape:
             got = (getattr(offsets, "shape", None), getattr(offsets, "dtype", None))
-            raise ValueError(f"restore_slot: state offsets must be int64 of shape {tuple(column.shape)}, got {got}")
+            raise ValueError(f"restore_slot: state offsets must be int64 of shape {tuple(shape)}, got {got}")
         if bool((offsets < 0).any()):
             raise ValueError(f"restore_slot: state offsets must be >= 0, got {offsets.tolist()}")
         if len(state.cells) != len(self.rings):
