@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
 from vllm_omni_moss.testing import upstream as oracle  # noqa: E402
+from vllm_omni_moss.testing.weights import fill_random_weights_  # noqa: E402
 
 __all__ = [
     "GIB",
@@ -161,24 +162,12 @@ def random_decoder(preset: str, device: torch.device | str, seed: int = 0) -> Co
     Values are for timing and memory only; they are not a trained codec.
     """
     device = torch.device(device)
-    config = preset_config(preset)
     with torch.device("meta"):
-        decoder = CodecDecoder(config)
+        decoder = CodecDecoder(preset_config(preset))
     decoder = decoder.to(_serving_dtype(device))
     if device.type == "meta":
         return decoder.eval()
-    decoder = decoder.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    named = list(decoder.named_parameters()) + list(decoder.named_buffers())
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        if name == "lut":
-            tensor.normal_(0.0, 1.0 / math.sqrt(config.num_quantizers), generator=gen)
-        elif tensor.dim() >= 2:
-            tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
-        elif name.endswith(("norm1.weight", "norm2.weight")):
-            tensor.normal_(1.0, 0.1, generator=gen)
-        else:
-            tensor.normal_(0.0, 0.1, generator=gen)
+    decoder = fill_random_weights_(decoder.to_empty(device=device), seed)
     return decoder.to_serving(device)
 
 

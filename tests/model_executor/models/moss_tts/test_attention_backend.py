@@ -10,7 +10,6 @@ the ``triton`` backend runs the ops' PyTorch references, so here it must equal `
 from __future__ import annotations
 
 import copy
-import math
 import random
 
 import numpy as np
@@ -27,6 +26,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_o
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+from vllm_omni_moss.testing.weights import fill_random_weights_
 
 pytestmark = [pytest.mark.core_model]
 
@@ -258,24 +258,10 @@ def test_cli_decode_semantics(tmp_path, capsys):
 
 @torch.no_grad()
 def random_real_decoder(device, seed: int = 0) -> CodecDecoder:
-    """The v2 codec geometry with small random float32 weights: matrices ``N(0, 1/fan_in)``,
-    LayerNorm weights ``N(1, 0.1)``, other vectors ``N(0, 0.1)``, decode table ``N(0, 1/quantizers)``."""
-    config = preset_config("v2")
+    """The v2 codec geometry with small random float32 weights (``testing.weights.fill_random_weights_``)."""
     with torch.device("meta"):
-        decoder = CodecDecoder(config)
-    decoder = decoder.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    named = sorted([*decoder.named_parameters(), *decoder.named_buffers()], key=lambda item: item[0])
-    for name, tensor in named:
-        if name == "lut":
-            tensor.normal_(0.0, 1.0 / math.sqrt(config.num_quantizers), generator=gen)
-        elif tensor.dim() >= 2:
-            tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
-        elif name.endswith(("norm1.weight", "norm2.weight")):
-            tensor.normal_(1.0, 0.1, generator=gen)
-        else:
-            tensor.normal_(0.0, 0.1, generator=gen)
-    return decoder.eval()
+        decoder = CodecDecoder(preset_config("v2"))
+    return fill_random_weights_(decoder.to_empty(device=device), seed).eval()
 
 
 def _rel_rms(got, ref):
