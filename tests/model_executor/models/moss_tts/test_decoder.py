@@ -90,3 +90,13 @@ def test_empty_and_odd_codes_and_schedules(ring_decoder):
     assert torch.equal(ring_decoder.decode(codes, chunk_frames=np.int64(2)), ring_decoder.decode(codes, chunk_frames=2))
     with pytest.raises(ValueError, match="chunk schedule must be an int or a list of ints, got 1.5"):
         ring_decoder.decode(codes, chunk_frames=1.5)
+
+
+def test_ffn_in_row_slices_equals_one_pass(tiny_decoder, monkeypatch):
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    codes = random_codes(tiny_decoder, 3, 40, seed=4)
+    whole = tiny_decoder.decode(codes)
+    monkeypatch.setattr(decoder_mod, "FFN_ROW_CHUNK", 7)  # every group's FFN runs in several slices
+    sliced = tiny_decoder.decode(codes)
+    assert (sliced - whole).abs().max().item() <= 1e-5 * whole.abs().max().item()

@@ -206,6 +206,29 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
     return lut[rows, codes].sum(dim=0) + decoder.lut_bias
 
 
+#: Token rows of one FFN pass: larger steps run the FFN in slices of this many rows, so its widest
+#: activation (rows x dim_feedforward) stays at most 16384 x 3072 bf16 = 96 MiB for the v2 codec.
+FFN_ROW_CHUNK = 16384
+
+
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)``, the exact GELU in place, in slices of at most
+    :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
+    GEMMs' own choice of kernel)."""
+    B, T, d = h.shape
+    rows = B * T
+    if rows <= FFN_ROW_CHUNK:
+        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
+    flat = h.reshape(rows, d)
+    out = None
+    for start in range(0, rows, FFN_ROW_CHUNK):
+        piece = layer.linear2(torch.ops.aten.gelu_(layer.linear1(flat[start : start + FFN_ROW_CHUNK])))
+        if out is None:
+            out = piece.new_empty(rows, piece.shape[-1])
+        out[start : start + piece.shape[0]] = piece
+    return out.view(B, T, -1)
+
+
 def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attention: AttentionBackend) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
@@ -223,16 +246,19 @@ def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attent
     norm = layers[0].norm1
     h = layer_norm_float32(x, norm.weight, norm.bias, norm.eps)
     for i, layer in enumerate(layers):
+        # Each activation is dropped as soon as it is consumed: the step's transient memory is bounded
+        # by the widest two of them, not by everything a layer makes.
         qkv = layer.in_proj(h).view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        del h
         # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
         attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
-        del qkv  # not alive during the FFN: bounds the step's transient memory
+        del qkv
         update = layer.out_proj(attn)
         del attn
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
-        # Exact GELU in place on the fresh FFN activation (the widest tensor of the step).
-        update = layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
+        del update
+        update = _feed_forward(layer, h)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
