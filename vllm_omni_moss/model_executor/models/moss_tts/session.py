@@ -446,13 +446,14 @@ class CodecStreamSession:
         return None
 
     def _count_clamped(self, chunks: list[torch.Tensor]) -> None:
-        # Stage 0 pads with codebook_size (the audio pad code); upstream clamps every chunk.
-        # One host sync per batch for the count.
-        chunks = [c for c in chunks if c.numel()]
-        if chunks:
-            hi = self.codebook_size - 1
-            bad = torch.stack([((c < 0) | (c > hi)).sum().to(self.device) for c in chunks])
-            self._counters.clamped_codes += int(bad.sum())
+        # Stage 0 pads with codebook_size (the audio pad code); upstream clamps every chunk. Codes that
+        # arrive on the host are counted there (no device work); others with one sync per batch.
+        hi = self.codebook_size - 1
+        counts = [((c < 0) | (c > hi)).sum() for c in chunks if c.numel()]
+        self._counters.clamped_codes += sum(int(n) for n in counts if not n.is_cuda)
+        on_device = [n for n in counts if n.is_cuda]
+        if on_device:
+            self._counters.clamped_codes += int(torch.stack([n.to(self.device) for n in on_device]).sum())
 
     def _accept(self, req: ChunkRequest) -> str | None:
         """Route one valid chunk to its live or waiting stream, or start one. Returns an error or None."""
@@ -477,7 +478,8 @@ class CodecStreamSession:
                 self._waiting.drop(rid)
                 return f"{error}; the waiting stream's buffered chunks were dropped"
         if frames:
-            stream.chunks.append(req.codes.to(self.device, torch.long).clamp(0, self.codebook_size - 1))
+            # Chunks stay where they arrived (the host, from Stage 0) until a step gathers them.
+            stream.chunks.append(req.codes.to(torch.long).clamp(0, self.codebook_size - 1))
         stream.finished = stream.finished or req.finished
         return None
 
@@ -555,14 +557,7 @@ class CodecStreamSession:
         """One pool step; returns each row's ``(channels, own_T * spf)`` float32 CPU audio."""
         own = [p.shape[1] for p in pieces]
         B, T = len(pieces), self._step_frames(max(own))
-        if all(t == T for t in own):
-            codes = torch.stack(pieces, dim=1)
-        else:
-            codes = torch.zeros(self.n_vq, B, T, dtype=torch.long, device=self.device)
-            for b, p in enumerate(pieces):
-                codes[:, b, : own[b]] = p
-        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        lengths = torch.tensor(own, dtype=torch.long, device=self.device)
+        codes, slot_ids, lengths = self._stage_inputs(pieces, own, slots, T)
         out = self.runner.decode(codes, lengths, slot_ids) if self.runner is not None else None
         if out is not None:
             self._counters.steps_graph += 1
@@ -574,8 +569,34 @@ class CodecStreamSession:
         served = out.shape[-1] // self.samples_per_frame
         self._counters.decoded_frames += sum(own)
         self._counters.padded_frames += B * served - sum(own)
-        audio = out.float().cpu()
-        return [audio[b, :, : own[b] * self.samples_per_frame].clone() for b in range(B)]
+        return self._to_host(out, own)
+
+    def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
+        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))`` int64 on the pool's device. Host pieces are
+        gathered on the host (pinned when the pool is on CUDA) and copied in one transfer."""
+        B = len(pieces)
+        host = all(p.device.type == "cpu" for p in pieces)
+        where = "cpu" if host else self.device
+        pinned = host and self.device.type == "cuda"
+        staged = torch.zeros(self.n_vq + 2, B, T, dtype=torch.long, device=where, pin_memory=pinned)
+        for b, p in enumerate(pieces):
+            staged[: self.n_vq, b, : own[b]] = p.to(where)
+        staged[self.n_vq, :, 0] = torch.tensor(slots, dtype=torch.long)
+        staged[self.n_vq + 1, :, 0] = torch.tensor(own, dtype=torch.long)
+        staged = staged.to(self.device, non_blocking=pinned)
+        return staged[: self.n_vq], staged[self.n_vq, :, 0], staged[self.n_vq + 1, :, 0]
+
+    def _to_host(self, out: torch.Tensor, own: list[int]) -> list[torch.Tensor]:
+        """Each row's ``(channels, own * spf)`` float32 audio on the host, from one device-to-host copy
+        (into pinned memory on CUDA); full rows are views of it, rows with padding frames copies."""
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            torch.cuda.current_stream(out.device).synchronize()
+        else:
+            host = out.float()
+        spf, width = self.samples_per_frame, out.shape[-1]
+        return [host[b] if n * spf == width else host[b, :, : n * spf].clone() for b, n in enumerate(own)]
 
     def _empty(self, *, error: str | None = None, queued: bool = False) -> ChunkResult:
         return ChunkResult(torch.zeros(self.channels, 0, dtype=torch.float32), self.sample_rate, 0, error, queued)
