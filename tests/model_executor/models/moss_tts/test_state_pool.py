@@ -712,3 +712,26 @@ def test_backend_and_semantics_must_be_named_and_triton_needs_a_kernel_dtype(rin
         make_state_pool(ring_decoder, attention_backend="")
     with pytest.raises(ValueError, match="unknown ring semantics ''"):
         make_state_pool(ring_decoder, ring_semantics="")
+
+
+@pytest.mark.parametrize("start_frames", [10**3, 10**6, 5 * 10**8])
+def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
+    """RoPE attention depends on position differences only: a stream whose position counters start at
+    ``start_frames`` (up to 1e9 tokens in the second group) decodes as one that starts at 0, once the
+    window of every layer holds only its own tokens (30 frames for this codec: 3 layers of 5 frames per
+    group, two groups), within 1e-5 in float32; its rings have wrapped many times by then."""
+    codes = random_codes(ring_decoder, 1, 60, seed=9)
+    audio = []
+    for start in (0, start_frames):
+        pool = make_state_pool(ring_decoder)
+        pool.initialize(1)
+        pool.frames_decoded[0] = start
+        parts = []
+        for a in range(0, 60, 15):
+            chunk = codes[:, :, a : a + 15]
+            out, _ = pool.decode_streaming_batch(chunk, torch.tensor([15]), torch.tensor([0]), torch.tensor([True]))
+            parts.append(out)
+        audio.append(torch.cat(parts, dim=-1))
+    spf = ring_decoder.config.samples_per_frame
+    young, old = audio[0][..., 40 * spf :], audio[1][..., 40 * spf :]
+    assert (old - young).abs().max().item() <= 1e-5 * young.abs().max().item()

@@ -103,11 +103,12 @@ def rope_tables(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_perio
         ``exp(-ln(max_period) * 2i / Dh)`` (docs/codec_architecture.md).
     """
     device = offsets.device
-    ds = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
+    ds = torch.arange(head_dim // 2, device=device, dtype=torch.float64)
     freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
-    ts = offsets.float().view(-1, 1) + torch.arange(num_tokens, device=device, dtype=torch.float32)
-    angles = freqs * ts.view(offsets.shape[0], 1, num_tokens, 1)  # B explicit: T may be 0
-    return torch.cos(angles), torch.sin(angles)
+    ts = offsets.view(-1, 1) + torch.arange(num_tokens, device=device, dtype=torch.long)
+    # Float64 angles, reduced mod 2 pi before the float32 cos/sin: exact to ~1e-7 rad up to 1e9 tokens.
+    angles = torch.remainder(freqs * ts.view(offsets.shape[0], 1, num_tokens, 1).double(), 2 * math.pi)
+    return torch.cos(angles).float(), torch.sin(angles).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
