@@ -38,9 +38,10 @@ is fused), which saves the separate RoPE pass; either way ring contents are bitw
 reference path.
 
 Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
-float32 with base-2 exponentials; probabilities times values use TF32 tensor cores for 16-bit rings
-(more mantissa than the bfloat16 probabilities of fused SDPA kernels) and IEEE float32 for float32
-rings. Runs are deterministic: a fixed launch grid and a fixed key order per program.
+float32 with base-2 exponentials; for 16-bit rings the probabilities are rounded to the ring dtype
+before they multiply the values on 16-bit tensor cores with float32 accumulation (what fused SDPA
+kernels do; measured faster than TF32 in every v2 shape, see :func:`attention_launch_config`), and
+they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and a fixed key order per program.
 """
 
 from __future__ import annotations
@@ -205,7 +206,11 @@ if HAS_TRITON:
         alpha = tl.exp2(m_i - m_base)
         p = tl.exp2(scores - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision=PV_PRECISION)
+        if PV_PRECISION == "low":
+            # Probabilities rounded to the values' 16-bit dtype (as fused SDPA kernels do), accumulated in float32.
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision=PV_PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
@@ -384,12 +389,37 @@ def _rope_arguments(cos, sin, fallback):
     return (cos, sin, cos.stride(0), cos.stride(2), cos.stride(3)), True
 
 
+def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype) -> dict:
+    """Launch parameters of the attention kernel for a step of ``num_tokens`` tokens per row.
+
+    Returns a dict with ``block_q`` (queries per program), ``block_k`` (keys per inner iteration),
+    ``num_warps``, ``num_stages`` (software pipelining depth of the key loops) and ``pv`` (how
+    probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
+    16-bit tensor cores, ``"ieee"`` keeps float32). Chosen on an H200 by sweeping these values over
+    the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames (``benchmarks/RESULTS.md``,
+    "Ring attention launch sweep"): for 16-bit rings ``"low"`` was the fastest in every shape
+    (B64/T15: 10.8 -> 7.3 ms of attention a step), 128-query blocks win from 120 tokens up, and three
+    pipeline stages from 30 tokens up. Float32 rings keep the configuration they were validated with.
+    """
+    if ring_dtype == torch.float32:
+        block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
+        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
+    block_q = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 128
+    num_stages = 2 if num_tokens <= 16 else 3
+    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _launch_ring_attention_triton(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, *, tuning=None
 ) -> torch.Tensor:
     """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
-    Arguments as in :func:`ring_attention`; not validated here. Returns ``(B, T, H, Dh)`` in the
+    Arguments as in :func:`ring_attention`; not validated here. ``tuning`` overrides entries of
+    :func:`attention_launch_config` (benchmarks sweep it). Returns ``(B, T, H, Dh)`` in the
     cache dtype. Grid ``(B, H, ceil(T / BLOCK_Q))``. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
@@ -400,9 +430,9 @@ def _launch_ring_attention_triton(
     if out.numel() == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_q = min(_MAX_BLOCK_QUERIES, max(16, triton.next_power_of_2(num_tokens)))
+    config = dict(attention_launch_config(num_tokens, cache.dtype), **(tuning or {}))
+    block_q = config["block_q"]
     grid = (num_rows, num_heads, triton.cdiv(num_tokens, block_q))
-    pv_precision = "ieee" if cache.dtype == torch.float32 else "tf32"
     (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, q)
     with _device_guard(cache):
         _ring_attention_kernel[grid](
@@ -432,12 +462,12 @@ def _launch_ring_attention_triton(
             UPSTREAM=semantics == "upstream",
             ROPE=rope,
             BLOCK_Q=block_q,
-            BLOCK_K=_BLOCK_KEYS,
+            BLOCK_K=config["block_k"],
             BLOCK_D=block_d,
             QK_PRECISION="ieee",
-            PV_PRECISION=pv_precision,
-            num_warps=4,
-            num_stages=2,
+            PV_PRECISION=config["pv"],
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
             enable_fp_fusion=False,
         )
     return out
