@@ -253,7 +253,13 @@ def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
             batch.append(ChunkRequest(rid, codes[rid][:, start : start + schedule[k]], k == 4))
         for rid, res in session.decode(batch).items():
             audio[rid].append(res.audio)
+        if k == 0:
+            first = {rid: a[0].clone() for rid, a in audio.items()}
     assert session.stats()["steps_by_path"] == {"graph": 5, "eager": 0}
+    # Audio comes back through one pinned buffer the session reuses: what it returned stays its caller's.
+    for rid in streams:
+        assert torch.equal(audio[rid][0], first[rid]), f"a later step changed {rid}'s first chunk"
+        assert audio[rid][0].untyped_storage().data_ptr() != audio["a" if rid != "a" else "b"][0].untyped_storage().data_ptr()
     for rid, schedule in streams.items():
         ref = dec.decode(codes[rid][:, None].cuda(), chunk_frames=schedule)[0].float().cpu()
         _assert_close_to_peak(torch.cat(audio[rid], -1), ref)

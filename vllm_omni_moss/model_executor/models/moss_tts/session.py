@@ -36,6 +36,7 @@ The session imports nothing from vLLM; it runs wherever the pool runs.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -269,6 +270,13 @@ class CodecStreamSession:
         self._compiled = self._compiled_step(compile)
         self._eager_step = self._compiled if compile is True else None
         self.runner = self._capture_graphs() if use_graphs else None
+        # Page-locked host buffers of a step's inputs (int64) and audio (float32), reused by every step:
+        # allocated here for the largest step the session takes, so no step pays for pinning memory.
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
+        if self.device.type == "cuda":
+            rows, frames = self.max_step_rows or state_capacity, self.max_piece_frames
+            self._host_buffer(torch.long, (self.n_vq + 2) * rows * frames)
+            self._host_buffer(torch.float32, rows * self.channels * frames * self.samples_per_frame)
 
         self._live: dict[str, _Stream] = {}
         self._waiting = AdmissionQueue(max_waiting_streams, max_waiting_frames)
@@ -571,32 +579,45 @@ class CodecStreamSession:
         self._counters.padded_frames += B * served - sum(own)
         return self._to_host(out, own)
 
+    def _host_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the session's pinned host buffer of ``dtype`` (grown when
+        too small). Its contents are the caller's until the step ends: every step synchronises its
+        device-to-host copy before returning, so the next step may overwrite it."""
+        buffer = self._pinned.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self._pinned[dtype] = buffer
+        return buffer[:numel]
+
     def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
-        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))`` int64 on the pool's device. Host pieces are
-        gathered on the host (pinned when the pool is on CUDA) and copied in one transfer."""
+        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))`` int64 on the pool's device. Pieces on
+        the host (as Stage 0 sends them) are gathered in the pinned input buffer when the pool is on
+        CUDA, and all three arrive in one host-to-device copy."""
         B = len(pieces)
         host = all(p.device.type == "cpu" for p in pieces)
-        where = "cpu" if host else self.device
-        pinned = host and self.device.type == "cuda"
-        staged = torch.zeros(self.n_vq + 2, B, T, dtype=torch.long, device=where, pin_memory=pinned)
+        shape = (self.n_vq + 2, B, T)
+        if host and self.device.type == "cuda":
+            staged = self._host_buffer(torch.long, math.prod(shape)).view(shape).zero_()
+        else:
+            staged = torch.zeros(shape, dtype=torch.long, device="cpu" if host else self.device)
         for b, p in enumerate(pieces):
-            staged[: self.n_vq, b, : own[b]] = p.to(where)
+            staged[: self.n_vq, b, : own[b]] = p
         staged[self.n_vq, :, 0] = torch.tensor(slots, dtype=torch.long)
         staged[self.n_vq + 1, :, 0] = torch.tensor(own, dtype=torch.long)
-        staged = staged.to(self.device, non_blocking=pinned)
+        staged = staged.to(self.device, non_blocking=staged.is_pinned())
         return staged[: self.n_vq], staged[self.n_vq, :, 0], staged[self.n_vq + 1, :, 0]
 
     def _to_host(self, out: torch.Tensor, own: list[int]) -> list[torch.Tensor]:
-        """Each row's ``(channels, own * spf)`` float32 audio on the host, from one device-to-host copy
-        (into pinned memory on CUDA); full rows are views of it, rows with padding frames copies."""
+        """Each row's ``(channels, own * spf)`` float32 audio on the host, a tensor of its own. On CUDA the
+        step's audio comes back in one copy into the pinned audio buffer, then each row is copied out."""
         if out.is_cuda:
-            host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+            host = self._host_buffer(torch.float32, out.numel()).view(out.shape)
             host.copy_(out, non_blocking=True)
             torch.cuda.current_stream(out.device).synchronize()
         else:
             host = out.float()
-        spf, width = self.samples_per_frame, out.shape[-1]
-        return [host[b] if n * spf == width else host[b, :, : n * spf].clone() for b, n in enumerate(own)]
+        spf = self.samples_per_frame
+        return [host[b, :, : n * spf].clone() for b, n in enumerate(own)]
 
     def _empty(self, *, error: str | None = None, queued: bool = False) -> ChunkResult:
         return ChunkResult(torch.zeros(self.channels, 0, dtype=torch.float32), self.sample_rate, 0, error, queued)
