@@ -229,13 +229,19 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     return out.view(B, T, -1)
 
 
-def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attention: AttentionBackend) -> torch.Tensor:
+def _run_layers(
+    weights: DecoderGroup, inputs: list[torch.Tensor], group: GroupStep, attention: AttentionBackend
+) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
-    Each sublayer ends with ``x + layer_scale * update`` followed by the next LayerNorm (the second of
-    the layer, or the first of the next layer): :func:`~.ops.residual_norm.residual_layer_norm` does
-    both in one pass and hands the normalised ``h`` to the next projection.
+    ``inputs`` is a one-element list holding the group's input; it is emptied, so that no reference
+    outside keeps the input alive once the first sublayer has replaced it (the step's transient memory
+    then holds one residual stream, not two). Each sublayer ends with ``x + layer_scale * update``
+    followed by the next LayerNorm (the second of the layer, or the first of the next layer):
+    :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
+    ``h`` to the next projection.
     """
+    x = inputs.pop()
     B, T, d = x.shape
     heads = group.spec.num_heads
     layers = weights.layers
@@ -263,6 +269,7 @@ def _run_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attent
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
         x, h = residual_norm(x, update, layer.layer_scale_2, norm.weight, norm.bias, norm.eps)
+        del update
     return x
 
 
@@ -292,7 +299,9 @@ def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> t
     for group, weights in zip(plan.groups, decoder.groups):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
-        x = _run_layers(weights, x, group, plan.attention)
+        inputs = [x]
+        del x  # _run_layers takes the only reference (see its docstring)
+        x = _run_layers(weights, inputs, group, plan.attention)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)
