@@ -259,7 +259,10 @@ def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
     # Audio comes back through one pinned buffer the session reuses: what it returned stays its caller's.
     for rid in streams:
         assert torch.equal(audio[rid][0], first[rid]), f"a later step changed {rid}'s first chunk"
-        assert audio[rid][0].untyped_storage().data_ptr() != audio["a" if rid != "a" else "b"][0].untyped_storage().data_ptr()
+        assert (
+            audio[rid][0].untyped_storage().data_ptr()
+            != audio["a" if rid != "a" else "b"][0].untyped_storage().data_ptr()
+        )
     for rid, schedule in streams.items():
         ref = dec.decode(codes[rid][:, None].cuda(), chunk_frames=schedule)[0].float().cpu()
         _assert_close_to_peak(torch.cat(audio[rid], -1), ref)
