@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sweep the launch configuration of the ring attention kernel over a codec's group shapes (CUDA only).
+
+For every batch size ``B``, frames per step ``T`` and resolution group of the preset, one layer's
+``ring_attention`` runs on random bf16 rings that are full (offsets far past the ring capacity), with the
+group's RoPE tables, for the default configuration (``ops.ring_attention.attention_launch_config``) and for
+every point of the grid below. Each timing is the median of 5 replays of a CUDA graph holding 10 launches.
+Each configuration's error is the relative RMS of its output against the same kernel on float32 copies of
+the inputs. This is how the default configuration was chosen (``benchmarks/RESULTS.md``, "Ring attention
+launch sweep")::
+
+    python benchmarks/tts/bench_ring_attention.py --preset v2 --batch 64,128 --frames 15,1 --json sweep.json
+
+Grid: ``block_q`` in {16, 32} below 64 tokens per row and {64, 128} from 64 tokens, ``block_k`` in
+{64, 128}, ``num_warps`` in {4, 8}, ``num_stages`` in {2, 3}, ``pv`` in {"tf32", "low"}; for ``T = 1``
+only ``block_k = 64`` and two stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import (  # noqa: E402
+    default_ring_semantics,
+    rope_tables,
+)
+
+GRID = [
+    dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st, pv=pv)
+    for bq, bk, w, st, pv in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (2, 3), ("tf32", "low"))
+]
+
+
+def _graph_ms(fn, launches: int = 10, replays: int = 5) -> float:
+    """Median milliseconds of one launch of ``fn``, from CUDA-graph replays of ``launches`` launches."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return statistics.median(times)
+
+
+def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
+    if (num_tokens >= 64) != (config["block_q"] >= 64):
+        return False
+    return frames != 1 or (config["num_stages"] == 2 and config["block_k"] == 64)
+
+
+def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int) -> dict:
+    """One group shape: the default configuration and every grid point, timed and compared."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads, capacity, head_dim = group.num_heads, group.context, group.head_dim
+    num_tokens = frames * group.tokens_per_frame
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    cache = randn(2, batch, heads, capacity, head_dim)
+    q, k, v = (randn(batch, heads, num_tokens, head_dim) for _ in range(3))
+    slots = torch.randperm(batch, generator=gen, device="cuda")
+    offsets = torch.full((batch,), 123457 * group.tokens_per_frame, dtype=torch.long, device="cuda")
+    written = torch.full((batch,), num_tokens, dtype=torch.long, device="cuda")
+    cos, sin = rope_tables(offsets, num_tokens, head_dim, group.max_period)
+    args = (slots, offsets, written, semantics, cos, sin)
+    ref = ring_ops._launch_ring_attention_triton(q.float(), k.float(), v.float(), cache.float(), *args).float()
+
+    def run(tuning):
+        return ring_ops._launch_ring_attention_triton(q, k, v, cache, *args, tuning=tuning)
+
+    def rel_rms(out):
+        return float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+    default = ring_ops.attention_launch_config(num_tokens, torch.bfloat16)
+    record = {
+        "batch": batch,
+        "frames": frames,
+        "tokens": num_tokens,
+        "heads": heads,
+        "capacity": capacity,
+        "layers": group.num_layers,
+        "default": dict(default, ms=_graph_ms(lambda: run(None)), rel_rms=rel_rms(run(None))),
+        "grid": [],
+    }
+    for config in GRID:
+        if not _in_grid(config, num_tokens, frames):
+            continue
+        try:
+            out = run(config)
+            ms = _graph_ms(lambda config=config: run(config))
+        except Exception as exc:  # a configuration the device cannot launch (shared memory, registers)
+            record["grid"].append(dict(config, error=f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        record["grid"].append(dict(config, ms=ms, rel_rms=rel_rms(out)))
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="v2", choices=sorted(PRESETS))
+    p.add_argument("--batch", default="64,128", help="comma-separated batch sizes (64,128)")
+    p.add_argument("--frames", default="15,1", help="comma-separated frames per step (15,1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write every record here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("the sweep times Triton kernels on a CUDA device; none is available")
+    config = preset_config(args.preset)
+    semantics = default_ring_semantics(config.version)
+    records = []
+    for batch, frames in itertools.product(
+        [int(b) for b in args.batch.split(",")], [int(t) for t in args.frames.split(",")]
+    ):
+        for index, group in enumerate(config.groups):
+            rec = sweep_shape(group, batch, frames, semantics, args.seed)
+            rec["group"] = index
+            records.append(rec)
+            timed = [g for g in rec["grid"] if "ms" in g]
+            best = min(timed, key=lambda g: g["ms"])
+            print(
+                f"B{batch} T{frames} group {index} ({rec['tokens']} tokens, ring {rec['capacity']}): "
+                f"default {rec['default']['ms'] * 1e3:.1f} us, best {best['ms'] * 1e3:.1f} us "
+                f"{ {k: best[k] for k in ('block_q', 'block_k', 'num_warps', 'num_stages', 'pv')} }",
+                flush=True,
+            )
+            if args.json:
+                args.json.write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
