@@ -468,3 +468,53 @@ def test_generators_are_consumed_once(ring_decoder):
     got = s.decode(r for r in [ChunkRequest("a", codes), ChunkRequest("b", codes, finished=True)])
     assert sorted(got) == ["a", "b"] and got["a"].frames == 2 and got["b"].frames == 2
     assert set(s.live_requests) == {"a"}
+
+
+def test_clamped_codes_count_only_out_of_range_codes_of_taken_chunks(tiny_decoder):
+    # int8 codes: the codebook's last index (K - 1 = 1023 for tiny-v2) does not fit int8, the count must not wrap.
+    K = tiny_decoder.config.codebook_size
+    assert K - 1 > torch.iinfo(torch.int8).max
+    s = CodecStreamSession(tiny_decoder, 1, max_waiting_streams=0)
+    small = torch.full((tiny_decoder.config.num_quantizers, 4), 5, dtype=torch.int8)
+    small[0, 0] = -3
+    got = s.decode([ChunkRequest("a", small)])
+    assert got["a"].frames == 4 and s.clamped_codes == 1
+    # A chunk refused by admission (no slot, no queue) counts nothing, even with out-of-range codes.
+    refused = torch.full((tiny_decoder.config.num_quantizers, 3), K + 1)
+    got = s.decode([ChunkRequest("b", refused)])
+    assert got["b"].error is not None and s.clamped_codes == 1
+
+
+def test_finishing_frees_the_slots_of_the_ids_seen_before_the_iterable_fails(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    c = _codes(ring_decoder, 1, 1)
+    s.decode([ChunkRequest("a", c), ChunkRequest("b", c)])
+
+    def ids():
+        yield "a"
+        yield "b"
+        raise RuntimeError("the engine's id list broke")
+
+    with pytest.raises(RuntimeError, match="the engine's id list broke"):
+        s.on_requests_finished(ids())
+    assert s.live_requests == {} and s.free_slots == 2
+    assert s.decode([ChunkRequest("c", c)])["c"].frames == 1
+
+
+def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
+    # Slot ids and lengths that were views of one staging tensor would make torch.compile guard on its strides.
+    s = CodecStreamSession(ring_decoder, 3)
+    seen = []
+    real = s.pool.decode_streaming_batch
+
+    def spy(codes, lengths, slot_ids, valid):
+        seen.append((codes, lengths, slot_ids))
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", spy)
+    s.decode([ChunkRequest(r, _codes(ring_decoder, n, i)) for i, (r, n) in enumerate([("a", 2), ("b", 3), ("c", 1)])])
+    ((codes, lengths, slot_ids),) = seen
+    assert lengths.tolist() == [2, 3, 1] and sorted(slot_ids.tolist()) == [0, 1, 2]
+    for t in (codes, lengths, slot_ids):
+        assert t.is_contiguous() and t._base is None and t.dtype == torch.long
+    assert len({t.untyped_storage().data_ptr() for t in (codes, lengths, slot_ids)}) == 3

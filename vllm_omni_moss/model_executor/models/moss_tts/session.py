@@ -36,7 +36,6 @@ The session imports nothing from vLLM; it runs wherever the pool runs.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -270,12 +269,13 @@ class CodecStreamSession:
         self._compiled = self._compiled_step(compile)
         self._eager_step = self._compiled if compile is True else None
         self.runner = self._capture_graphs() if use_graphs else None
-        # Page-locked host buffers of a step's inputs (int64) and audio (float32), reused by every step:
-        # allocated here for the largest step the session takes, so no step pays for pinning memory.
+        # Page-locked host buffers of a step's inputs (int64) and audio (float32), reused by every step.
+        # With graphs they are allocated here for the largest graph step, so no step pays for pinning
+        # memory; without graphs they grow to the largest step taken (docs/memory.md).
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
-        if self.device.type == "cuda":
-            rows, frames = self.max_step_rows or state_capacity, self.max_piece_frames
-            self._host_buffer(torch.long, (self.n_vq + 2) * rows * frames)
+        if self.runner is not None:
+            rows, frames = self.graph_batch_sizes[-1], self.graph_frame_sizes[-1]
+            self._host_buffer(torch.long, (self.n_vq * frames + 2) * rows)
             self._host_buffer(torch.float32, rows * self.channels * frames * self.samples_per_frame)
 
         self._live: dict[str, _Stream] = {}
@@ -351,14 +351,17 @@ class CodecStreamSession:
         if self._closed:
             return
         released = []
-        for rid in request_ids:
-            rid = str(rid)
-            self._waiting.drop(rid)
-            stream = self._live.pop(rid, None)
-            if stream is not None:
-                released.append(stream.slot)
-        if released:
-            self.pool.release(released)
+        try:
+            for rid in request_ids:
+                rid = str(rid)
+                self._waiting.drop(rid)
+                stream = self._live.pop(rid, None)
+                if stream is not None:
+                    released.append(stream.slot)
+        finally:
+            # An iterable that fails part-way still frees the slots of the streams it ended.
+            if released:
+                self.pool.release(released)
 
     def close(self) -> None:
         """Drop graphs and pool state. Idempotent; :meth:`decode` raises afterwards."""
@@ -414,12 +417,15 @@ class CodecStreamSession:
                 self._counters.request_errors += 1
                 results[key] = self._empty(error=error)
         self._admit_waiting()  # slots freed since the last call go to waiting streams first
-        self._count_clamped([req.codes for req in accepted])
+        taken = []
         for req in accepted:
             error = self._accept(req)
-            if error is not None:
+            if error is None:
+                taken.append(req.codes)
+            else:
                 self._counters.request_errors += 1
                 results[req.request_id] = self._empty(error=error)
+        self._count_clamped(taken)
 
         audio = self._decode_ready()
         for rid, parts in audio.items():
@@ -455,9 +461,10 @@ class CodecStreamSession:
 
     def _count_clamped(self, chunks: list[torch.Tensor]) -> None:
         # Stage 0 pads with codebook_size (the audio pad code); upstream clamps every chunk. Codes that
-        # arrive on the host are counted there (no device work); others with one sync per batch.
+        # arrive on the host are counted there (no device work); others with one sync per batch. Compared
+        # as int64: the codebook's last index does not fit every code dtype (1023 in int8 is -1).
         hi = self.codebook_size - 1
-        counts = [((c < 0) | (c > hi)).sum() for c in chunks if c.numel()]
+        counts = [((c < 0) | (c.to(torch.long) > hi)).sum() for c in chunks if c.numel()]
         self._counters.clamped_codes += sum(int(n) for n in counts if not n.is_cuda)
         on_device = [n for n in counts if n.is_cuda]
         if on_device:
@@ -486,7 +493,8 @@ class CodecStreamSession:
                 self._waiting.drop(rid)
                 return f"{error}; the waiting stream's buffered chunks were dropped"
         if frames:
-            # Chunks stay where they arrived (the host, from Stage 0) until a step gathers them.
+            # Chunks stay on the device they arrived on until a step gathers them (host chunks then
+            # travel in one pinned copy, see _stage_inputs).
             stream.chunks.append(req.codes.to(torch.long).clamp(0, self.codebook_size - 1))
         stream.finished = stream.finished or req.finished
         return None
@@ -590,22 +598,33 @@ class CodecStreamSession:
         return buffer[:numel]
 
     def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
-        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))`` int64 on the pool's device. Pieces on
-        the host (as Stage 0 sends them) are gathered in the pinned input buffer when the pool is on
-        CUDA, and all three arrive in one host-to-device copy."""
+        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
+        device. On CUDA, codes from the host are gathered in the pinned input buffer and arrive in one
+        host-to-device copy; slot ids and lengths always travel through it."""
         B = len(pieces)
-        host = all(p.device.type == "cpu" for p in pieces)
-        shape = (self.n_vq + 2, B, T)
-        if host and self.device.type == "cuda":
-            staged = self._host_buffer(torch.long, math.prod(shape)).view(shape).zero_()
+        pinned = self.device.type == "cuda"
+        # Codes from the host (as Stage 0 sends them) to a CUDA pool are gathered in the pinned buffer;
+        # anything else is gathered on the pool's device directly.
+        stage_codes = pinned and all(p.device.type == "cpu" for p in pieces)
+        codes_numel = self.n_vq * B * T if stage_codes else 0
+        if pinned:
+            staged = self._host_buffer(torch.long, codes_numel + 2 * B)
         else:
-            staged = torch.zeros(shape, dtype=torch.long, device="cpu" if host else self.device)
+            staged = torch.empty(2 * B, dtype=torch.long)
+        meta = staged[codes_numel:].view(2, B)
+        meta[0] = torch.tensor(slots, dtype=torch.long)
+        meta[1] = torch.tensor(own, dtype=torch.long)
+        if stage_codes:
+            codes = staged[:codes_numel].view(self.n_vq, B, T).zero_()
+        else:
+            codes = torch.zeros(self.n_vq, B, T, dtype=torch.long, device=self.device)
         for b, p in enumerate(pieces):
-            staged[: self.n_vq, b, : own[b]] = p
-        staged[self.n_vq, :, 0] = torch.tensor(slots, dtype=torch.long)
-        staged[self.n_vq + 1, :, 0] = torch.tensor(own, dtype=torch.long)
-        staged = staged.to(self.device, non_blocking=staged.is_pinned())
-        return staged[: self.n_vq], staged[self.n_vq, :, 0], staged[self.n_vq + 1, :, 0]
+            codes[:, b, : own[b]] = p
+        # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would
+        # guard on): the copies below always make new tensors.
+        slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
+        lengths = meta[1].to(self.device, non_blocking=pinned, copy=True)
+        return codes.to(self.device, non_blocking=pinned), slot_ids, lengths
 
     def _to_host(self, out: torch.Tensor, own: list[int]) -> list[torch.Tensor]:
         """Each row's ``(channels, own * spf)`` float32 audio on the host, a tensor of its own. On CUDA the
