@@ -217,7 +217,9 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     GEMMs' own choice of kernel)."""
     B, T, d = h.shape
     rows = B * T
-    if rows <= FFN_ROW_CHUNK:
+    # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
+    # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
+    if torch.compiler.is_compiling() or rows <= FFN_ROW_CHUNK:
         return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
     flat = h.reshape(rows, d)
     out = None
