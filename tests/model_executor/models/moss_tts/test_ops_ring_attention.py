@@ -666,3 +666,17 @@ def test_cuda_tiny_codec_triton_pool_equals_sdpa_pool(tmp_path):
         ref = _pool_stream(decoder, codes, [1, 15], semantics, "sdpa")
         got = _pool_stream(decoder, codes, [1, 15], semantics, "triton")
         assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_launch_configuration_follows_the_step_size_and_refuses_unknown_keys():
+    pick = ring_ops.attention_launch_config
+    for tokens, block_q, stages in [(1, 16, 2), (16, 16, 2), (17, 32, 3), (63, 32, 3), (64, 128, 3), (480, 128, 3)]:
+        assert pick(tokens, torch.bfloat16) == dict(
+            block_q=block_q, block_k=64, num_warps=4, num_stages=stages, pv="low"
+        ), tokens
+        assert pick(tokens, torch.float16)["pv"] == "low"
+    assert pick(15, torch.float32) == dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv="ieee")
+    assert pick(480, torch.float32)["block_q"] == 64
+    assert ring_ops._launch_config(30, torch.bfloat16, {"num_warps": 8})["num_warps"] == 8
+    with pytest.raises(ValueError, match=r"unknown launch configuration keys \['blockq'\]"):
+        ring_ops._launch_config(30, torch.bfloat16, {"blockq": 16})

@@ -397,16 +397,37 @@ def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype) -> dict:
     probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
     16-bit tensor cores, ``"ieee"`` keeps float32). Chosen on an H200 by sweeping these values over
     the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames (``benchmarks/RESULTS.md``,
-    "Ring attention launch sweep"): for 16-bit rings ``"low"`` was the fastest in every shape
-    (B64/T15: 10.8 -> 7.3 ms of attention a step), 128-query blocks win from 120 tokens up, and three
-    pipeline stages from 30 tokens up. Float32 rings keep the configuration they were validated with.
+    "Ring attention launch sweep"; the grid offered 16- and 32-query blocks below 64 tokens, 64 and 128
+    from 64). For 16-bit rings ``"low"`` was the fastest in every shape (B64/T15: 10.8 -> 7.3 ms of
+    attention a step); the best block was 16 queries up to 16 tokens, 32 at 30, 32 and 60 tokens, and
+    128 at 120 and 240 (64 and 128 within 1% at 480), hence the thresholds 16 and 64; three pipeline
+    stages won at 30 tokens and above, two at 15 (T = 1 steps were swept with two only). Float32 rings
+    keep the configuration they were validated with.
     """
     if ring_dtype == torch.float32:
         block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
         return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
-    block_q = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 128
+    block_q = 16 if num_tokens <= 16 else 32 if num_tokens < 64 else 128
     num_stages = 2 if num_tokens <= 16 else 3
     return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
+
+
+#: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
+LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv")
+
+
+def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None) -> dict:
+    """:func:`attention_launch_config` with ``tuning``'s entries in place of the defaults.
+
+    Raises:
+        ValueError: ``tuning`` names a key outside :data:`LAUNCH_KEYS`.
+    """
+    config = attention_launch_config(num_tokens, ring_dtype)
+    unknown = sorted(set(tuning or ()) - set(LAUNCH_KEYS))
+    if unknown:
+        raise ValueError(f"ring_attention: unknown launch configuration keys {unknown}; expected some of {LAUNCH_KEYS}")
+    config.update(tuning or {})
+    return config
 
 
 def _next_power_of_2(n: int) -> int:
@@ -430,7 +451,7 @@ def _launch_ring_attention_triton(
     if out.numel() == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    config = dict(attention_launch_config(num_tokens, cache.dtype), **(tuning or {}))
+    config = _launch_config(num_tokens, cache.dtype, tuning)
     block_q = config["block_q"]
     grid = (num_rows, num_heads, triton.cdiv(num_tokens, block_q))
     (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, q)
