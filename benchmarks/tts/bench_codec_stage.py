@@ -54,7 +54,7 @@ into ``--out``. ``--append`` adds runs to an existing ``--out`` made at the same
 so that a sweep longer than one command's time limit can be split (e.g. ``--concurrency 64,128`` then
 ``--concurrency 256 --append``); ``max_streams_at_slo`` and the plots then cover every concurrency run.
 ``--report-only`` rewrites ``results.md`` and the plots from ``--out`` (e.g. after a command was cut short).
-On a CPU the default is a tiny-v2 run with ``C`` in {4, 8} (about 20 s on two cores).
+On a CPU the default is a tiny-v2 run with ``C`` in {4, 8} (about 30 s on two cores).
 """
 
 from __future__ import annotations

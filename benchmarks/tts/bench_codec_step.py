@@ -72,7 +72,12 @@ StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="v2", choices=sorted(PRESETS))
+    parser.add_argument(
+        "--preset",
+        default="auto",
+        choices=["auto", *sorted(PRESETS)],
+        help="codec geometry; auto = v2 on CUDA, tiny-v2 elsewhere (v2 on a CPU needs over 23 GiB at B128)",
+    )
     parser.add_argument("--batch", default="1,8,64,128", help="comma-separated live rows B per step")
     parser.add_argument("--frames", default="1,15", help="comma-separated code frames T per step")
     parser.add_argument("--modes", default="eager,graph", help="subset of eager,graph,compiled")
@@ -505,6 +510,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = common.parse_str_list(args.modes, MODES)
     arm_names = common.parse_str_list(args.arms, ARMS)
     device = common.resolve_device(args.device)
+    if args.preset == "auto":
+        args.preset = "v2" if device.type == "cuda" else "tiny-v2"
+    if args.profile and device.type != "cuda":
+        print("bench_codec_step.py: --profile times CUDA kernels; ignored on this device", file=sys.stderr)
     config = preset_config(args.preset)
     max_batch = max(batches)
     skipped: dict[str, str] = {}

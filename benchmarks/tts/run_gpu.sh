@@ -29,6 +29,10 @@ REPO=$(pwd)
 OUT=${OUT:-$REPO/out/gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "run_gpu.sh: needs a CUDA device and torch in $PY (set PYTHON=...); nothing was run" >&2
+  exit 2
+fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
