@@ -28,6 +28,9 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint  # noqa: E402
@@ -47,16 +50,6 @@ def _process_start_seconds_ago() -> float | None:
         return None
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"bench_codec_startup.py: --{name} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise SystemExit(f"bench_codec_startup.py: --{name} needs integers >= 1, got {text!r}")
-    return values
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
@@ -66,8 +59,14 @@ def main(argv=None) -> int:
     p.add_argument("--graph-frame-sizes", default="1,15", help="CUDA-graph frame sizes (1,15)")
     p.add_argument("--json", type=Path, help="write the phases here")
     args = p.parse_args(argv)
-    buckets = _ints(args.graph_batch_sizes, "graph-batch-sizes")
-    frame_sizes = _ints(args.graph_frame_sizes, "graph-frame-sizes")
+    try:
+        buckets = common.parse_int_list(args.graph_batch_sizes)
+    except ValueError as exc:
+        p.error(f"--graph-batch-sizes: {exc}")
+    try:
+        frame_sizes = common.parse_int_list(args.graph_frame_sizes)
+    except ValueError as exc:
+        p.error(f"--graph-frame-sizes: {exc}")
     if args.capacity < max(buckets):
         p.error(f"--capacity {args.capacity} is below the largest bucket {max(buckets)}")
     device = torch.device(args.device)

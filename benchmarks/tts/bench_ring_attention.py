@@ -25,9 +25,10 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
@@ -130,9 +131,7 @@ def main(argv=None) -> int:
     config = preset_config(args.preset)
     semantics = default_ring_semantics(config.version)
     records = []
-    for batch, frames in itertools.product(
-        [int(b) for b in args.batch.split(",")], [int(t) for t in args.frames.split(",")]
-    ):
+    for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
         for index, group in enumerate(config.groups):
             rec = sweep_shape(group, batch, frames, semantics, args.seed)
             rec["group"] = index

@@ -431,6 +431,7 @@ def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None
 
 
 def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2's value, here so that attention_launch_config also answers without Triton.
     return 1 << max(n - 1, 0).bit_length()
 
 
