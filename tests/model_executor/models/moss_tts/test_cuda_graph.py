@@ -257,13 +257,13 @@ def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
         if k == 0:
             first = {rid: a[0].clone() for rid, a in audio.items()}
     assert session.stats()["steps_by_path"] == {"graph": 5, "eager": 0}
-    # Audio comes back through one pinned buffer the session reuses: what it returned stays its caller's.
+    # Each row comes back in page-locked memory of its own: what the session returned stays its caller's.
     for rid in streams:
         assert torch.equal(audio[rid][0], first[rid]), f"a later step changed {rid}'s first chunk"
-        assert (
-            audio[rid][0].untyped_storage().data_ptr()
-            != audio["a" if rid != "a" else "b"][0].untyped_storage().data_ptr()
-        )
+        row = audio[rid][0]
+        assert row.is_pinned() and row.untyped_storage().nbytes() == row.numel() * 4
+        assert not row.clone().is_pinned()  # docs/memory.md: a copy to keep is pageable
+        assert row.untyped_storage().data_ptr() != audio["a" if rid != "a" else "b"][0].untyped_storage().data_ptr()
     for rid, schedule in streams.items():
         ref = dec.decode(codes[rid][:, None].cuda(), chunk_frames=schedule)[0].float().cpu()
         _assert_close_to_peak(torch.cat(audio[rid], -1), ref)

@@ -485,6 +485,21 @@ def test_clamped_codes_count_only_out_of_range_codes_of_taken_chunks(tiny_decode
     assert got["b"].error is not None and s.clamped_codes == 1
 
 
+def test_clamped_codes_of_one_batch_in_mixed_dtypes_are_counted_once_each(tiny_decoder):
+    # The host chunks of a batch are compared together: int8, uint8 and int64 chunks side by side must
+    # neither wrap (uint8 255 is in range; int8 -1 is not) nor count another row's codes.
+    K, Q = tiny_decoder.config.codebook_size, tiny_decoder.config.num_quantizers
+    s = CodecStreamSession(tiny_decoder, 3)
+    a = torch.full((Q, 2), 7, dtype=torch.int8)
+    a[0, 1] = -1
+    b = torch.full((Q, 3), 255, dtype=torch.uint8)
+    c = torch.full((Q, 1), 9, dtype=torch.int64)
+    c[1, 0], c[2, 0] = K, -(2**40)
+    got = s.decode([ChunkRequest("a", a), ChunkRequest("b", b), ChunkRequest("c", c)])
+    assert [got[r].frames for r in "abc"] == [2, 3, 1]
+    assert s.clamped_codes == 3
+
+
 def test_finishing_frees_the_slots_of_the_ids_seen_before_the_iterable_fails(ring_decoder):
     s = CodecStreamSession(ring_decoder, 2)
     c = _codes(ring_decoder, 1, 1)
