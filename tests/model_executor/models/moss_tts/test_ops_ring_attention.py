@@ -680,3 +680,48 @@ def test_launch_configuration_follows_the_step_size_and_refuses_unknown_keys():
     assert ring_ops._launch_config(30, torch.bfloat16, {"num_warps": 8})["num_warps"] == 8
     with pytest.raises(ValueError, match=r"unknown launch configuration keys \['blockq'\]"):
         ring_ops._launch_config(30, torch.bfloat16, {"blockq": 16})
+
+
+@pytest.mark.parametrize("num_tokens", [7, 25])
+@pytest.mark.parametrize("semantics", ["upstream", "exact"])
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_paged_rings_equal_unpaged_rings(path, semantics, num_tokens):
+    """A paged cache (pages scattered over the pool, unused pages NaN) gives bitwise the outputs and
+    ring contents of the unpaged cache it maps, for both ops, rows wrapping and rows longer than C."""
+    attend = ring_ops.ring_attention if path == "kernel" else ring_ops.ring_attention_reference
+    write = ring_ops.ring_write if path == "kernel" else ring_ops.ring_write_reference
+    gen = torch.Generator().manual_seed(11)
+    S, H, Dh, page_size, n = 4, 2, 16, 5, 4  # rings of 20 cells in 4 pages of 5
+    num_pages = S * n + 3
+    unpaged = torch.randn(2, S, H, n * page_size, Dh, generator=gen)
+    table = torch.randperm(num_pages, generator=gen)[: S * n].view(S, n)
+    paged = torch.full((2, num_pages, H, page_size, Dh), float("nan"))
+    paged[:, table] = unpaged.view(2, S, H, n, page_size, Dh).permute(0, 1, 3, 2, 4, 5)
+    unused = sorted(set(range(num_pages)) - set(table.flatten().tolist()))
+    B, T = 3, num_tokens
+    q, k, v = (torch.randn(B, H, T, Dh, generator=gen) for _ in range(3))
+    slot_ids = torch.tensor([2, 0, 3])
+    offsets = torch.tensor([3, 13, 57])
+    num_written = torch.tensor([T, 0, T - 2])
+    cos, sin = rope_tables(offsets, T, Dh, 10000.0)
+    args = (slot_ids, offsets, num_written)
+    want = attend(q, k, v, unpaged, *args, semantics, cos, sin)
+    got = attend(q, k, v, paged, *args, semantics, cos, sin, page_table=table)
+    assert torch.equal(got, want)
+    write(k, v, unpaged, *args, cos, sin)
+    write(k, v, paged, *args, cos, sin, page_table=table)
+    mapped = paged[:, table].permute(0, 1, 3, 2, 4, 5).reshape(unpaged.shape)
+    assert torch.equal(mapped, unpaged)
+    assert paged[:, unused].isnan().all()
+
+
+def test_page_table_is_checked_at_the_op_boundary():
+    cache = torch.zeros(2, 6, 1, 4, 8)
+    k = torch.zeros(1, 1, 2, 8)
+    ids = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"`page_table` must be int32 or int64, got torch.float32"):
+        ring_ops.ring_write(k, k, cache, ids, ids, ids, page_table=torch.zeros(2, 3))
+    with pytest.raises(
+        ValueError, match=r"`page_table` must be \(S, pages per ring\) with at least one page, got \(3,\)"
+    ):
+        ring_ops.ring_attention(k, k, k, cache, ids, ids, ids, "exact", page_table=torch.zeros(3, dtype=torch.long))

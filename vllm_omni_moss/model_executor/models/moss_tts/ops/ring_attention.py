@@ -162,6 +162,22 @@ def _check_rope(op: str, cos, sin, shape, device) -> None:
         raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
 
 
+def _check_page_table(op: str, page_table, cache) -> None:
+    """Check the optional ``(S, n)`` page table against the ``(2, P, H, page_size, Dh)`` paged cache."""
+    if page_table is None:
+        return
+    if not isinstance(page_table, torch.Tensor):
+        raise TypeError(f"{op}: `page_table` must be a tensor or None, got {type(page_table).__name__}")
+    if page_table.dim() != 2 or page_table.shape[1] < 1:
+        raise ValueError(
+            f"{op}: `page_table` must be (S, pages per ring) with at least one page, got {tuple(page_table.shape)}"
+        )
+    if page_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: `page_table` must be int32 or int64, got {page_table.dtype}")
+    if page_table.device != cache.device:
+        raise ValueError(f"{op}: `page_table` is on {page_table.device}, the cache on {cache.device}")
+
+
 def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
     """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
     _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
@@ -238,6 +254,35 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _cell_pointers(
+        cache_ptr,
+        slot,
+        head,
+        cell,
+        ok,
+        page_table_ptr,
+        page_size,
+        page_table_stride_s,
+        page_table_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        PAGED: tl.constexpr,
+    ):
+        # Pointers to ring cells `cell` (a vector) of one (slot, head). Unpaged, the slot indexes the
+        # cache's second axis; paged, that axis holds pages and cell c of the slot lives at row
+        # c mod page_size of page page_table[slot, c // page_size]. Masked-off cells read no page id.
+        if PAGED:
+            page = tl.load(
+                page_table_ptr + slot * page_table_stride_s + (cell // page_size) * page_table_stride_p,
+                mask=ok,
+                other=0,
+            ).to(tl.int64)
+            return cache_ptr + page * cache_stride_s + head * cache_stride_h + (cell % page_size) * cache_stride_c
+        else:
+            return cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell * cache_stride_c
+
+    @triton.jit
     def _ring_attention_kernel(
         q_ptr,
         k_ptr,
@@ -280,8 +325,13 @@ if HAS_TRITON:
         slot_ids_stride,
         offsets_stride,
         num_written_stride,
+        page_table_ptr,
+        page_size,
+        page_table_stride_s,
+        page_table_stride_p,
         UPSTREAM: tl.constexpr,
         ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -329,12 +379,26 @@ if HAS_TRITON:
             # Old positions [lowest, offset) from the ring: position p lives in cell p mod C.
             num_old = (offset - lowest).to(tl.int32)  # <= C - 1; negative when there is none
             first_cell = (lowest % capacity).to(tl.int32)
-            ring = cache_ptr + slot * cache_stride_s + head * cache_stride_h
             for start in range(0, num_old, BLOCK_K):
                 j = start + tl.arange(0, BLOCK_K)  # key position lowest + j
                 key_ok = j < num_old
                 cell = (first_cell + j) % capacity
-                address = ring + cell[:, None] * cache_stride_c + d[None, :] * cache_stride_d
+                cells = _cell_pointers(
+                    cache_ptr,
+                    slot,
+                    head,
+                    cell,
+                    key_ok,
+                    page_table_ptr,
+                    page_size,
+                    page_table_stride_s,
+                    page_table_stride_p,
+                    cache_stride_s,
+                    cache_stride_h,
+                    cache_stride_c,
+                    PAGED,
+                )
+                address = cells[:, None] + d[None, :] * cache_stride_d
                 load_ok = key_ok[:, None] & d_ok[None, :]
                 keys = tl.load(address, mask=load_ok, other=0.0)
                 values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
@@ -380,6 +444,32 @@ if HAS_TRITON:
             out.to(out_ptr.dtype.element_ty),
             mask=(t < num_tokens)[:, None] & d_ok[None, :],
         )
+
+
+def _paging_arguments(cache, page_table, fallback):
+    # Ring capacity, the kernels' page-table arguments (pointer, page size, strides) and the PAGED flag.
+    if page_table is None:
+        return cache.shape[3], (fallback, 1, 0, 0), False
+    page_size = cache.shape[3]
+    return page_table.shape[1] * page_size, (page_table, page_size, *page_table.stride()), True
+
+
+def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
+    """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``cache`` itself when unpaged, else a
+    gathered copy of each slot's pages in logical order (``C = pages per ring x page size``)."""
+    if page_table is None:
+        return cache
+    pages = cache[:, page_table]  # (2, S, n, H, page, Dh)
+    planes, num_slots, num_pages, heads, page_size, head_dim = pages.shape
+    return pages.permute(0, 1, 3, 2, 4, 5).reshape(planes, num_slots, heads, num_pages * page_size, head_dim)
+
+
+def _store_logical_rings(cache, page_table, rings, slots) -> None:
+    # Write the logical rings of `slots` back into their pages (the inverse of _logical_rings).
+    planes, _, heads, capacity, head_dim = rings.shape
+    num_pages = page_table.shape[1]
+    pages = rings[:, slots].view(planes, len(slots), heads, num_pages, capacity // num_pages, head_dim)
+    cache[:, page_table[slots]] = pages.permute(0, 1, 3, 2, 4, 5)
 
 
 def _rope_arguments(cos, sin, fallback):
@@ -436,7 +526,7 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _launch_ring_attention_triton(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, *, tuning=None
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None, *, tuning=None
 ) -> torch.Tensor:
     """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
@@ -447,7 +537,7 @@ def _launch_ring_attention_triton(
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    capacity = cache.shape[3]
+    capacity, paging, paged = _paging_arguments(cache, page_table, slot_ids)
     out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -481,8 +571,10 @@ def _launch_ring_attention_triton(
             slot_ids.stride(0),
             offsets.stride(0),
             num_written.stride(0),
+            *paging,
             UPSTREAM=semantics == "upstream",
             ROPE=rope,
+            PAGED=paged,
             BLOCK_Q=block_q,
             BLOCK_K=config["block_k"],
             BLOCK_D=block_d,
@@ -496,7 +588,7 @@ def _launch_ring_attention_triton(
 
 
 def ring_attention_reference(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
     """PyTorch oracle for :func:`ring_attention`; same arguments and result.
 
@@ -510,6 +602,8 @@ def ring_attention_reference(
     num_rows, num_heads, num_tokens, head_dim = q.shape
     # Rows that write nothing are never looked up (their ids may be out of range).
     slots = torch.where(num_written > 0, slot_ids, 0)
+    if page_table is not None:
+        cache = _logical_rings(cache, page_table)
     rows = cache.index_select(1, slots)
     meta = build_ring_metadata(_Window(cache.shape[3], head_dim), semantics, offsets, num_written, num_tokens)
     out = attend_gathered_rows(semantics, rows, meta, q, k, v)  # (B, H, T, Dh)
@@ -530,14 +624,18 @@ def _ring_attention_op(
     semantics: str,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    args = (q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
     if runs_triton_kernel(cache):
-        return _launch_ring_attention_triton(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
-    return ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
+        return _launch_ring_attention_triton(*args)
+    return ring_attention_reference(*args)
 
 
 @_ring_attention_op.register_fake
-def _ring_attention_fake(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None) -> torch.Tensor:
+def _ring_attention_fake(
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
+) -> torch.Tensor:
     num_rows, num_heads, num_tokens, head_dim = q.shape
     return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
 
@@ -553,6 +651,7 @@ def ring_attention(
     semantics: str,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's streaming attention for ``B`` rows, reading the rings in place (module docstring).
 
@@ -571,6 +670,10 @@ def ring_attention(
         cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions
             (``step_metadata.rope_tables``): the kernel then rotates ``q`` and ``k`` as it loads
             them, bitwise ``step_metadata.apply_rope``, saving one pass over them.
+        page_table: optional ``(S, n)`` int32/int64 table of a paged cache: ``cache`` is then
+            ``(2, P, H, page_size, Dh)``, pages rather than slots on its second axis, each slot's ring
+            has ``C = n x page_size`` cells and cell ``c`` of slot ``s`` is row ``c mod page_size`` of
+            page ``page_table[s, c // page_size]``. Entries a step reads must be in ``[0, P)``.
     Returns:
         ``(B, T, H, Dh)`` in the cache dtype; zeros for padding queries, padding rows and queries
         that see no key. Call :func:`ring_write` (with the same tables) afterwards to store the chunk.
@@ -587,7 +690,10 @@ def ring_attention(
     if not q.dtype.is_floating_point:
         raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
     _check_rope(op, cos, sin, shape, cache.device)
-    return torch.ops.vllm_omni_moss.ring_attention(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin)
+    _check_page_table(op, page_table, cache)
+    return torch.ops.vllm_omni_moss.ring_attention(
+        q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -627,7 +733,12 @@ if HAS_TRITON:
         slot_ids_stride,
         offsets_stride,
         num_written_stride,
+        page_table_ptr,
+        page_size,
+        page_table_stride_s,
+        page_table_stride_p,
         ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -664,13 +775,27 @@ if HAS_TRITON:
                 v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
                 mask=ok,
             )
-            dst = cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell[:, None] * cache_stride_c
-            dst = dst + d[None, :] * cache_stride_d
+            cells = _cell_pointers(
+                cache_ptr,
+                slot,
+                head,
+                cell,
+                i < kept,
+                page_table_ptr,
+                page_size,
+                page_table_stride_s,
+                page_table_stride_p,
+                cache_stride_s,
+                cache_stride_h,
+                cache_stride_c,
+                PAGED,
+            )
+            dst = cells[:, None] + d[None, :] * cache_stride_d
             tl.store(dst, keys, mask=ok)
             tl.store(dst + cache_stride_p, values, mask=ok)
 
 
-def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None) -> None:
+def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
     """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
     Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
@@ -679,7 +804,7 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=N
     if not HAS_TRITON:
         raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = k.shape
-    capacity = cache.shape[3]
+    capacity, paging, paged = _paging_arguments(cache, page_table, slot_ids)
     kept = min(num_tokens, capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
         return
@@ -706,18 +831,26 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=N
             slot_ids.stride(0),
             offsets.stride(0),
             num_written.stride(0),
+            *paging,
             ROPE=rope,
+            PAGED=paged,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
             enable_fp_fusion=False,
         )
 
 
-def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None) -> None:
+def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
     """PyTorch oracle for :func:`ring_write`; same arguments and effect.
 
     Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
+    A paged cache is written through a gathered copy of the rows' rings, stored back page by page.
     """
+    if page_table is not None:
+        rings = _logical_rings(cache, page_table)
+        ring_write_reference(k, v, rings, slot_ids, offsets, num_written, cos, sin)
+        _store_logical_rings(cache, page_table, rings, slot_ids[num_written > 0])
+        return
     if cos is not None:
         k = apply_rope(k, cos, sin)
     num_rows, _, num_tokens, _ = k.shape
@@ -742,15 +875,17 @@ def _ring_write_op(
     num_written: torch.Tensor,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> None:
+    args = (k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
     if runs_triton_kernel(cache):
-        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin)
+        _launch_ring_write_triton(*args)
     else:
-        ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos, sin)
+        ring_write_reference(*args)
 
 
 @_ring_write_op.register_fake
-def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None) -> None:
+def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
     return None
 
 
@@ -763,6 +898,7 @@ def ring_write(
     num_written: torch.Tensor,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> None:
     """Store each row's last ``min(num_written, C)`` chunk tokens into its slot's ring.
 
@@ -776,6 +912,8 @@ def ring_write(
         num_written: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
         cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables: keys are rotated as they are
             stored, bitwise ``step_metadata.apply_rope``.
+        page_table: optional ``(S, n)`` table of a paged cache, as in :func:`ring_attention`; the
+            pages a row writes must be in ``[0, P)`` and distinct within the row's slot.
 
     Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
     ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``num_written[b] - C <= t < num_written[b]``:
@@ -789,4 +927,5 @@ def ring_write(
     """
     shape = _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
     _check_rope("ring_write", cos, sin, shape, cache.device)
-    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin)
+    _check_page_table("ring_write", page_table, cache)
+    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
