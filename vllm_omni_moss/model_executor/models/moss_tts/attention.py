@@ -255,6 +255,8 @@ class CompactTritonRingAttention:
         slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
         start_frames: ``(B,)`` int64 frames each row decoded before this step.
         num_frames: ``T`` frames per row in this step.
+        page_tables: for a paged pool, each group's ``(S, pages per ring)`` page table keyed by the
+            group's first layer (``ops.ring_attention``'s ``page_table``); rings are then pages.
     """
 
     def __init__(
@@ -265,8 +267,10 @@ class CompactTritonRingAttention:
         slots: torch.Tensor,
         start_frames: torch.Tensor,
         num_frames: int,
+        page_tables: dict[int, torch.Tensor] | None = None,
     ):
         self.rings, self.semantics, self.slots = rings, semantics, slots
+        self.page_tables = page_tables or {}
         self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for spec, first_layer in zip(config.groups, config.group_first_layers):
             offsets = start_frames * spec.tokens_per_frame
@@ -285,8 +289,11 @@ class CompactTritonRingAttention:
             qk = apply_rope(qkv[:2], cos, sin)
             q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
             rope = (None, None)
-        out = ring_ops.ring_attention(q, keys, values, ring, self.slots, offsets, written, self.semantics, *rope)
-        ring_ops.ring_write(keys, values, ring, self.slots, offsets, written, *rope)
+        table = self.page_tables.get(group.first_layer)
+        out = ring_ops.ring_attention(
+            q, keys, values, ring, self.slots, offsets, written, self.semantics, *rope, page_table=table
+        )
+        ring_ops.ring_write(keys, values, ring, self.slots, offsets, written, *rope, page_table=table)
         return out.transpose(1, 2)
 
 

@@ -192,7 +192,7 @@ class CodecStreamSession:
     Args:
         decoder: the codec weights (any device; the pool lives on the same device).
         state_capacity: live streams at most (Stage 1's ``max_num_seqs``).
-        pool_kind: ``"compact"`` / ``"legacy"``; default: compact for v2 codecs, legacy for v1.
+        pool_kind: ``"compact"`` / ``"legacy"`` / ``"paged"``; default: compact for v2 codecs, legacy for v1.
         state_dtype: ring dtype; default ``decoder.state_dtype``.
         attention_backend: the pool's attention backend, ``"sdpa"`` or ``"triton"``; default:
             the pool's (:class:`~.state_pool.DecoderStatePool`).
@@ -582,6 +582,7 @@ class CodecStreamSession:
         """One pool step; returns each row's ``(channels, own_T * spf)`` float32 CPU audio."""
         own = [p.shape[1] for p in pieces]
         B, T = len(pieces), self._step_frames(max(own))
+        self.pool.prepare_step(slots, own)  # a paged pool allocates the pages this step writes
         codes, slot_ids, lengths = self._stage_inputs(pieces, own, slots, T)
         out = self.runner.decode(codes, lengths, slot_ids) if self.runner is not None else None
         if out is not None:

@@ -50,6 +50,7 @@ earlier stream would turn into NaN audio for the next one.
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -81,7 +82,7 @@ __all__ = [
 ]
 
 #: Pool kinds :func:`make_state_pool` builds.
-POOL_KINDS = ("compact", "legacy")
+POOL_KINDS = ("compact", "legacy", "paged")
 
 
 def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int = 2) -> int:
@@ -94,7 +95,7 @@ def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int
         ValueError: unknown ``kind``.
     """
     rings = num_slots * decoder_config.state_bytes_per_slot(element_size)
-    if kind == "compact":
+    if kind in ("compact", "paged"):  # a paged pool at page_fraction 1.0, plus its page tables (not counted)
         return rings + num_slots * 8
     if kind == "legacy":
         return rings + _legacy_table_rows(decoder_config) * num_slots * 8
@@ -231,11 +232,7 @@ class DecoderStatePool(ABC):
         self.scratch_capacity = self._scratch_capacity(scratch_capacity)
         self.num_slots = state_capacity + self.scratch_capacity
         try:
-            self.rings = [
-                torch.zeros(2, self.num_slots, s.num_heads, s.context, s.head_dim, device=self.device, dtype=self.dtype)
-                for s in self.config.groups
-                for _ in range(s.num_layers)
-            ]
+            self.rings = self._allocate_rings()
             self._allocate_offsets()
         except (RuntimeError, MemoryError) as exc:  # out of memory: leave the pool closed
             element = torch.empty((), dtype=self.dtype).element_size()
@@ -245,6 +242,14 @@ class DecoderStatePool(ABC):
                 f"cannot allocate decoder state for {state_capacity} live streams ({need} bytes on {self.device}): {exc}"
             ) from exc
         self._free = list(range(state_capacity - 1, -1, -1))  # a fresh pool leases 0, 1, 2, ...
+
+    def _allocate_rings(self) -> list[torch.Tensor]:
+        # One zeroed ring (2, S, H, C, Dh) per attention layer.
+        return [
+            torch.zeros(2, self.num_slots, s.num_heads, s.context, s.head_dim, device=self.device, dtype=self.dtype)
+            for s in self.config.groups
+            for _ in range(s.num_layers)
+        ]
 
     def close(self) -> None:
         """Drop all state and leases. The pool can be initialised again, with another capacity."""
@@ -324,9 +329,25 @@ class DecoderStatePool(ABC):
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"slot id {bad} cannot be reset; resettable slot ids are 0..{limit - 1}")
         ids = ids.to(self.device)
+        self._clear_rings(ids)
+        self._reset_offsets(ids)
+
+    def _clear_rings(self, ids: torch.Tensor) -> None:
         for ring in self.rings:
             ring.index_fill_(1, ids, 0)
-        self._reset_offsets(ids)
+
+    def prepare_step(self, slot_ids, lengths) -> None:  # noqa: B027 - optional hook
+        """Host-side preparation of a step over live ``slot_ids`` decoding ``lengths`` frames each
+        (sequences of ints). Nothing to do for unpaged pools; a paged pool allocates the pages the
+        step writes. Call it before every step that bypasses :meth:`decode_streaming_batch` (graph
+        replays, :meth:`decode_streaming_tensors`)."""
+
+    def _read_cells(self, layer: int, slot: int, cells: torch.Tensor) -> torch.Tensor:
+        # (2, H, N, Dh) copy of ring cells `cells` (N,) of one slot.
+        return self.rings[layer][:, slot].index_select(2, cells)
+
+    def _write_cells(self, layer: int, slot: int, cells: torch.Tensor, values: torch.Tensor) -> None:
+        self.rings[layer][:, slot].index_copy_(2, cells, values)
 
     # ----------------------------------------------------------------- padding policy
     @abstractmethod
@@ -406,9 +427,16 @@ class DecoderStatePool(ABC):
         ``layer_offsets`` (``(L,)`` int64 token offset of each attention layer)."""
         self._require_initialized()
         return {
-            "rings": [ring[:, slot].clone() for ring in self.rings],
+            "rings": [
+                self._read_cells(layer, slot, torch.arange(ring_cells, device=self.device))
+                for layer, ring_cells in enumerate(self._ring_cells())
+            ],
             "layer_offsets": self._layer_offsets(slot),
         }
+
+    def _ring_cells(self) -> list[int]:
+        # Ring capacity C of each attention layer.
+        return [spec.context for spec in self.config.groups for _ in range(spec.num_layers)]
 
     @abstractmethod
     def offset_tensors(self) -> list[torch.Tensor]:
@@ -429,8 +457,8 @@ class DecoderStatePool(ABC):
         slot = self._live_slot(slot, "save_slot")
         column = self._offset_column(slot).cpu()
         cells = []
-        for ring, offset in zip(self.rings, self._layer_offsets_in(column).tolist()):
-            cells.append(ring[:, slot].index_select(2, self._cells_in_use(offset, ring.shape[3])).cpu())
+        for layer, (capacity, offset) in enumerate(zip(self._ring_cells(), self._layer_offsets_in(column).tolist())):
+            cells.append(self._read_cells(layer, slot, self._cells_in_use(offset, capacity).to(self.device)).cpu())
         return SlotState(self.kind, ring_geometry(self.config), self.dtype, self.ring_semantics, column, tuple(cells))
 
     def restore_slot(self, slot: int, state: SlotState) -> None:
@@ -447,10 +475,15 @@ class DecoderStatePool(ABC):
         slot = self._live_slot(slot, "restore_slot")
         self._check_slot_state(state)
         self.reset([slot])
-        for ring, offset, saved in zip(self.rings, self._layer_offsets_in(state.offsets).tolist(), state.cells):
-            cells = self._cells_in_use(offset, ring.shape[3]).to(self.device)
-            ring[:, slot].index_copy_(2, cells, saved.to(self.device))
         self._write_offset_column(slot, state.offsets.to(self.device))
+        self._reserve_restored(slot)
+        offsets = self._layer_offsets_in(state.offsets).tolist()
+        for layer, (capacity, offset, saved) in enumerate(zip(self._ring_cells(), offsets, state.cells)):
+            cells = self._cells_in_use(offset, capacity).to(self.device)
+            self._write_cells(layer, slot, cells, saved.to(self.device))
+
+    def _reserve_restored(self, slot: int) -> None:  # noqa: B027 - optional hook
+        """Hook: a paged pool allocates the pages of a slot whose offsets were just restored."""
 
     # ----------------------------------------------------------------- helpers
     def _live_slot(self, slot, op: str) -> int:
@@ -493,10 +526,11 @@ class DecoderStatePool(ABC):
             raise ValueError(
                 f"restore_slot: the state has {len(state.cells)} layers of cells; the codec has {len(self.rings)}"
             )
-        for layer, (ring, offset, saved) in enumerate(
-            zip(self.rings, self._layer_offsets_in(offsets).tolist(), state.cells)
+        heads = [spec for spec in self.config.groups for _ in range(spec.num_layers)]
+        for layer, (spec, offset, saved) in enumerate(
+            zip(heads, self._layer_offsets_in(offsets).tolist(), state.cells)
         ):
-            shape = (2, ring.shape[2], min(offset, ring.shape[3]), ring.shape[4])
+            shape = (2, spec.num_heads, min(offset, spec.context), spec.head_dim)
             if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != shape or saved.dtype != self.dtype:
                 got = (tuple(getattr(saved, "shape", ())), getattr(saved, "dtype", None))
                 raise ValueError(
@@ -812,6 +846,221 @@ class CompactDecoderStatePool(DecoderStatePool):
         )
 
 
+class PagesExhausted(RuntimeError):
+    """A paged pool has too few free pages for a step (or a restore); nothing was allocated."""
+
+
+class PagedDecoderStatePool(CompactDecoderStatePool):
+    """The compact pool with each group's rings held in pages of a shared page pool.
+
+    Per resolution group ``g``, every layer keeps ``(2, P_g, H, page_size, Dh)`` pages instead of
+    ``(2, S, H, C, Dh)`` rings, and one ``(S, C / page_size)`` int64 page table (shared by the
+    group's layers) maps logical page ``i`` of a slot's ring (cells ``i*page_size ..``) to a physical
+    page. Page 0 is the null page: all zeros, never written, where unallocated entries point. A slot
+    holds pages only for the context it has: after ``f`` frames, ``min(ceil(f x tokens_per_frame /
+    page_size), C / page_size)`` pages per group; pages are allocated by :meth:`prepare_step` (and
+    :meth:`decode_streaming_batch`) before the step that first writes them, and zeroed and freed on
+    :meth:`reset`/:meth:`release`. Audio, ring contents (:meth:`slot_state`) and offsets equal the
+    compact pool's bit for bit.
+
+    Args:
+        decoder, dtype, ring_semantics: as :class:`DecoderStatePool`.
+        attention_backend: ``"triton"`` only (the ring ops address pages through the table).
+        page_size: tokens per page; must divide every group's window (``GroupSpec.context``).
+            Default: their greatest common divisor (25 for v2: windows 125, 250, 400).
+        page_fraction: pages per group as a fraction of what ``state_capacity`` full rings need
+            (``1.0``: never short of pages; smaller: admission must watch :meth:`free_page_counts`).
+
+    Raises:
+        ValueError: another backend, a page size that does not divide a window, a fraction outside
+            ``(0, 1]``, or a v1 codec.
+    """
+
+    kind = "paged"
+
+    def __init__(
+        self,
+        decoder: CodecDecoder,
+        dtype: torch.dtype | None = None,
+        ring_semantics: str | None = None,
+        attention_backend: str | None = None,
+        *,
+        page_size: int | None = None,
+        page_fraction: float = 1.0,
+    ):
+        super().__init__(decoder, dtype, ring_semantics, attention_backend or "triton")
+        if self.attention_backend != "triton":
+            raise ValueError(
+                f"the paged pool needs attention_backend 'triton' (its ops read pages), got {self.attention_backend!r}"
+            )
+        windows = [spec.context for spec in self.config.groups]
+        self.page_size = math.gcd(*windows) if page_size is None else page_size
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        bad = [w for w in windows if w % self.page_size]
+        if bad:
+            raise ValueError(f"page_size {self.page_size} must divide every group's window; it does not divide {bad}")
+        if not 0.0 < float(page_fraction) <= 1.0:
+            raise ValueError(f"page_fraction must be in (0, 1], got {page_fraction!r}")
+        self.page_fraction = float(page_fraction)
+        self.page_tables: list[torch.Tensor] = []  # per group, (S, n_g) int64 on the device
+        self._host_tables: list[list[list[int]]] = []  # per group, per slot: its physical pages in order
+        self._free_pages: list[list[int]] = []  # per group, LIFO
+        self._group_layers: list[range] = []
+
+    # ----------------------------------------------------------------- memory
+    def _pages_per_ring(self, spec) -> int:
+        return spec.context // self.page_size
+
+    def _allocate_rings(self) -> list[torch.Tensor]:
+        rings, first = [], 0
+        self.page_tables, self._host_tables, self._free_pages, self._group_layers = [], [], [], []
+        for spec in self.config.groups:
+            n = self._pages_per_ring(spec)
+            pages = math.ceil(self.page_fraction * self.state_capacity * n) + 1  # + the null page
+            shape = (2, pages, spec.num_heads, self.page_size, spec.head_dim)
+            rings += [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(spec.num_layers)]
+            self.page_tables.append(torch.zeros(self.num_slots, n, dtype=torch.long, device=self.device))
+            self._host_tables.append([[] for _ in range(self.num_slots)])
+            self._free_pages.append(list(range(pages - 1, 0, -1)))  # page 1 is allocated first
+            self._group_layers.append(range(first, first + spec.num_layers))
+            first += spec.num_layers
+        return rings
+
+    def close(self) -> None:
+        super().close()
+        self.page_tables, self._host_tables, self._free_pages, self._group_layers = [], [], [], []
+
+    def offset_tensors(self) -> list[torch.Tensor]:
+        # The page tables are persistent metadata too (graphs read them by address).
+        return super().offset_tensors() + list(self.page_tables)
+
+    def free_page_counts(self) -> list[int]:
+        """Free pages per group."""
+        self._require_initialized()
+        return [len(free) for free in self._free_pages]
+
+    def pages_in_use_bytes(self) -> int:
+        """Bytes of the pages leased slots hold (the state a compact pool would need for their contexts)."""
+        self._require_initialized()
+        total = 0
+        for g, spec in enumerate(self.config.groups):
+            held = sum(len(pages) for pages in self._host_tables[g])
+            page_bytes = 2 * spec.num_heads * self.page_size * spec.head_dim * self.rings[0].element_size()
+            total += held * page_bytes * spec.num_layers
+        return total
+
+    # ----------------------------------------------------------------- pages
+    def _pages_needed(self, spec, frames: int) -> int:
+        tokens = frames * spec.tokens_per_frame
+        return min(-(-tokens // self.page_size), self._pages_per_ring(spec))
+
+    def _reserve(self, targets: dict[int, int]) -> None:
+        """Give each slot of ``targets`` (slot -> frames it will have decoded) the pages that context needs.
+
+        Raises:
+            PagesExhausted: a group lacks free pages; nothing is allocated then.
+        """
+        plan = []
+        for g, spec in enumerate(self.config.groups):
+            extra = {
+                slot: self._pages_needed(spec, frames) - len(self._host_tables[g][slot])
+                for slot, frames in targets.items()
+            }
+            extra = {slot: n for slot, n in extra.items() if n > 0}
+            if sum(extra.values()) > len(self._free_pages[g]):
+                raise PagesExhausted(
+                    f"group {g} needs {sum(extra.values())} more pages of {self.page_size} tokens for slots "
+                    f"{sorted(extra)}; {len(self._free_pages[g])} are free"
+                )
+            plan.append(extra)
+        for g, extra in enumerate(plan):
+            rows, cols, pages = [], [], []
+            for slot, n in extra.items():
+                held = self._host_tables[g][slot]
+                for _ in range(n):
+                    rows.append(slot)
+                    cols.append(len(held))
+                    held.append(self._free_pages[g].pop())
+                    pages.append(held[-1])
+            if rows:
+                index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+                self.page_tables[g].index_put_(index, torch.tensor(pages, device=self.device))
+
+    def prepare_step(self, slot_ids, lengths) -> None:
+        """Allocate the pages a step writes: each slot in ``slot_ids`` (live ids) decoding ``lengths``
+        frames (ints) gets pages for the context it will have. Reads the slots' frame counters (one small
+        device-to-host copy). Idempotent for one step.
+
+        Raises:
+            PagesExhausted: too few free pages in a group; nothing changes then.
+        """
+        self._require_initialized()
+        slot_ids, lengths = [int(s) for s in slot_ids], [int(n) for n in lengths]
+        if not slot_ids:
+            return
+        frames = self.frames_decoded[torch.tensor(slot_ids, device=self.device)].tolist()
+        self._reserve({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
+
+    @torch.no_grad()
+    def decode_streaming_batch(self, codes, lengths, state_slot_ids, valid_rows):
+        """:meth:`DecoderStatePool.decode_streaming_batch`, allocating the step's pages first.
+
+        Raises:
+            PagesExhausted: as :meth:`prepare_step` (before anything changes); otherwise as the base.
+        """
+        self._require_initialized()
+        self._validate(codes, lengths, state_slot_ids, valid_rows)
+        live = valid_rows.bool().tolist()
+        self.prepare_step(
+            [s for s, ok in zip(state_slot_ids.tolist(), live) if ok],
+            [n for n, ok in zip(lengths.tolist(), live) if ok],
+        )
+        return self.decode_streaming_tensors(codes.long(), lengths.long(), state_slot_ids.long(), valid_rows)
+
+    def _reserve_restored(self, slot: int) -> None:
+        self._reserve({slot: int(self.frames_decoded[slot])})
+
+    def _clear_rings(self, ids: torch.Tensor) -> None:
+        for g, layers in enumerate(self._group_layers):
+            freed = []
+            for slot in ids.tolist():
+                freed += self._host_tables[g][slot]
+                self._host_tables[g][slot] = []
+            if freed:
+                pages = torch.tensor(freed, device=self.device)
+                for layer in layers:
+                    self.rings[layer].index_fill_(1, pages, 0)
+                self._free_pages[g].extend(reversed(freed))
+            self.page_tables[g].index_fill_(0, ids, 0)
+
+    # ----------------------------------------------------------------- cells
+    def _group_of(self, layer: int) -> int:
+        return next(g for g, layers in enumerate(self._group_layers) if layer in layers)
+
+    def _cell_pages(self, layer: int, slot: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.page_tables[self._group_of(layer)][slot]
+        cells = cells.to(self.device)
+        return table[cells // self.page_size], cells % self.page_size
+
+    def _read_cells(self, layer: int, slot: int, cells: torch.Tensor) -> torch.Tensor:
+        pages, rows = self._cell_pages(layer, slot, cells)
+        return self.rings[layer][:, pages, :, rows].permute(1, 2, 0, 3)  # (N, 2, H, Dh) -> (2, H, N, Dh)
+
+    def _write_cells(self, layer: int, slot: int, cells: torch.Tensor, values: torch.Tensor) -> None:
+        pages, rows = self._cell_pages(layer, slot, cells)
+        self.rings[layer][:, pages, :, rows] = values.permute(2, 0, 1, 3)
+
+    # ----------------------------------------------------------------- steps
+    def _triton_attention(self, slots, lengths, num_frames: int, start):
+        groups = group_steps(self.config, num_frames, lengths)
+        tables = {layers.start: table for layers, table in zip(self._group_layers, self.page_tables)}
+        attention = CompactTritonRingAttention(
+            self.config, self.rings, self.ring_semantics, slots, start, num_frames, page_tables=tables
+        )
+        return groups, attention
+
+
 def make_state_pool(
     decoder: CodecDecoder,
     kind: str | None = None,
@@ -833,4 +1082,6 @@ def make_state_pool(
         return CompactDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     if kind == "legacy":
         return LegacyDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
+    if kind == "paged":
+        return PagedDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
