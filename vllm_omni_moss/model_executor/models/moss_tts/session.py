@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoder import CodecDecoder
-from .state_pool import DecoderStatePool, make_state_pool
+from .state_pool import DecoderStatePool, SlotState, make_state_pool
 
 __all__ = ["ChunkRequest", "ChunkResult", "CodecStreamSession"]
 
@@ -108,6 +108,8 @@ class _Stream:
     chunks: list[torch.Tensor] = field(default_factory=list)  # (n_vq, T) int64 on the pool's device
     finished: bool = False
     waiting_since: float | None = None
+    saved: SlotState | None = None  # the state of a preempted stream, restored when it gets a slot back
+    frames_decoded: int = 0  # frames of its own decoded so far (host count, for admission by pages)
 
     @property
     def buffered_frames(self) -> int:
@@ -121,6 +123,7 @@ class _Counters:
     decoded_frames: int = 0
     padded_frames: int = 0
     admitted_from_queue: int = 0
+    preemptions: int = 0
     queue_wait_s_max: float = 0.0
     request_errors: int = 0
     clamped_codes: int = 0
@@ -179,6 +182,15 @@ class AdmissionQueue:
         _, stream = self._streams.popitem(last=False)
         return stream
 
+    def peek_oldest(self) -> _Stream:
+        return next(iter(self._streams.values()))
+
+    def push_front(self, stream: _Stream) -> None:
+        """Queue a preempted stream ahead of every new one (outside the queue's bounds: it was live)."""
+        stream.waiting_since = time.monotonic()
+        self._streams[stream.request_id] = stream
+        self._streams.move_to_end(stream.request_id, last=False)
+
     def drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
@@ -210,6 +222,9 @@ class CodecStreamSession:
         n_vq: codebooks per frame in every chunk; default: all of the codec's.
         max_waiting_streams: new streams that may wait for a slot.
         max_waiting_frames: code frames that waiting streams may buffer in total.
+        page_fraction: state pages of a ``"paged"`` pool, as a fraction of full rings for every slot
+            (:class:`~.state_pool.PagedDecoderStatePool`); below 1 the session admits streams while
+            pages last and preempts the youngest live stream when a step runs short.
 
     Graphs are captured at construction when the decoder is on CUDA and both size
     lists are non-empty.
@@ -237,6 +252,7 @@ class CodecStreamSession:
         n_vq: int | None = None,
         max_waiting_streams: int = 64,
         max_waiting_frames: int = 4096,
+        page_fraction: float | None = None,
     ):
         if isinstance(state_capacity, bool) or not isinstance(state_capacity, int) or state_capacity < 1:
             raise ValueError(f"state_capacity must be an integer >= 1, got {state_capacity!r}")
@@ -263,7 +279,7 @@ class CodecStreamSession:
         self.graph_frame_sizes = sorted({int(t) for t in graph_frame_sizes if int(t) > 0})
 
         use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
-        self.pool = make_state_pool(decoder, pool_kind, state_dtype, ring_semantics, attention_backend)
+        self.pool = make_state_pool(decoder, pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction)
         scratch = self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
         self.pool.initialize(state_capacity, scratch)
         self._compiled = self._compiled_step(compile)
@@ -326,8 +342,8 @@ class CodecStreamSession:
     def stats(self) -> dict[str, object]:
         """Counters since construction: steps by path (``graph``/``eager``), decoded and padded
         frames (padding frames of rows in steps), the admission queue (streams and frames
-        waiting now, streams admitted after waiting, the longest wait in seconds), clamped
-        codes and refused requests."""
+        waiting now, streams admitted after waiting, the longest wait in seconds), streams
+        preempted for state memory (paged pools), clamped codes and refused requests."""
         c = self._counters
         return {
             "steps_by_path": {"graph": c.steps_graph, "eager": c.steps_eager},
@@ -336,6 +352,7 @@ class CodecStreamSession:
             "waiting_streams": len(self._waiting),
             "waiting_frames": self._waiting.buffered_frames,
             "admitted_from_queue": c.admitted_from_queue,
+            "preemptions": c.preemptions,
             "queue_wait_s_max": c.queue_wait_s_max,
             "clamped_codes": c.clamped_codes,
             "request_errors": c.request_errors,
@@ -487,7 +504,7 @@ class CodecStreamSession:
             if frames == 0:
                 return None  # nothing to decode and no stream to end
             stream = _Stream(rid)
-            if self._waiting or not self.pool.free_slot_count:
+            if self._waiting or not self.pool.can_admit(0, min(frames, self.max_piece_frames)):
                 error = self._waiting.refusal(frames, new_stream=True, capacity=self.state_capacity)
                 if error is not None:
                     return error
@@ -509,10 +526,16 @@ class CodecStreamSession:
         return None
 
     def _admit_waiting(self) -> None:
-        while self._waiting and self.pool.free_slot_count:
+        while self._waiting:
+            oldest = self._waiting.peek_oldest()
+            if not self.pool.can_admit(oldest.frames_decoded, min(oldest.buffered_frames, self.max_piece_frames)):
+                return
             stream = self._waiting.pop_oldest()
             rid = stream.request_id
             stream.slot = self.pool.acquire()
+            if stream.saved is not None:  # a preempted stream resumes exactly where it stopped
+                self.pool.restore_slot(stream.slot, stream.saved)
+                stream.saved = None
             waited = time.monotonic() - stream.waiting_since
             stream.waiting_since = None
             self._live[rid] = stream
@@ -527,7 +550,7 @@ class CodecStreamSession:
         audio: dict[str, list[torch.Tensor]] = {}
         while True:
             self._admit_waiting()
-            ready = [s for s in self._live.values() if s.chunks]
+            ready = self._fit_state([s for s in self._live.values() if s.chunks])
             ending = [s for s in self._live.values() if s.finished]
             if ready:
                 for rid, wav in self._decode_streams(ready).items():
@@ -538,6 +561,22 @@ class CodecStreamSession:
                 self.pool.release([s.slot for s in ending])
             if not (ending and self._waiting):
                 return audio
+
+    def _fit_state(self, ready: list[_Stream]) -> list[_Stream]:
+        """Preempt the youngest live streams until the pool holds the context every ready stream is about
+        to reach (only a paged pool can run short). A preempted stream's state goes to host memory
+        (``save_slot``) and it waits, ahead of new streams, to resume exactly; its chunks stay buffered."""
+        while ready and self.pool.pages_short({s.slot: s.buffered_frames for s in ready}):
+            victim = next(reversed(self._live.values()))  # the youngest: admitted last
+            victim.saved = self.pool.save_slot(victim.slot)
+            self.pool.release([victim.slot])
+            victim.slot = None
+            del self._live[victim.request_id]
+            self._waiting.push_front(victim)
+            self._counters.preemptions += 1
+            logger.info("MOSS codec: stream %r preempted to free decoder state pages", victim.request_id)
+            ready = [s for s in ready if s is not victim]
+        return ready
 
     @property
     def max_piece_frames(self) -> int:
@@ -570,8 +609,9 @@ class CodecStreamSession:
             for first in range(0, len(rows), max_rows):
                 batch = rows[first : first + max_rows]
                 step_pieces = [pieces[s.request_id][i] for s in batch]
-                for s, wav in zip(batch, self._step([s.slot for s in batch], step_pieces)):
+                for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces)):
                     parts[s.request_id].append(wav)
+                    s.frames_decoded += piece.shape[1]
         return {rid: p[0] if len(p) == 1 else torch.cat(p, dim=-1) for rid, p in parts.items()}
 
     def _step_frames(self, longest: int) -> int:

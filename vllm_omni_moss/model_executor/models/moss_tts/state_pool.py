@@ -342,6 +342,16 @@ class DecoderStatePool(ABC):
         step writes. Call it before every step that bypasses :meth:`decode_streaming_batch` (graph
         replays, :meth:`decode_streaming_tensors`)."""
 
+    def pages_short(self, pending: dict[int, int]) -> bool:
+        """Whether the live slots of ``pending`` (slot -> frames still to decode) lack state memory for
+        that much more context. Never for unpaged pools (every slot holds full rings)."""
+        return False
+
+    def can_admit(self, frames: int, chunk_frames: int) -> bool:
+        """Whether a stream that has decoded ``frames`` frames (0 for a new one) can take a slot and
+        decode ``chunk_frames`` more. Unpaged pools: whenever a slot is free."""
+        return self.free_slot_count > 0
+
     def _read_cells(self, layer: int, slot: int, cells: torch.Tensor) -> torch.Tensor:
         # (2, H, N, Dh) copy of ring cells `cells` (N,) of one slot.
         return self.rings[layer][:, slot].index_select(2, cells)
@@ -918,6 +928,11 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         for spec in self.config.groups:
             n = self._pages_per_ring(spec)
             pages = math.ceil(self.page_fraction * self.state_capacity * n) + 1  # + the null page
+            if pages - 1 < n:
+                raise ValueError(
+                    f"page_fraction {self.page_fraction} gives group {len(self.page_tables)} {pages - 1} pages; one "
+                    f"stream needs {n} (page_fraction >= {n / (self.state_capacity * n):.4g} for {self.state_capacity} slots)"
+                )
             shape = (2, pages, spec.num_heads, self.page_size, spec.head_dim)
             rings += [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(spec.num_layers)]
             self.page_tables.append(torch.zeros(self.num_slots, n, dtype=torch.long, device=self.device))
@@ -986,6 +1001,37 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             if rows:
                 index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
                 self.page_tables[g].index_put_(index, torch.tensor(pages, device=self.device))
+
+    def _extra_pages(self, targets: dict[int, int]) -> list[int]:
+        # Pages each group must still allocate for the slots of `targets` (slot -> frames after).
+        return [
+            sum(max(0, self._pages_needed(spec, f) - len(self._host_tables[g][s])) for s, f in targets.items())
+            for g, spec in enumerate(self.config.groups)
+        ]
+
+    def pages_short(self, pending: dict[int, int]) -> bool:
+        """Whether some group lacks the free pages the slots of ``pending`` (slot -> frames still to
+        decode) need for that context. Reads their frame counters (one small device-to-host copy)."""
+        self._require_initialized()
+        slots = list(pending)
+        targets = {s: f + pending[s] for s, f in zip(slots, self.frames_of(slots))}
+        return any(need > free for need, free in zip(self._extra_pages(targets), self.free_page_counts()))
+
+    def can_admit(self, frames: int, chunk_frames: int) -> bool:
+        """A free slot, and in every group the pages of ``frames + chunk_frames`` frames of context
+        (a restored stream's rings plus its next chunk; a new stream's first chunk) free."""
+        self._require_initialized()
+        if not self.free_slot_count:
+            return False
+        return all(
+            self._pages_needed(spec, frames + chunk_frames) <= free
+            for spec, free in zip(self.config.groups, self.free_page_counts())
+        )
+
+    def frames_of(self, slots) -> list[int]:
+        """Frames decoded by each of ``slots`` (one small device-to-host copy)."""
+        slots = [int(s) for s in slots]
+        return self.frames_decoded[torch.tensor(slots, device=self.device)].tolist() if slots else []
 
     def prepare_step(self, slot_ids, lengths) -> None:
         """Allocate the pages a step writes: each slot in ``slot_ids`` (live ids) decoding ``lengths``
@@ -1067,10 +1113,12 @@ def make_state_pool(
     dtype: torch.dtype | None = None,
     ring_semantics: str | None = None,
     attention_backend: str | None = None,
+    page_fraction: float | None = None,
 ) -> DecoderStatePool:
     """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says otherwise.
 
-    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`.
+    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`; ``page_fraction`` as in
+    :class:`PagedDecoderStatePool` (``kind="paged"`` only).
 
     Raises:
         ValueError: unknown ``kind``, ``ring_semantics`` or ``attention_backend``, ``"compact"``
@@ -1078,10 +1126,13 @@ def make_state_pool(
         RuntimeError: ``"triton"`` without the ``triton`` package installed.
     """
     kind = kind or ("compact" if decoder.config.version == "v2" else "legacy")
+    if page_fraction is not None and kind != "paged":
+        raise ValueError(f"page_fraction applies to the paged pool, not to a {kind!r} pool")
     if kind == "compact":
         return CompactDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     if kind == "legacy":
         return LegacyDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     if kind == "paged":
-        return PagedDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
+        fraction = 1.0 if page_fraction is None else page_fraction
+        return PagedDecoderStatePool(decoder, dtype, ring_semantics, attention_backend, page_fraction=fraction)
     raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
