@@ -10,6 +10,8 @@ Arms (one process, the same request trace for every arm at a given concurrency):
   frame size, CUDA graphs captured as upstream's stage does, and on CUDA the Triton attention backend of
   upstream's ``moss_tts_local_h200.yaml``). Skipped, with the reason printed, when the wheel's files are
   missing (set ``MOSS_UPSTREAM_MOSS_TTS_DIR`` to an unzipped wheel's ``moss_tts`` directory).
+* ``v2-paged`` - only when named in ``--arms``: the same session on the paged pool (``pool_kind="paged"``,
+  pages for every slot's full rings, so it never preempts), to measure the state its streams hold.
 
 Traffic: at concurrency ``C`` the trace has ``C * --requests-per-stream`` requests, at most ``C`` live at
 once (a finished stream is replaced by the next request). Each stream's talker emits code frames at 12.5
@@ -37,6 +39,8 @@ Figures per arm and concurrency (``results.json``: ``arms.<arm>.<C>``):
   its step); 0 when every row ran at its own length.
 * ``peak_memory_bytes``: CUDA ``max_memory_allocated`` during the timed run (reset after setup and warm-up;
   weights, state, graph pools and activations of that arm); null on CPU.
+* ``details.peak_state_bytes``: the most decoder state the live streams needed after any decode call
+  (``pool.state_in_use_bytes()``: all of it for unpaged pools and upstream, the pages held for a paged pool).
 
 SLO: ``codec_latency_ms.p99 <= --slo-ms`` (150). A codec that falls behind real time fails it (its latency
 grows without bound); a run is stopped once a chunk's codec-added latency exceeds ``--give-up-ms``, is
@@ -86,7 +90,9 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
 
 FRAME_RATE = 12.5  # code frames per second (both MOSS codecs)
-ARMS = ("v2", "legacy", "upstream")
+ARMS = ("v2", "legacy", "upstream", "v2-paged")
+#: Arms of ``--arms auto`` (v2-paged only on request).
+AUTO_ARMS = ("v2", "legacy", "upstream")
 LENGTH_MODEL = "lognormal(median 4.0 s, sigma 0.45), clipped to 13..256 frames (synthetic, Seed-TTS-EN-like)"
 # Stage 1's cudagraph_capture_sizes in upstream's moss_tts_local_h200.yaml (vLLM-Omni 0.30.0); every arm uses
 # the sizes <= C plus C itself, so that one bucket holds every live stream (upstream's 2N slots).
@@ -157,6 +163,7 @@ class OurArm:
         time_replays: bool = False,
     ):
         self.replay_s = 0.0
+        self.peak_state = 0
         self.session = CodecStreamSession(
             decoder,
             concurrency,
@@ -192,8 +199,16 @@ class OurArm:
         seconds, self.replay_s = self.replay_s, 0.0
         return seconds
 
+    def reset_state_peak(self) -> None:
+        self.peak_state = self.session.pool.state_in_use_bytes()
+
+    def state_peak_bytes(self) -> int:
+        """Most state the live streams needed at the end of any decode call since :meth:`reset_state_peak`."""
+        return int(self.peak_state)
+
     def decode(self, chunks: list[upstream_stage.StageChunk]) -> dict[str, torch.Tensor]:
         results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
+        self.peak_state = max(self.peak_state, self.session.pool.state_in_use_bytes())
         out = {}
         for rid, result in results.items():
             if result.error is not None or result.queued:
@@ -247,6 +262,12 @@ class UpstreamArm:
 
     def stats(self):
         return self.stage.stats()
+
+    def reset_state_peak(self) -> None:
+        pass  # upstream's pool holds full rings for every slot from the start
+
+    def state_peak_bytes(self) -> int:
+        return int(self.describe()["state_bytes"])
 
     def describe(self) -> dict[str, Any]:
         stage = self.stage
@@ -458,7 +479,7 @@ def _git_commit() -> str | None:
 
 def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: dict[str, Any]):
     graphs = device.type == "cuda" and not args.eager
-    if name in ("v2", "legacy"):
+    if name in ("v2", "legacy", "v2-paged"):
         if "ours" not in models:
             models.clear()  # one arm's weights on the device at a time
             common.free_memory(device)
@@ -488,9 +509,11 @@ def run_arm(name: str, make_arm, trace: Trace, concurrency: int, chunk_sizes, cf
             torch.cuda.reset_peak_memory_stats(device)
         setup_s = time.perf_counter() - t0
         described = arm.describe()
+        arm.reset_state_peak()
         before = arm.stats()
         run = simulate(arm, trace, concurrency, chunk_sizes, cfg, args, device, f"{name} C={concurrency}")
         after = arm.stats()
+        described["peak_state_bytes"] = arm.state_peak_bytes()
         peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     finally:
         arm.close()
@@ -548,10 +571,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _select_arms(args, cfg, device) -> tuple[list[str], dict[str, str]]:
-    names = list(ARMS) if args.arms == "auto" else common.parse_str_list(args.arms, ARMS)
+    names = list(AUTO_ARMS) if args.arms == "auto" else common.parse_str_list(args.arms, ARMS)
     skipped: dict[str, str] = {}
-    if "v2" in names and cfg.version != "v2":
-        skipped["v2"] = f"preset {args.preset!r} is a {cfg.version} codec; the compact pool serves v2 codecs"
+    for name in ("v2", "v2-paged"):
+        if name in names and cfg.version != "v2":
+            skipped[name] = f"preset {args.preset!r} is a {cfg.version} codec; the compact pool serves v2 codecs"
     if "upstream" in names:
         ok, reason = common.upstream_status(args.preset, device)
         directory = common.oracle.upstream_dir()

@@ -189,10 +189,12 @@ def random_codes(
 
 
 def pool_kind(arm: str) -> str:
-    """Pool kind of one of our benchmark arms: ``"v2"`` -> ``"compact"`` (the V2 pool), ``"legacy"`` -> legacy."""
-    if arm not in ("v2", "legacy"):
-        raise ValueError(f"no pool of ours is called {arm!r}; expected 'v2' or 'legacy'")
-    return "compact" if arm == "v2" else "legacy"
+    """Pool kind of one of our benchmark arms: ``"v2"`` -> ``"compact"`` (the V2 pool), ``"legacy"`` -> legacy,
+    ``"v2-paged"`` -> ``"paged"``."""
+    kinds = {"v2": "compact", "legacy": "legacy", "v2-paged": "paged"}
+    if arm not in kinds:
+        raise ValueError(f"no pool of ours is called {arm!r}; expected one of {sorted(kinds)}")
+    return kinds[arm]
 
 
 # ------------------------------------------------------------------------------------------ upstream

@@ -204,6 +204,7 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
             assert not details["stopped_early"] and details["finished_requests"] == run["requests"][c]
             # Slots: compact pool N + 1 (the null slot); legacy and upstream have no scratch slots without graphs.
             assert details["slots"] == int(c) + (arm == "v2") and details["graphs"] == 0
+            assert details["peak_state_bytes"] == details["state_bytes"]  # full rings for every slot
             if lat["p99"] <= 150.0:
                 held.append(int(c))
             trace_frames.setdefault(c, set()).add(details["decoded_frames"])
@@ -216,6 +217,17 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
     assert trace_frames["2"] != trace_frames["3"]
     printed = capsys.readouterr().out
     assert "| arm | C | requests | audio-s/s |" in printed and "| v2 | 2 | 4 |" in printed
+
+
+def test_stage_paged_arm_reports_the_state_its_streams_hold(tmp_path):
+    bench = _load("bench_codec_stage")
+    argv = "--device cpu --preset tiny-v2 --arms v2,v2-paged --concurrency 3 --requests-per-stream 2 --quiet"
+    result = bench.main([*argv.split(), "--out", str(tmp_path)])
+    v2, paged = result["details"]["v2"]["3"], result["details"]["v2-paged"]["3"]
+    assert v2["decoded_frames"] == paged["decoded_frames"]
+    assert v2["peak_state_bytes"] == v2["state_bytes"]
+    # Pages only for the context streams reach (tiny-v2 windows of a few seconds fill within the trace).
+    assert 0 < paged["peak_state_bytes"] < v2["peak_state_bytes"]
 
 
 def test_stage_trace_and_slo_helpers():

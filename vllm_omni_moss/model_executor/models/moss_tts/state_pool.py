@@ -265,6 +265,11 @@ class DecoderStatePool(ABC):
         """Bytes of persistent state actually allocated (rings plus offsets)."""
         return sum(t.numel() * t.element_size() for t in self.rings + self.offset_tensors())
 
+    def state_in_use_bytes(self) -> int:
+        """Bytes of state the live streams need now: all of it for unpaged pools (every slot holds full
+        rings from its first frame); a paged pool counts the pages leased slots hold."""
+        return self.state_bytes()
+
     # ----------------------------------------------------------------- slot lifecycle
     @property
     def free_slot_count(self) -> int:
@@ -954,6 +959,10 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         """Free pages per group."""
         self._require_initialized()
         return [len(free) for free in self._free_pages]
+
+    def state_in_use_bytes(self) -> int:
+        """Bytes of the pages leased slots hold, plus the offsets and page tables."""
+        return self.pages_in_use_bytes() + sum(t.numel() * t.element_size() for t in self.offset_tensors())
 
     def pages_in_use_bytes(self) -> int:
         """Bytes of the pages leased slots hold (the state a compact pool would need for their contexts)."""
