@@ -161,6 +161,7 @@ class OurArm:
         chunk_sizes: list[int],
         n_vq: int,
         time_replays: bool = False,
+        page_fraction: float | None = None,
     ):
         self.replay_s = 0.0
         self.peak_state = 0
@@ -172,6 +173,10 @@ class OurArm:
             graph_frame_sizes=sorted(set(chunk_sizes)),
             max_step_frames=max(chunk_sizes),
             n_vq=n_vq,
+            # A paged pool below full rings may preempt: preempted streams wait, so the queue holds them all.
+            max_waiting_streams=concurrency,
+            max_waiting_frames=1 << 30,
+            page_fraction=page_fraction,
         )
         self.time_replays = time_replays and self.session.runner is not None
         if self.time_replays:
@@ -206,17 +211,22 @@ class OurArm:
         """Most state the live streams needed at the end of any decode call since :meth:`reset_state_peak`."""
         return int(self.peak_state)
 
-    def decode(self, chunks: list[upstream_stage.StageChunk]) -> dict[str, torch.Tensor]:
+    def decode(self, chunks: list[upstream_stage.StageChunk]) -> dict[str, torch.Tensor | None]:
+        """Audio per request id decoded in this call (a stream resumed from the queue may return several
+        chunks at once, or come back without a chunk in ``chunks``); None for a chunk left queued (its
+        stream waits for a slot or state pages)."""
         results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
         self.peak_state = max(self.peak_state, self.session.pool.state_in_use_bytes())
-        out = {}
+        out: dict[str, torch.Tensor | None] = {}
         for rid, result in results.items():
-            if result.error is not None or result.queued:
-                raise RuntimeError(
-                    f"{rid}: the session did not decode the chunk: error {result.error!r}, queued {result.queued}"
-                )
-            out[rid] = result.audio
+            if result.error is not None:
+                raise RuntimeError(f"{rid}: the session refused the chunk: {result.error}")
+            out[rid] = None if result.queued and result.frames == 0 else result.audio
         return out
+
+    def idle(self) -> bool:
+        """No stream waits for the session (nothing queued to resume)."""
+        return not self.session.waiting_requests
 
     def abort(self, request_ids: list[str]) -> None:
         self.session.on_requests_finished(request_ids)
@@ -262,6 +272,9 @@ class UpstreamArm:
 
     def stats(self):
         return self.stage.stats()
+
+    def idle(self) -> bool:
+        return True
 
     def reset_state_peak(self) -> None:
         pass  # upstream's pool holds full rings for every slot from the start
@@ -332,8 +345,10 @@ def simulate(arm, trace: Trace, concurrency: int, chunk_sizes: list[int], cfg, a
 
     admit(0.0)
     bar = tqdm(total=n, desc=label, unit="req", disable=args.quiet, leave=False)
-    while ready:
-        clock = max(clock, ready[0][0])  # idle until the next chunk's last frame is generated
+    pending: dict[int, deque] = {}  # request -> chunks sent and not yet decoded: (ready time, index, frames)
+    while ready or not arm.idle():
+        if ready:
+            clock = max(clock, ready[0][0])  # idle until the next chunk's last frame is generated
         batch = []
         while ready and ready[0][0] <= clock:
             batch.append(heapq.heappop(ready))
@@ -348,31 +363,48 @@ def simulate(arm, trace: Trace, concurrency: int, chunk_sizes: list[int], cfg, a
         wall = time.perf_counter() - t0
         run.step_wall.append(wall)
         run.step_chunks.append(len(chunks))
-        run.step_frames.append(max(chunk.frames for chunk in chunks))
+        run.step_frames.append(max((chunk.frames for chunk in chunks), default=0))
         replay = arm.take_replay_seconds()
         if replay is not None:
             run.step_replay.append(replay)
         clock += wall
-        if set(audio) != {c.request_id for c in chunks}:
-            raise AssertionError(
-                f"{label}: results for {sorted(audio)} but the batch was {[c.request_id for c in chunks]}"
-            )
+        missing = {c.request_id for c in chunks} - set(audio)
+        if missing:
+            raise AssertionError(f"{label}: no result for {sorted(missing)}")
         for (ready_at, r, k), chunk in zip(batch, chunks):
-            expected = (cfg.number_channels, chunk.frames * cfg.samples_per_frame)
-            if tuple(audio[chunk.request_id].shape) != expected:
-                raise AssertionError(
-                    f"{label} req-{r} chunk {k}: audio {tuple(audio[chunk.request_id].shape)} != {expected}"
-                )
-            run.audio_s += chunk.frames / FRAME_RATE
-            run.codec_latency.append(clock - ready_at)
-            if k == 0:
-                run.first_latency.append(clock - start[r])
-            if k + 1 < len(schedules[r]):
+            pending.setdefault(r, deque()).append((ready_at, k, chunk.frames))
+            if k + 1 < len(schedules[r]):  # the talker keeps generating whatever the codec does
                 heapq.heappush(ready, (start[r] + schedules[r][k + 1][1] / FRAME_RATE, r, k + 1))
-            else:
-                run.finished_requests += 1
-                bar.update(1)
-        if run.codec_latency and max(run.codec_latency[-len(batch) :]) > give_up:
+        latencies = []
+        for rid, wav in audio.items():
+            if wav is None:
+                continue  # queued: its audio comes in a later call
+            r = int(rid.removeprefix("req-"))
+            frames = wav.shape[-1] // cfg.samples_per_frame
+            if wav.shape[0] != cfg.number_channels or wav.shape[-1] != frames * cfg.samples_per_frame:
+                raise AssertionError(f"{label} {rid}: audio {tuple(wav.shape)} is not whole frames")
+            while frames > 0:
+                if not pending.get(r):
+                    raise AssertionError(f"{label} {rid}: audio for frames that were never sent")
+                ready_at, k, chunk_frames = pending[r].popleft()
+                frames -= chunk_frames
+                run.audio_s += chunk_frames / FRAME_RATE
+                latencies.append(clock - ready_at)
+                if k == 0:
+                    run.first_latency.append(clock - start[r])
+                if k + 1 == len(schedules[r]):
+                    run.finished_requests += 1
+                    bar.update(1)
+            if frames < 0:
+                raise AssertionError(f"{label} {rid}: audio ends inside a chunk")
+        if not batch and not latencies:
+            raise AssertionError(f"{label}: streams wait in the session but nothing can be decoded")
+        run.codec_latency += latencies
+        if latencies and max(latencies) > give_up:
+            run.stopped_early = True
+            break
+        oldest = min((q[0][0] for q in pending.values() if q), default=None)
+        if oldest is not None and clock - oldest > give_up:  # a chunk queued for too long
             run.stopped_early = True
             break
         admit(clock)
@@ -484,7 +516,8 @@ def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: d
             models.clear()  # one arm's weights on the device at a time
             common.free_memory(device)
             models["ours"] = common.random_decoder(args.preset, device, seed=args.seed)
-        return lambda c: OurArm(models["ours"], c, name, graphs, chunk_sizes, args.n_vq, args.time_replays)
+        fraction = args.page_fraction if name == "v2-paged" else None
+        return lambda c: OurArm(models["ours"], c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction)
     if "upstream" not in models:
         models.clear()
         common.free_memory(device)
@@ -524,8 +557,10 @@ def run_arm(name: str, make_arm, trace: Trace, concurrency: int, chunk_sizes, cf
         "decoded_frames": after["decoded_frames"] - before["decoded_frames"],
         "padded_frames": after["padded_frames"] - before["padded_frames"],
     }
+    preempted = after.get("preemptions", 0) - before.get("preemptions", 0)  # our sessions count them
     figures, details = summarize(run, delta, peak)
     details["setup_seconds"] = round(setup_s, 3)
+    details["preemptions"] = preempted
     details.update(described)
     return figures, details, run
 
@@ -542,6 +577,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ms", type=float, default=150.0, help="codec-added latency p99 bound (150 ms)")
     p.add_argument("--give-up-ms", type=float, default=5000.0, help="stop a run once a chunk waits this long")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (every arm)")
+    p.add_argument(
+        "--page-fraction",
+        type=float,
+        default=1.0,
+        help="v2-paged: state pages as a fraction of full rings for every slot (1.0: never preempts)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/bench_codec_stage", help="output directory")
     p.add_argument(

@@ -230,6 +230,21 @@ def test_stage_paged_arm_reports_the_state_its_streams_hold(tmp_path):
     assert 0 < paged["peak_state_bytes"] < v2["peak_state_bytes"]
 
 
+def test_stage_paged_arm_short_of_pages_preempts_and_still_decodes_every_frame(tmp_path):
+    bench = _load("bench_codec_stage")
+    argv = (
+        "--device cpu --preset tiny-v2 --arms v2,v2-paged --concurrency 4 --requests-per-stream 2 --quiet "
+        "--page-fraction 0.45 --give-up-ms 600000"
+    )
+    result = bench.main([*argv.split(), "--out", str(tmp_path)])
+    v2, paged = result["details"]["v2"]["4"], result["details"]["v2-paged"]["4"]
+    assert paged["preemptions"] > 0 and v2["preemptions"] == 0
+    assert not paged["stopped_early"] and paged["finished_requests"] == v2["finished_requests"] == 8
+    assert paged["decoded_frames"] == v2["decoded_frames"]
+    assert paged["chunks"] == v2["chunks"]  # every chunk's latency counted once, when its audio came back
+    assert paged["peak_state_bytes"] < paged["state_bytes"] < v2["state_bytes"]
+
+
 def test_stage_trace_and_slo_helpers():
     bench = _load("bench_codec_stage")
     assert bench.ramp_schedule(21, [1, 4, 15]) == [(0, 1), (1, 5), (5, 20), (20, 21)]
