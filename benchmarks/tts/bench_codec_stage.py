@@ -10,8 +10,10 @@ Arms (one process, the same request trace for every arm at a given concurrency):
   frame size, CUDA graphs captured as upstream's stage does, and on CUDA the Triton attention backend of
   upstream's ``moss_tts_local_h200.yaml``). Skipped, with the reason printed, when the wheel's files are
   missing (set ``MOSS_UPSTREAM_MOSS_TTS_DIR`` to an unzipped wheel's ``moss_tts`` directory).
-* ``v2-paged`` - only when named in ``--arms``: the same session on the paged pool (``pool_kind="paged"``,
-  pages for every slot's full rings, so it never preempts), to measure the state its streams hold.
+* ``v2-paged`` - only when named in ``--arms``: the same session on the paged pool (``pool_kind="paged"``;
+  ``--page-fraction`` of full rings for every slot, 1.0 by default, which never preempts), to measure the
+  state its streams hold. ``--state-budget-gib`` instead gives each of our arms the state memory of a budget:
+  the paged arm the pages it buys, the unpaged arms the slots it buys (the other streams wait in the queue).
 
 Traffic: at concurrency ``C`` the trace has ``C * --requests-per-stream`` requests, at most ``C`` live at
 once (a finished stream is replaced by the next request). Each stream's talker emits code frames at 12.5
@@ -162,12 +164,13 @@ class OurArm:
         n_vq: int,
         time_replays: bool = False,
         page_fraction: float | None = None,
+        slots: int | None = None,
     ):
         self.replay_s = 0.0
         self.peak_state = 0
         self.session = CodecStreamSession(
             decoder,
-            concurrency,
+            concurrency if slots is None else slots,
             pool_kind=None if kind == "v2" else common.pool_kind(kind),
             graph_batch_sizes=graph_batch_sizes(concurrency) if graphs else (),
             graph_frame_sizes=sorted(set(chunk_sizes)),
@@ -509,6 +512,23 @@ def _git_commit() -> str | None:
     return None
 
 
+def state_budget(args, name: str, decoder, concurrency: int) -> tuple[float | None, int | None]:
+    """(page_fraction, slots) of one of our arms at ``concurrency`` streams: ``--page-fraction`` and one slot
+    per stream without ``--state-budget-gib``; with it, the paged arm gets the pages the budget buys
+    (``page_fraction`` = budget / full rings of every slot, at most 1) and the unpaged arms as many slots as
+    it buys (the other streams wait in the session's queue). Raises SystemExit for a budget below one slot."""
+    paged = name == "v2-paged"
+    if args.state_budget_gib is None:
+        return (args.page_fraction if paged else None), None
+    slot_bytes = decoder.config.state_bytes_per_slot(torch.empty((), dtype=decoder.state_dtype).element_size())
+    budget = args.state_budget_gib * 2**30
+    if budget < slot_bytes:
+        raise SystemExit(f"--state-budget-gib {args.state_budget_gib} is below one stream's rings ({slot_bytes} bytes)")
+    if paged:
+        return min(1.0, budget / (concurrency * slot_bytes)), None
+    return None, min(concurrency, int(budget // slot_bytes))
+
+
 def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: dict[str, Any]):
     graphs = device.type == "cuda" and not args.eager
     if name in ("v2", "legacy", "v2-paged"):
@@ -516,8 +536,13 @@ def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: d
             models.clear()  # one arm's weights on the device at a time
             common.free_memory(device)
             models["ours"] = common.random_decoder(args.preset, device, seed=args.seed)
-        fraction = args.page_fraction if name == "v2-paged" else None
-        return lambda c: OurArm(models["ours"], c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction)
+        decoder = models["ours"]
+
+        def make(c: int) -> OurArm:
+            fraction, slots = state_budget(args, name, decoder, c)
+            return OurArm(decoder, c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction, slots)
+
+        return make
     if "upstream" not in models:
         models.clear()
         common.free_memory(device)
@@ -577,6 +602,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ms", type=float, default=150.0, help="codec-added latency p99 bound (150 ms)")
     p.add_argument("--give-up-ms", type=float, default=5000.0, help="stop a run once a chunk waits this long")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (every arm)")
+    p.add_argument(
+        "--state-budget-gib",
+        type=float,
+        default=None,
+        help="decoder state memory per arm (our arms): the slots (v2, legacy) or pages (v2-paged) it buys",
+    )
     p.add_argument(
         "--page-fraction",
         type=float,

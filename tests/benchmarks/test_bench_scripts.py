@@ -245,6 +245,22 @@ def test_stage_paged_arm_short_of_pages_preempts_and_still_decodes_every_frame(t
     assert paged["peak_state_bytes"] < paged["state_bytes"] < v2["state_bytes"]
 
 
+def test_stage_state_budget_buys_slots_or_pages():
+    bench = _load("bench_codec_stage")
+    decoder = bench.common.random_decoder("tiny-v2", "cpu")
+    slot = decoder.config.state_bytes_per_slot(4)  # float32 rings on CPU
+    args = bench._parse(["--state-budget-gib", str(2.5 * slot / 2**30)])
+    assert bench.state_budget(args, "v2", decoder, 4) == (None, 2)
+    fraction, slots = bench.state_budget(args, "v2-paged", decoder, 4)
+    assert slots is None and fraction == pytest.approx(2.5 / 4)
+    assert bench.state_budget(args, "v2-paged", decoder, 2) == (1.0, None)
+    unbudgeted = bench._parse(["--page-fraction", "0.5"])
+    assert bench.state_budget(unbudgeted, "v2-paged", decoder, 4) == (0.5, None)
+    assert bench.state_budget(unbudgeted, "v2", decoder, 4) == (None, None)
+    with pytest.raises(SystemExit, match="is below one stream's rings"):
+        bench.state_budget(bench._parse(["--state-budget-gib", str(0.5 * slot / 2**30)]), "v2", decoder, 4)
+
+
 def test_stage_trace_and_slo_helpers():
     bench = _load("bench_codec_stage")
     assert bench.ramp_schedule(21, [1, 4, 15]) == [(0, 1), (1, 5), (5, 20), (20, 21)]
