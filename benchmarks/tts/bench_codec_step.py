@@ -13,6 +13,9 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``v2-triton`` - the V2 pool with ``attention_backend="triton"`` (rings read in place, ``ops/ring_attention.py``).
 * ``v2-exact`` - the V2 pool with ``attention_backend="triton"`` and ``ring_semantics="exact"`` (the exact
   sliding window: a ring-plus-chunk window per query instead of the post-write ring).
+* ``v2-paged`` - the paged pool (``pool_kind="paged"``, ``state_pool.PagedDecoderStatePool``): the V2 pool's
+  Triton ops reading and writing rings through page tables. Every slot holds the pages of full rings, as a
+  stream past its window does; on request only (not in the default ``--arms``).
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
@@ -61,7 +64,9 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
 
-ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton")
+ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged")
+#: Arms of the default ``--arms``.
+DEFAULT_ARMS = ARMS[:-1]
 #: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics) of a V2 pool.
 TRITON_ARMS = {"v2-sdpa": ("sdpa", None), "v2-triton": ("triton", None), "v2-exact": ("triton", "exact")}
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
@@ -81,7 +86,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", default="1,8,64,128", help="comma-separated live rows B per step")
     parser.add_argument("--frames", default="1,15", help="comma-separated code frames T per step")
     parser.add_argument("--modes", default="eager,graph", help="subset of eager,graph,compiled")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {','.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"subset of {','.join(ARMS)}")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds per (B, T, mode)")
     parser.add_argument("--steps-per-round", type=int, default=2, help="timed steps per arm per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per arm before timing/capture")
@@ -128,6 +133,11 @@ def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
         return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
     pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
+    if kind == "v2-paged":
+        # Steps address slots 0..B-1 directly: give each the pages of a full ring (any context longer
+        # than the longest window) so that no step needs a page and the tables are what they will be.
+        longest = max(-(-g.context // g.tokens_per_frame) for g in decoder.config.groups)
+        pool.prepare_step(range(max_batch), [longest] * max_batch)
     return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
 
 
@@ -427,7 +437,7 @@ def _bench_shape(
         }
         upstreams = [a[name] for name in UPSTREAM_ARMS if name in a]
         best = min(upstreams, key=lambda stats: stats["median_ms"]) if upstreams else None
-        for name in ("v2", *TRITON_ARMS):
+        for name in ("v2", *TRITON_ARMS, "v2-paged"):
             if name in a:
                 entry["ratios"][f"{name}/upstream-best"] = _ratio(a[name], best)
         if not entry["errors"]:
@@ -525,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "v2" in arm_names and config.version != "v2":
         skipped["v2"] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
         arm_names.remove("v2")
-    for name in [a for a in TRITON_ARMS if a in arm_names]:
+    for name in [a for a in (*TRITON_ARMS, "v2-paged") if a in arm_names]:
         if config.version != "v2":
             skipped[name] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
             arm_names.remove(name)
@@ -572,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     arms: list[Arm] = []
     decoder = codec = triton_codec = None
     try:
-        if any(a in arm_names for a in ("legacy", "v2", *TRITON_ARMS)):
+        if any(a in arm_names for a in ("legacy", "v2", *TRITON_ARMS, "v2-paged")):
             t0 = time.perf_counter()
             decoder = common.random_decoder(args.preset, device, args.seed)
             result["build_s"]["ours"] = round(time.perf_counter() - t0, 3)

@@ -682,27 +682,36 @@ def test_launch_configuration_follows_the_step_size_and_refuses_unknown_keys():
         ring_ops._launch_config(30, torch.bfloat16, {"blockq": 16})
 
 
+_CUDA_MARKS = (
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here"),
+    pytest.mark.cuda,
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA_MARKS)])
 @pytest.mark.parametrize("num_tokens", [7, 25])
 @pytest.mark.parametrize("semantics", ["upstream", "exact"])
 @pytest.mark.parametrize("path", ["kernel", "reference"])
-def test_paged_rings_equal_unpaged_rings(path, semantics, num_tokens):
+def test_paged_rings_equal_unpaged_rings(path, semantics, num_tokens, device):
     """A paged cache (pages scattered over the pool, unused pages NaN) gives bitwise the outputs and
-    ring contents of the unpaged cache it maps, for both ops, rows wrapping and rows longer than C."""
+    ring contents of the unpaged cache it maps, for both ops, rows wrapping and rows longer than C;
+    on CUDA the Triton kernels read and write through the page table."""
     attend = ring_ops.ring_attention if path == "kernel" else ring_ops.ring_attention_reference
     write = ring_ops.ring_write if path == "kernel" else ring_ops.ring_write_reference
     gen = torch.Generator().manual_seed(11)
     S, H, Dh, page_size, n = 4, 2, 16, 5, 4  # rings of 20 cells in 4 pages of 5
     num_pages = S * n + 3
-    unpaged = torch.randn(2, S, H, n * page_size, Dh, generator=gen)
-    table = torch.randperm(num_pages, generator=gen)[: S * n].view(S, n)
-    paged = torch.full((2, num_pages, H, page_size, Dh), float("nan"))
+    unpaged = torch.randn(2, S, H, n * page_size, Dh, generator=gen).to(device)
+    table = torch.randperm(num_pages, generator=gen)[: S * n].view(S, n).to(device)
+    paged = torch.full((2, num_pages, H, page_size, Dh), float("nan"), device=device)
     paged[:, table] = unpaged.view(2, S, H, n, page_size, Dh).permute(0, 1, 3, 2, 4, 5)
     unused = sorted(set(range(num_pages)) - set(table.flatten().tolist()))
     B, T = 3, num_tokens
-    q, k, v = (torch.randn(B, H, T, Dh, generator=gen) for _ in range(3))
-    slot_ids = torch.tensor([2, 0, 3])
-    offsets = torch.tensor([3, 13, 57])
-    num_written = torch.tensor([T, 0, T - 2])
+    q, k, v = (torch.randn(B, H, T, Dh, generator=gen).to(device) for _ in range(3))
+    slot_ids = torch.tensor([2, 0, 3], device=device)
+    offsets = torch.tensor([3, 13, 57], device=device)
+    num_written = torch.tensor([T, 0, T - 2], device=device)
     cos, sin = rope_tables(offsets, T, Dh, 10000.0)
     args = (slot_ids, offsets, num_written)
     want = attend(q, k, v, unpaged, *args, semantics, cos, sin)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from moss_codecs import random_codes
+from moss_codecs import build_decoder, random_codes, ring_codec_raw
 
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (
@@ -17,6 +17,17 @@ from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (
 )
 
 CAPACITY = 3
+
+
+def _cuda(fn):
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
+    return pytest.mark.cuda(fn)
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def cuda_ring_decoder(request, tmp_path):
+    """The rings-of-5-and-10 codec on CUDA, in each ring dtype the Triton kernels serve."""
+    return build_decoder(ring_codec_raw(), tmp_path, version="v2", device="cuda").to(request.param)
 
 
 def _pools(decoder, **paged):
@@ -120,11 +131,33 @@ def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
         (dict(page_size=4), r"page_size 4 must divide every group's window; it does not divide \[5, 10\]"),
         (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
         (dict(page_fraction=0.0), r"page_fraction must be in \(0, 1\], got 0.0"),
+        (dict(page_fraction=0.5, state_budget_bytes=10**6), "page_fraction or state_budget_bytes, not both"),
+        (dict(state_budget_bytes=0), "state_budget_bytes must be an integer >= 1, got 0"),
+        (dict(state_budget_bytes=1.5e6), "state_budget_bytes must be an integer >= 1, got 1500000.0"),
     ],
 )
 def test_bad_paged_pools_are_refused(kwargs, message, ring_decoder):
     with pytest.raises(ValueError, match=message):
         PagedDecoderStatePool(ring_decoder, **kwargs)
+
+
+def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_decoder):
+    """Ring codec, fp32, 3 layers of 2 heads x 64 per group (moss_codecs.ring_codec_raw): a page of 5
+    tokens is 2 x 5 x 128 x 4 bytes x 3 layers = 15,360 bytes in either group; one stream's full rings
+    are 1 + 2 pages, plus one null page per group."""
+    page = 2 * 5 * 128 * 4 * 3
+    assert [(g.num_heads * g.head_dim, g.num_layers) for g in ring_decoder.config.groups] == [(128, 3), (128, 3)]
+    pool = PagedDecoderStatePool(ring_decoder, state_budget_bytes=2 * page + 5 * page)
+    pool.initialize(CAPACITY)
+    assert pool.page_fraction == pytest.approx(5 / 9)  # (budget - null pages) / (3 slots x 3 pages)
+    assert pool.free_page_counts() == [1, 3]  # floor(5/9 x 3 x 1), floor(5/9 x 3 x 2)
+    assert sum(r.numel() * r.element_size() for r in pool.rings) == (2 + 4) * page
+    with pytest.raises(
+        ValueError,
+        match=r"a state budget of 76799 bytes holds no stream: one stream's full rings plus the null pages need "
+        r"76800 bytes \(0.07 MiB\)",
+    ):
+        PagedDecoderStatePool(ring_decoder, state_budget_bytes=5 * page - 1).initialize(CAPACITY)
 
 
 def test_a_session_on_a_paged_pool_decodes_as_on_a_compact_pool(ring_decoder):
@@ -178,3 +211,94 @@ def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), r
     assert session.live_requests == {} and session.free_slots == 3
     assert pool.free_page_counts() == [3, 5]
+
+
+def _random_steps(decoder, pools, steps, seed, device="cpu"):
+    """Random steps on every pool of ``pools`` (same slots leased in each); yields each step's audio."""
+    rng = random.Random(seed)
+    for step in range(steps):
+        B = rng.randint(1, CAPACITY)
+        T = rng.randint(1, 7)
+        slots = rng.sample(range(CAPACITY), B)
+        lengths = [rng.randint(0, T) for _ in range(B)]
+        codes = random_codes(decoder, B, T, seed=step).to(device)
+        outs = [
+            p.decode_streaming_batch(
+                codes,
+                torch.tensor(lengths, device=device),
+                torch.tensor(slots, device=device),
+                torch.ones(B, dtype=torch.bool, device=device),
+            )[0]
+            for p in pools
+        ]
+        yield step, outs
+
+
+@_cuda
+def test_cuda_paged_pool_equals_the_compact_pool(cuda_ring_decoder):
+    """On CUDA the Triton kernels read and write rings through page tables: audio, rings and offsets
+    bitwise the compact pool's over random steps whose rings fill and wrap, in fp32 and bf16."""
+    compact, pool = _pools(cuda_ring_decoder)
+    for step, (a, b) in _random_steps(cuda_ring_decoder, (compact, pool), 14, seed=9, device="cuda"):
+        assert torch.equal(a, b), step
+    for s in range(CAPACITY):
+        _assert_same_state(compact, pool, s)
+    assert all(bool((ring[:, 0] == 0).all()) for ring in pool.rings), "the null page was written"
+
+
+@pytest.mark.parametrize("page_fraction", [1.0, 0.67])
+def test_paged_session_against_the_compact_session(page_fraction, ring_decoder):
+    """CPU form of the CUDA graph test below (no graphs): same trace, same assertions."""
+    _paged_session_case(ring_decoder, page_fraction)
+
+
+@_cuda
+@pytest.mark.parametrize("page_fraction", [1.0, 0.67])
+def test_cuda_graph_session_on_a_paged_pool(page_fraction, cuda_ring_decoder):
+    """CUDA graphs captured over a paged pool replay with the page tables prepare_step fills before
+    each replay: with pages for every slot the audio is bitwise the compact session's (graphs too);
+    short of pages, preempted streams resume and every stream equals the compact session within
+    rounding of other batch shapes. No step runs eagerly."""
+    _paged_session_case(cuda_ring_decoder, page_fraction)
+
+
+def _paged_session_case(dec, page_fraction):
+    on_cuda = next(dec.parameters()).is_cuda
+    graphs = dict(graph_batch_sizes=(1, 2, 3), graph_frame_sizes=(1, 4))
+    compact = CodecStreamSession(dec, 3, pool_kind="compact", attention_backend="triton", **graphs)
+    paged = CodecStreamSession(dec, 3, pool_kind="paged", page_fraction=page_fraction, **graphs)
+    assert (compact.runner is not None and paged.runner is not None) == on_cuda
+    full = paged.pool.free_page_counts()
+    rng = random.Random(4)
+    names = ["a", "b", "c", "d"]
+    schedules = {r: [rng.randint(1, 4) for _ in range(6)] for r in names}
+    codes = {r: random_codes(dec, 1, sum(s), seed=i)[:, 0] for i, (r, s) in enumerate(schedules.items())}
+    audio = {k: {r: [] for r in names} for k in ("compact", "paged")}
+    for call in range(6):
+        batch = []
+        for r in names:
+            start = sum(schedules[r][:call])
+            batch.append(ChunkRequest(r, codes[r][:, start : start + schedules[r][call]], call == 5))
+        for key, session in (("compact", compact), ("paged", paged)):
+            for r, res in session.decode(batch).items():
+                assert res.error is None, res.error
+                audio[key][r].append(res.audio)
+    for key, session in (("compact", compact), ("paged", paged)):
+        while session.waiting_requests:
+            for r, res in session.decode([]).items():
+                audio[key][r].append(res.audio)
+        if on_cuda:
+            assert session.stats()["steps_by_path"]["eager"] == 0, key
+    preempted = paged.stats()["preemptions"]
+    assert (preempted == 0) == (page_fraction == 1.0)
+    for r in names:
+        want, got = torch.cat(audio["compact"][r], -1), torch.cat(audio["paged"][r], -1)
+        assert got.shape == want.shape == (1, sum(schedules[r]) * dec.config.samples_per_frame), r
+        if page_fraction == 1.0:
+            assert torch.equal(got, want), r
+        else:
+            tol = 1e-5 if dec.state_dtype == torch.float32 else 3e-2
+            assert (got - want).abs().max() <= tol * want.abs().max(), r
+    assert paged.free_slots == 3 and paged.pool.free_page_counts() == full
+    for session in (compact, paged):
+        session.close()

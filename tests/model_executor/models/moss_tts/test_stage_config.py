@@ -95,6 +95,68 @@ def test_n_vq_must_be_an_integer_of_at_least_one(tmp_path, value, shown):
     assert str(err.value) == f"n_vq must be an integer >= 1 (codebooks per frame); got {shown}"
 
 
+# ----------------------------------------------------------------------------- state pool
+
+
+def test_state_budget_picks_the_paged_pool_with_the_pages_it_pays_for(tmp_path, session_kwargs):
+    """``codec_state_budget_gib`` reaches the session in bytes and the paged pool holds exactly the
+    pages that budget buys (the same fraction of full rings per group, rounded down, plus a null page)."""
+    budget_gib = 0.0002
+    stage = build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=budget_gib, max_num_seqs=8)
+    run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
+    budget = int(budget_gib * 2**30)
+    assert session_kwargs["state_budget_bytes"] == budget and session_kwargs["pool_kind"] is None
+    pool = stage._session.pool
+    assert pool.kind == "paged"
+    groups = stage._codec.config.groups
+    page_bytes = [2 * g.num_heads * pool.page_size * g.head_dim * 4 * g.num_layers for g in groups]  # fp32 rings
+    per_ring = [g.context // pool.page_size for g in groups]
+    fraction = (budget - sum(page_bytes)) / (8 * sum(n * b for n, b in zip(per_ring, page_bytes)))
+    assert 0 < fraction < 1 and pool.page_fraction == pytest.approx(fraction)
+    want = [int(fraction * 8 * n) + 1 for n in per_ring]
+    firsts = [sum(g.num_layers for g in groups[:i]) for i in range(len(groups))]
+    assert [pool.rings[i].shape[1] for i in firsts] == want
+    assert sum(n * b for n, b in zip(want, page_bytes)) <= budget
+
+
+def test_pool_kind_reaches_the_session(tmp_path, session_kwargs):
+    stage = build_stage(tmp_path, "tiny-v2", codec_pool_kind="paged")
+    run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
+    assert session_kwargs["pool_kind"] == "paged" and stage._session.pool.kind == "paged"
+    assert stage._session.pool.page_fraction == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(codec_pool_kind="pages"), "codec_pool_kind must be one of 'compact', 'legacy', 'paged'; got 'pages'"),
+        (dict(codec_state_budget_gib=0), "codec_state_budget_gib must be a number of GiB > 0, got 0"),
+        (dict(codec_state_budget_gib="40"), "codec_state_budget_gib must be a number of GiB > 0, got '40'"),
+        (dict(codec_state_budget_gib=True), "codec_state_budget_gib must be a number of GiB > 0, got True"),
+        (
+            dict(codec_state_budget_gib=40, codec_pool_kind="compact"),
+            "codec_state_budget_gib needs the paged pool; codec_pool_kind is 'compact'",
+        ),
+    ],
+)
+def test_bad_pool_fields_are_rejected_at_construction(tmp_path, fields, message):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, **fields))
+    assert str(err.value) == message
+
+
+def test_state_budget_too_small_for_one_stream_names_the_minimum(tmp_path):
+    stage = build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=1e-6)
+    with pytest.raises(
+        ValueError,
+        match=r"a state budget of 1073 bytes holds no stream: one stream's full rings "
+        r"plus the null pages need \d+ bytes",
+    ):
+        stage._ensure_session()
+
+
 @pytest.mark.parametrize("preset", ["tiny-v1", "tiny-v2"])
 def test_auto_precision_on_cpu_is_float32_and_logged(tmp_path, caplog, session_kwargs, preset):
     with caplog.at_level(logging.INFO, logger=STAGE):

@@ -225,6 +225,9 @@ class CodecStreamSession:
         page_fraction: state pages of a ``"paged"`` pool, as a fraction of full rings for every slot
             (:class:`~.state_pool.PagedDecoderStatePool`); below 1 the session admits streams while
             pages last and preempts the youngest live stream when a step runs short.
+        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages a ``"paged"`` pool may
+            hold (picks the paged pool when ``pool_kind`` is None); ``state_capacity`` then caps live
+            streams and the budget decides how many of them fit (``docs/memory.md``, "Paged rings").
 
     Graphs are captured at construction when the decoder is on CUDA and both size
     lists are non-empty.
@@ -232,7 +235,9 @@ class CodecStreamSession:
     Raises:
         ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue
             bound, bad ``n_vq``, or an unknown ``pool_kind``, ``attention_backend`` or
-            ``ring_semantics`` (or ``"triton"`` for the legacy pool).
+            ``ring_semantics`` (or ``"triton"`` for the legacy pool); a ``page_fraction`` or
+            ``state_budget_bytes`` refused by the paged pool, e.g. a budget too small for one
+            stream (the message names the minimum).
         RuntimeError: ``attention_backend="triton"`` without the ``triton`` package.
     """
 
@@ -253,6 +258,7 @@ class CodecStreamSession:
         max_waiting_streams: int = 64,
         max_waiting_frames: int = 4096,
         page_fraction: float | None = None,
+        state_budget_bytes: int | None = None,
     ):
         if isinstance(state_capacity, bool) or not isinstance(state_capacity, int) or state_capacity < 1:
             raise ValueError(f"state_capacity must be an integer >= 1, got {state_capacity!r}")
@@ -279,7 +285,9 @@ class CodecStreamSession:
         self.graph_frame_sizes = sorted({int(t) for t in graph_frame_sizes if int(t) > 0})
 
         use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
-        self.pool = make_state_pool(decoder, pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction)
+        self.pool = make_state_pool(
+            decoder, pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction, state_budget_bytes
+        )
         scratch = self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
         self.pool.initialize(state_capacity, scratch)
         self._compiled = self._compiled_step(compile)

@@ -50,7 +50,7 @@ from .compile import DYNAMIC_ARG_DIMS, adapter_class_for
 from .config import load_config
 from .decoder import CodecDecoder
 from .session import ChunkRequest, ChunkResult, CodecStreamSession
-from .state_pool import DecoderStatePool
+from .state_pool import POOL_KINDS, DecoderStatePool
 from .step_metadata import RING_SEMANTICS
 
 __all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames"]
@@ -112,6 +112,16 @@ def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
     if value is not None and value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+def _state_budget_bytes(hf: Any) -> int | None:
+    """``codec_state_budget_gib`` of the hf_config in bytes (None when absent or null)."""
+    value = getattr(hf, "codec_state_budget_gib", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"codec_state_budget_gib must be a number of GiB > 0, got {value!r}")
+    return int(float(value) * 2**30)
 
 
 def _positive_frames(name: str, value: Any) -> list[int]:
@@ -316,7 +326,9 @@ class MossTTSCodecDecoder(nn.Module):
     checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``) and
     ``codec_dtype`` (:data:`CODEC_DTYPES`, default ``"auto"``), ``codec_attention_backend``
     (``attention.ATTENTION_BACKENDS``) and ``codec_ring_semantics``
-    (``step_metadata.RING_SEMANTICS``; both default to the pool's) from the stage hf_config;
+    (``step_metadata.RING_SEMANTICS``; both default to the pool's), ``codec_pool_kind``
+    (``state_pool.POOL_KINDS``; default compact for v2 codecs, legacy for v1) and
+    ``codec_state_budget_gib`` (GiB of ring pages; picks the paged pool) from the stage hf_config;
     stream capacity = ``scheduler_config.max_num_seqs``; the connector's chunk schedule
     (:func:`connector_chunk_frames`) gives the graph frame sizes and the longest step (its
     largest size, or 100); graph batch buckets are ``compilation_config.cudagraph_capture_sizes``
@@ -325,7 +337,9 @@ class MossTTSCodecDecoder(nn.Module):
     Raises:
         ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype`` (not one of
             :data:`CODEC_DTYPES`; null means ``"auto"``), ``codec_attention_backend``,
-            ``codec_ring_semantics`` or connector chunk sizes.
+            ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number
+            > 0, or given with a pool kind other than ``"paged"``) or connector chunk sizes. A budget
+            too small for one stream fails when the decoder state is built, naming the minimum.
     """
 
     # Model-interface flags: upstream's, read by vLLM from the class in its global registry
@@ -358,6 +372,12 @@ class MossTTSCodecDecoder(nn.Module):
         self.codec_dtype = "auto" if dtype_choice is None else _codec_dtype_choice(dtype_choice)
         self.codec_attention_backend = _hf_choice(hf, "codec_attention_backend", ATTENTION_BACKENDS)
         self.codec_ring_semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
+        self.codec_pool_kind = _hf_choice(hf, "codec_pool_kind", POOL_KINDS)
+        self.codec_state_budget_bytes = _state_budget_bytes(hf)
+        if self.codec_state_budget_bytes is not None and self.codec_pool_kind not in (None, "paged"):
+            raise ValueError(
+                f"codec_state_budget_gib needs the paged pool; codec_pool_kind is {self.codec_pool_kind!r}"
+            )
         scheduler = getattr(vllm_config, "scheduler_config", None)
         self.state_capacity = max(1, int(getattr(scheduler, "max_num_seqs", 1) or 1))
         # Tokens one engine step may schedule (vLLM's Scheduler: max_num_scheduled_tokens, else
@@ -479,6 +499,8 @@ class MossTTSCodecDecoder(nn.Module):
                 state_dtype=self._dtype,
                 attention_backend=backend,
                 ring_semantics=self.codec_ring_semantics,
+                pool_kind=self.codec_pool_kind,
+                state_budget_bytes=self.codec_state_budget_bytes,
             )
         return self._session
 

@@ -884,11 +884,18 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         page_size: tokens per page; must divide every group's window (``GroupSpec.context``).
             Default: their greatest common divisor (25 for v2: windows 125, 250, 400).
         page_fraction: pages per group as a fraction of what ``state_capacity`` full rings need
-            (``1.0``: never short of pages; smaller: admission must watch :meth:`free_page_counts`).
+            (``1.0``, the default: never short of pages; smaller: admission must watch
+            :meth:`free_page_counts`).
+        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages (the null pages
+            included) the pool may hold: each group gets the pages its share of the budget pays for
+            (the same fraction of full rings for every group, at most 1; :meth:`page_fraction_for_budget`),
+            fixed at :meth:`initialize`.
 
     Raises:
         ValueError: another backend, a page size that does not divide a window, a fraction outside
-            ``(0, 1]``, or a v1 codec.
+            ``(0, 1]``, both ``page_fraction`` and ``state_budget_bytes``, a budget that is not an
+            integer >= 1, or a v1 codec. At :meth:`initialize`: a budget or fraction too small for one
+            stream's full rings (the message names the minimum).
     """
 
     kind = "paged"
@@ -901,7 +908,8 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         attention_backend: str | None = None,
         *,
         page_size: int | None = None,
-        page_fraction: float = 1.0,
+        page_fraction: float | None = None,
+        state_budget_bytes: int | None = None,
     ):
         super().__init__(decoder, dtype, ring_semantics, attention_backend or "triton")
         if self.attention_backend != "triton":
@@ -915,9 +923,17 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         bad = [w for w in windows if w % self.page_size]
         if bad:
             raise ValueError(f"page_size {self.page_size} must divide every group's window; it does not divide {bad}")
-        if not 0.0 < float(page_fraction) <= 1.0:
+        if page_fraction is not None and state_budget_bytes is not None:
+            raise ValueError("give the paged pool page_fraction or state_budget_bytes, not both")
+        if state_budget_bytes is not None and (
+            isinstance(state_budget_bytes, bool) or not isinstance(state_budget_bytes, int) or state_budget_bytes < 1
+        ):
+            raise ValueError(f"state_budget_bytes must be an integer >= 1, got {state_budget_bytes!r}")
+        page_fraction = 1.0 if page_fraction is None else page_fraction
+        if isinstance(page_fraction, bool) or not 0.0 < float(page_fraction) <= 1.0:
             raise ValueError(f"page_fraction must be in (0, 1], got {page_fraction!r}")
         self.page_fraction = float(page_fraction)
+        self.state_budget_bytes = state_budget_bytes
         self.page_tables: list[torch.Tensor] = []  # per group, (S, n_g) int64 on the device
         self._host_tables: list[list[list[int]]] = []  # per group, per slot: its physical pages in order
         self._free_pages: list[list[int]] = []  # per group, LIFO
@@ -927,12 +943,46 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
     def _pages_per_ring(self, spec) -> int:
         return spec.context // self.page_size
 
+    def _page_bytes(self, spec) -> int:
+        """Bytes of one page of group ``spec`` over all its layers (keys and values)."""
+        return 2 * spec.num_heads * self.page_size * spec.head_dim * self.dtype.itemsize * spec.num_layers
+
+    def page_fraction_for_budget(self, budget_bytes: int, state_capacity: int) -> float:
+        """The fraction of full rings for ``state_capacity`` slots that ``budget_bytes`` of ring pages
+        pay for once the null pages are paid, at most 1.
+
+        Raises:
+            ValueError: the budget cannot hold one stream's full rings plus the null pages; the
+                message names that minimum in bytes.
+        """
+        groups = self.config.groups
+        null = sum(self._page_bytes(spec) for spec in groups)
+        full = sum(self._pages_per_ring(spec) * self._page_bytes(spec) for spec in groups)  # one slot
+        if budget_bytes < full + null:
+            raise ValueError(
+                f"a state budget of {budget_bytes} bytes holds no stream: one stream's full rings plus the "
+                f"null pages need {full + null} bytes ({(full + null) / 2**20:.2f} MiB)"
+            )
+        return min(1.0, (budget_bytes - null) / (state_capacity * full))
+
+    def _pages_at(self, fraction: float, state_capacity: int) -> list[int]:
+        """Physical pages per group, the null page included: with a budget, the pages it pays for
+        (rounded down); otherwise ``fraction`` of full rings for every
+        slot (rounded up)."""
+        share = [fraction * state_capacity * self._pages_per_ring(spec) for spec in self.config.groups]
+        if self.state_budget_bytes is not None:
+            return [math.floor(x + 1e-9) + 1 for x in share]
+        return [math.ceil(x - 1e-9) + 1 for x in share]
+
     def _allocate_rings(self) -> list[torch.Tensor]:
+        if self.state_budget_bytes is not None:
+            self.page_fraction = self.page_fraction_for_budget(self.state_budget_bytes, self.state_capacity)
+        counts = self._pages_at(self.page_fraction, self.state_capacity)
         rings, first = [], 0
         self.page_tables, self._host_tables, self._free_pages, self._group_layers = [], [], [], []
         for spec in self.config.groups:
             n = self._pages_per_ring(spec)
-            pages = math.ceil(self.page_fraction * self.state_capacity * n) + 1  # + the null page
+            pages = counts[len(self.page_tables)]
             if pages - 1 < n:
                 raise ValueError(
                     f"page_fraction {self.page_fraction} gives group {len(self.page_tables)} {pages - 1} pages; one "
@@ -969,9 +1019,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         self._require_initialized()
         total = 0
         for g, spec in enumerate(self.config.groups):
-            held = sum(len(pages) for pages in self._host_tables[g])
-            page_bytes = 2 * spec.num_heads * self.page_size * spec.head_dim * self.rings[0].element_size()
-            total += held * page_bytes * spec.num_layers
+            total += sum(len(pages) for pages in self._host_tables[g]) * self._page_bytes(spec)
         return total
 
     # ----------------------------------------------------------------- pages
@@ -1123,25 +1171,36 @@ def make_state_pool(
     ring_semantics: str | None = None,
     attention_backend: str | None = None,
     page_fraction: float | None = None,
+    state_budget_bytes: int | None = None,
 ) -> DecoderStatePool:
     """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says otherwise.
 
-    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`; ``page_fraction`` as in
-    :class:`PagedDecoderStatePool` (``kind="paged"`` only).
+    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`; ``page_fraction`` and
+    ``state_budget_bytes`` as in :class:`PagedDecoderStatePool` (``kind="paged"`` only; a budget without a
+    ``kind`` picks the paged pool).
 
     Raises:
         ValueError: unknown ``kind``, ``ring_semantics`` or ``attention_backend``, ``"compact"``
             for a v1 codec, or ``"triton"`` for the legacy pool.
         RuntimeError: ``"triton"`` without the ``triton`` package installed.
     """
+    if kind is None and state_budget_bytes is not None:
+        kind = "paged"
     kind = kind or ("compact" if decoder.config.version == "v2" else "legacy")
-    if page_fraction is not None and kind != "paged":
-        raise ValueError(f"page_fraction applies to the paged pool, not to a {kind!r} pool")
+    for name, value in (("page_fraction", page_fraction), ("state_budget_bytes", state_budget_bytes)):
+        if value is not None and kind != "paged":
+            raise ValueError(f"{name} applies to the paged pool, not to a {kind!r} pool")
     if kind == "compact":
         return CompactDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     if kind == "legacy":
         return LegacyDecoderStatePool(decoder, dtype, ring_semantics, attention_backend)
     if kind == "paged":
-        fraction = 1.0 if page_fraction is None else page_fraction
-        return PagedDecoderStatePool(decoder, dtype, ring_semantics, attention_backend, page_fraction=fraction)
+        return PagedDecoderStatePool(
+            decoder,
+            dtype,
+            ring_semantics,
+            attention_backend,
+            page_fraction=page_fraction,
+            state_budget_bytes=state_budget_bytes,
+        )
     raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
