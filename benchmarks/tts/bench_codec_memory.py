@@ -1,11 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Persistent codec decoder-state memory: legacy pool vs V2 pool vs upstream vLLM-Omni 0.30.0.
+"""Persistent codec decoder-state memory: legacy pool vs V2 pool vs paged pool vs upstream vLLM-Omni 0.30.0.
 
-For each stream count C (``--streams``) three arms are sized as serving sizes them when the largest
+For each stream count C (``--streams``) four arms are sized as serving sizes them when the largest
 CUDA-graph batch bucket equals C:
 
 * ``legacy``   - our legacy pool, ``initialize(C, C)``: C live slots + C scratch slots (one per padding row).
 * ``v2``       - our V2 pool, ``initialize(C, C)``: C live slots + 1 null slot (scratch request ignored).
+* ``v2-paged`` - our paged pool (``pool_kind="paged"``), ``initialize(C, C)`` at ``--page-fraction`` of full
+  rings for every slot (1.0 by default): ``state_bytes`` is what it allocates (pages, the null page of each
+  group, frame counters and page tables). It also reports the state its streams hold once each of the C
+  streams has decoded F code frames, for every F of ``--context-frames`` (default 13, 54, 125, 250 frames:
+  about 1 s, the main job's 4.3 s mean request, 10 s and 20 s at 12.5 frames/s), under
+  ``arms.v2-paged.<C>.in_use_by_context_frames.<F>``. The streams reach F frames in the pieces of the main
+  job's chunk ramp (``--chunks``, 1 then 15 frames), all C streams in each step, as ``CodecStreamSession``
+  steps them; when a step is short of pages (``--page-fraction`` < 1) the run is repeated with one stream
+  fewer (as if the session had preempted its youngest stream), so ``streams_held`` says how many of the C
+  streams fit (C at page fraction 1.0).
+
+  How the pages are obtained: on CUDA, by REAL DECODE STEPS (``pool.decode_streaming_batch`` on random
+  codes, which calls ``pool.prepare_step(slots, frames)`` before writing, exactly as the session's ``_step``
+  does). Without a GPU the pool lives on the meta device (no values, nothing allocated) and each step
+  instead calls the pool's own page reservation (``PagedDecoderStatePool._reserve``, which ``prepare_step``
+  calls with ``frames_decoded + frames`` per slot) with the frame counts kept on the host: the same page
+  arithmetic, ``min(ceil(F x tokens_per_frame / page_size), window / page_size)`` pages per group and slot,
+  without decoding (decoding the v2 preset's C streams on a CPU would take hours). ``paged_context_bytes``
+  runs either way on any real device, so the tests check one against the other on a tiny codec.
 * ``upstream`` - upstream 0.30.0's ``initialize_decoder_state_pool(C, C)`` on its own codec model; only
   with a GPU and the upstream files available (otherwise skipped, with the reason in the JSON).
 
@@ -20,8 +39,13 @@ Usage::
     python benchmarks/tts/bench_codec_memory.py --preset v2 --streams 64,128 --json out/memory.json
 
 JSON: ``{"preset", "device", "accounting", "slot_bytes", "weights": {...}, "arms": {"legacy": {"64":
-{...}}, ...}, "skipped": {arm: reason}}``; every byte count is an integer. A markdown table in GiB is
-printed last.
+{...}}, ...}, "skipped": {arm: reason}}``; every byte count is an integer. The paged arm's entries add
+``page_fraction``, ``page_size_tokens``, ``pages_per_group`` (allocated pages, null page included),
+``page_bytes_per_group`` (one page of every layer of the group), ``ring_bytes`` (all pages) and
+``in_use_by_context_frames``: per F (a decimal string), ``context_frames``, ``context_seconds``,
+``streams_held``, ``pages_in_use_per_group``, ``pages_in_use_bytes`` (``pool.pages_in_use_bytes()``),
+``state_in_use_bytes`` (``pool.state_in_use_bytes()``: pages plus frame counters and page tables) and
+``decode_steps`` (0 when reserved without decoding). Markdown tables in GiB are printed last.
 """
 
 from __future__ import annotations
@@ -38,16 +62,40 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool, state_bytes_for  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (  # noqa: E402
+    PagedDecoderStatePool,
+    PagesExhausted,
+    make_state_pool,
+    state_bytes_for,
+)
 
-ARMS = ("legacy", "v2", "upstream")
+ARMS = ("legacy", "v2", "v2-paged", "upstream")
+#: Our arms (pools of this package); ``v2-paged`` is the paged pool.
+OUR_ARMS = ("legacy", "v2", "v2-paged")
+FRAME_RATE = 12.5  # code frames per second (both MOSS codecs)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="v2", choices=sorted(PRESETS))
     parser.add_argument("--streams", default="64,128", help="comma-separated live stream counts C")
-    parser.add_argument("--arms", default=",".join(ARMS), help="subset of legacy,v2,upstream")
+    parser.add_argument("--arms", default=",".join(ARMS), help="subset of legacy,v2,v2-paged,upstream")
+    parser.add_argument(
+        "--page-fraction",
+        type=float,
+        default=1.0,
+        help="v2-paged: pages per group as a fraction of full rings for every slot, in (0, 1] (1.0)",
+    )
+    parser.add_argument(
+        "--context-frames",
+        default="13,54,125,250",
+        help="v2-paged: code frames every stream has decoded when its held state is read (12.5 frames/s)",
+    )
+    parser.add_argument(
+        "--chunks",
+        default="1,15",
+        help="v2-paged: frames per step on the way to each context: each size once, the last repeated (1,15)",
+    )
     parser.add_argument(
         "--device",
         default="auto",
@@ -57,7 +105,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-vq", type=int, default=12, help="codebooks the serving decode table folds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0.0 < args.page_fraction <= 1.0:
+        parser.error(f"--page-fraction must be in (0, 1], got {args.page_fraction}")
+    return args
 
 
 def _pool_kind_slots(arm: str, streams: int) -> tuple[int, int]:
@@ -85,6 +136,128 @@ def _measure_ours(decoder, arm: str, streams: int, device: torch.device) -> dict
     pool.close()
     del pool
     common.free_memory(device)
+    return entry
+
+
+def piece_frames(frames: int, chunk_sizes: list[int]) -> list[int]:
+    """Frames of each step that takes a stream from 0 to ``frames`` code frames: ``chunk_sizes`` in order,
+    the last repeated, the last step cut to what remains."""
+    pieces: list[int] = []
+    while sum(pieces) < frames:
+        size = chunk_sizes[min(len(pieces), len(chunk_sizes) - 1)]
+        pieces.append(min(size, frames - sum(pieces)))
+    return pieces
+
+
+def paged_group_pages(pool: PagedDecoderStatePool) -> list[int]:
+    """Pages allocated per group (the null page included), from the page tensors of its first layer."""
+    first = [sum(g.num_layers for g in pool.config.groups[:i]) for i in range(len(pool.config.groups))]
+    return [int(pool.rings[layer].shape[1]) for layer in first]
+
+
+def paged_context_bytes(
+    decoder,
+    streams: int,
+    context_frames: int,
+    chunk_sizes: list[int],
+    n_vq: int,
+    page_fraction: float = 1.0,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The state ``streams`` streams hold in a fresh paged pool once each has decoded ``context_frames`` frames.
+
+    The pool is ``make_state_pool(decoder, "paged", dtype, page_fraction=page_fraction)`` initialised for
+    ``streams`` slots; the streams take fresh slots and advance together, one step per piece of
+    :func:`piece_frames`. On a real device every step is a real ``pool.decode_streaming_batch`` on random
+    codes (``n_vq`` codebooks), which allocates the step's pages through ``pool.prepare_step`` as the
+    session's steps do. On the meta device every step only reserves the pages: ``pool._reserve`` with each
+    slot's frame count after the step, the call ``prepare_step`` makes. When a step is short of pages
+    (``page_fraction`` < 1) the whole run starts again in a fresh pool with one stream fewer: the pages the
+    other streams hold do not depend on the dropped stream, so this equals the session preempting its
+    youngest stream (a meta pool cannot release a slot: releasing reads the slot's page list on the device).
+
+    Returns:
+        ``context_frames`` (frames), ``context_seconds`` (s), ``streams_held`` (streams that reached the
+        context), ``pages_in_use_per_group`` (pages, from the free page counts), ``pages_in_use_bytes`` and
+        ``state_in_use_bytes`` (bytes, the pool's own counts) and ``decode_steps`` (steps of the last run,
+        0 on the meta device).
+    """
+    decode = decoder.device.type != "meta"
+    for held in range(streams, 0, -1):
+        pool = make_state_pool(decoder, "paged", dtype=dtype, page_fraction=page_fraction)
+        pool.initialize(streams, streams)
+        try:
+            gen = torch.Generator().manual_seed(int(seed))
+            slots = [pool.acquire() for _ in range(held)]
+            frames, steps = 0, 0
+            for piece in piece_frames(context_frames, chunk_sizes):
+                if decode:
+                    codes = torch.randint(0, pool.config.codebook_size, (n_vq, held, piece), generator=gen)
+                    pool.decode_streaming_batch(
+                        codes.to(pool.device),
+                        torch.full((held,), piece, dtype=torch.long, device=pool.device),
+                        torch.tensor(slots, dtype=torch.long, device=pool.device),
+                        torch.ones(held, dtype=torch.bool, device=pool.device),
+                    )
+                    steps += 1
+                else:
+                    pool._reserve({slot: frames + piece for slot in slots})
+                frames += piece
+        except PagesExhausted:
+            continue  # one stream fewer
+        finally:
+            pool_pages = paged_group_pages(pool)
+            free = pool.free_page_counts()
+            in_use = (int(pool.pages_in_use_bytes()), int(pool.state_in_use_bytes()))
+            pool.close()
+        return {
+            "context_frames": int(context_frames),
+            "context_seconds": round(context_frames / FRAME_RATE, 3),
+            "streams_held": held,
+            "pages_in_use_per_group": [p - 1 - n for p, n in zip(pool_pages, free)],
+            "pages_in_use_bytes": in_use[0],
+            "state_in_use_bytes": in_use[1],
+            "decode_steps": steps,
+        }
+    raise RuntimeError(f"the paged pool cannot hold one stream of {context_frames} frames")
+
+
+def _measure_paged(decoder, streams: int, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``v2-paged`` arm at ``streams`` streams: allocated bytes, then the held state per context."""
+    capacity, scratch = _pool_kind_slots("v2-paged", streams)
+    before = common.cuda_memory(device) if device.type == "cuda" else None
+    pool = make_state_pool(decoder, "paged", dtype=torch.bfloat16, page_fraction=args.page_fraction)
+    pool.initialize(capacity, scratch)
+    element = pool.rings[0].element_size()
+    entry: dict[str, Any] = {
+        "state_capacity": capacity,
+        "scratch_requested": scratch,
+        "slots": int(pool.num_slots),
+        "state_bytes": int(pool.state_bytes()),
+        "ring_bytes": int(sum(r.numel() * r.element_size() for r in pool.rings)),
+        "page_fraction": pool.page_fraction,
+        "page_size_tokens": int(pool.page_size),
+        "pages_per_group": paged_group_pages(pool),
+        "page_bytes_per_group": [
+            2 * g.num_heads * pool.page_size * g.head_dim * element * g.num_layers for g in decoder.config.groups
+        ],
+    }
+    entry["offset_bytes"] = entry["state_bytes"] - entry["ring_bytes"]
+    if before is not None:
+        entry.update(common.memory_delta(before, common.cuda_memory(device)))
+        entry["device_used_bytes"] = common.cuda_memory(device)["device_used"]
+    pool.close()
+    del pool
+    common.free_memory(device)
+    decode = device.type != "meta"
+    entry["in_use_mode"] = "decode steps" if decode else "page reservation (meta device, no decoding)"
+    entry["in_use_by_context_frames"] = {}
+    for f in args.context_frames:
+        entry["in_use_by_context_frames"][str(f)] = paged_context_bytes(
+            decoder, streams, f, args.chunk_sizes, args.n_vq, args.page_fraction, seed=args.seed
+        )
+        common.free_memory(device)
     return entry
 
 
@@ -141,6 +314,38 @@ def _print_table(result: dict[str, Any]) -> None:
         )
     print("\n### weights\n")
     print(common.markdown_table(["model", "parameter+buffer GiB", "allocated GiB", "note"], wrows))
+    paged = result["arms"].get("v2-paged", {})
+    if paged:
+        compact = result["arms"].get("v2", {})
+        prows = []
+        for count, e in paged.items():
+            for f, used in e["in_use_by_context_frames"].items():
+                prows.append(
+                    [
+                        count,
+                        f,
+                        f"{used['context_seconds']:.2f}",
+                        used["streams_held"],
+                        f"{common.gib(used['pages_in_use_bytes']):.3f}",
+                        f"{common.gib(used['state_in_use_bytes']):.3f}",
+                        f"{common.gib(e['state_bytes']):.2f}",
+                        f"{common.gib(compact[count]['state_bytes']):.2f}" if count in compact else "-",
+                    ]
+                )
+        fraction = next(iter(paged.values()))["page_fraction"]
+        mode = next(iter(paged.values()))["in_use_mode"]
+        print(f"\n### v2-paged: state held after F frames per stream (page fraction {fraction:g}, {mode})\n")
+        headers = [
+            "streams",
+            "context frames",
+            "context s",
+            "streams held",
+            "pages in use GiB",
+            "state in use GiB",
+            "paged allocated GiB",
+            "v2 state GiB",
+        ]
+        print(common.markdown_table(headers, prows))
     for arm, reason in result["skipped"].items():
         print(f"\nskipped {arm}: {reason}")
 
@@ -149,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     streams = common.parse_int_list(args.streams)
     arms = common.parse_str_list(args.arms, ARMS)
+    args.context_frames = common.parse_int_list(args.context_frames)
+    args.chunk_sizes = common.parse_int_list(args.chunks)
     device = common.resolve_device(args.device)
     accounting = "cuda" if device.type == "cuda" else "meta"
     build_device = device if device.type == "cuda" else torch.device("meta")
@@ -167,10 +374,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "skipped": {},
     }
 
-    ours_arms = [a for a in arms if a in ("legacy", "v2")]
-    if config.version != "v2" and "v2" in ours_arms:
-        result["skipped"]["v2"] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
-        ours_arms.remove("v2")
+    ours_arms = [a for a in arms if a in OUR_ARMS]
+    for arm in ("v2", "v2-paged"):
+        if config.version != "v2" and arm in ours_arms:
+            pool = "V2 pool" if arm == "v2" else "paged pool"
+            result["skipped"][arm] = f"preset {args.preset!r} is a {config.version} codec; the {pool} serves v2 codecs"
+            ours_arms.remove(arm)
     if ours_arms:
         common.free_memory(device)
         before = common.cuda_memory(device) if device.type == "cuda" else None
@@ -188,7 +397,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for arm in ours_arms:
             result["arms"][arm] = {}
             for count in streams:
-                result["arms"][arm][str(count)] = _measure_ours(decoder, arm, count, build_device)
+                if arm == "v2-paged":
+                    entry = _measure_paged(decoder, count, build_device, args)
+                else:
+                    entry = _measure_ours(decoder, arm, count, build_device)
+                result["arms"][arm][str(count)] = entry
                 common.write_json(args.json, result)
         del decoder
         common.free_memory(device)

@@ -54,7 +54,7 @@ def test_memory_v2_meta_accounting_is_exact(tmp_path, capsys):
     assert json.loads(out.read_text()) == result
     assert result["preset"] == "v2" and result["accounting"] == "meta"
     assert result["slot_bytes"] == SLOT_BYTES_V2
-    assert set(result["arms"]) == {"legacy", "v2"}
+    assert set(result["arms"]) == {"legacy", "v2", "v2-paged"}
     assert "needs a GPU" in result["skipped"]["upstream"]
     assert result["weights"]["upstream"] == {"skipped": result["skipped"]["upstream"]}
     _assert_int_bytes(result)
@@ -81,6 +81,81 @@ def test_memory_v2_meta_accounting_is_exact(tmp_path, capsys):
     assert "| v2 | 128 | 129 | 10.65 |" in printed
 
 
+PAGE_SIZE_V2 = 25  # tokens per page: the greatest common divisor of the v2 windows 125, 250, 400 (docs/memory.md)
+
+
+def _paged_held_bytes(cfg, frames: int, page_size: int, element_size: int) -> int:
+    """Bytes of the pages one stream holds after ``frames`` frames, from the page arithmetic of docs/memory.md:
+    per group ceil(frames x tokens_per_frame / page_size) pages, at most window / page_size, of
+    2 x heads x page_size x head_dim elements in every layer."""
+    total = 0
+    for g in cfg.groups:
+        pages = min(-(-frames * g.tokens_per_frame // page_size), g.context // page_size)
+        total += pages * 2 * g.num_heads * page_size * g.head_dim * element_size * g.num_layers
+    return total
+
+
+def test_memory_paged_arm_allocates_full_rings_and_holds_the_context_pages(capsys):
+    result = _load("bench_codec_memory").main(["--preset", "v2", "--streams", "64,128", "--device", "cpu"])
+    cfg = preset_config("v2")
+    null_pages = sum(2 * g.num_heads * PAGE_SIZE_V2 * g.head_dim * 2 * g.num_layers for g in cfg.groups)
+    assert null_pages == 8_704_000  # one page of every v2 layer in bf16
+    for count in (64, 128):
+        paged, v2 = result["arms"]["v2-paged"][str(count)], result["arms"]["v2"][str(count)]
+        assert paged["slots"] == v2["slots"] == count + 1 and paged["page_fraction"] == 1.0
+        assert paged["page_size_tokens"] == PAGE_SIZE_V2
+        assert paged["pages_per_group"] == [count * n + 1 for n in (5, 10, 16, 16, 16, 16)]
+        # Page fraction 1.0: pages for full rings of every live slot plus one null page per group, where the
+        # compact pool keeps a whole null slot.
+        assert (
+            paged["ring_bytes"] == v2["ring_bytes"] - SLOT_BYTES_V2 + null_pages == count * SLOT_BYTES_V2 + null_pages
+        )
+        # Offsets: one frame counter per slot and one page table entry per slot and ring page.
+        assert paged["offset_bytes"] == (count + 1) * 8 * (1 + 5 + 10 + 4 * 16)
+        assert paged["state_bytes"] == paged["ring_bytes"] + paged["offset_bytes"]
+        assert paged["in_use_mode"].startswith("page reservation")
+        assert list(paged["in_use_by_context_frames"]) == ["13", "54", "125", "250"]
+        for frames, used in paged["in_use_by_context_frames"].items():
+            f = int(frames)
+            assert used["context_frames"] == f and used["context_seconds"] == f / 12.5
+            assert used["streams_held"] == count and used["decode_steps"] == 0
+            expected = count * _paged_held_bytes(cfg, f, PAGE_SIZE_V2, 2)
+            assert used["pages_in_use_bytes"] == expected
+            assert used["state_in_use_bytes"] == expected + paged["offset_bytes"]
+            pages = [min(-(-f * g.tokens_per_frame // PAGE_SIZE_V2), g.context // PAGE_SIZE_V2) for g in cfg.groups]
+            assert used["pages_in_use_per_group"] == [count * n for n in pages]
+        # From 10 s on (every ring full) the streams hold exactly a compact pool's live slots.
+        assert paged["in_use_by_context_frames"]["125"]["pages_in_use_bytes"] == count * SLOT_BYTES_V2
+    # 1.04 s: 36,352,000 bytes per stream, 41% of a slot (docs/memory.md: group 0 holds one page of five).
+    assert result["arms"]["v2-paged"]["64"]["in_use_by_context_frames"]["13"]["pages_in_use_bytes"] == 64 * 36_352_000
+    printed = capsys.readouterr().out
+    assert "### v2-paged: state held after F frames per stream (page fraction 1" in printed
+    assert "| 64 | 13 | 1.04 | 64 | 2.167 |" in printed
+
+
+def test_memory_paged_decode_steps_hold_what_the_reservation_predicts():
+    """On a real device the paged arm decodes; on meta it only reserves pages. Both hold the same pages,
+    those of the page arithmetic, and a page fraction below 1 holds as many streams as the pages fit."""
+    bench = _load("bench_codec_memory")
+    common, torch = bench.common, bench.torch
+    cfg = preset_config("tiny-v2")
+    page = 2  # gcd of the tiny-v2 windows 10, 20, 32, 32, 32, 40
+    real, meta = common.random_decoder("tiny-v2", "cpu"), common.random_decoder("tiny-v2", "meta")
+    for frames in (1, 3, 7, 20):
+        decoded = bench.paged_context_bytes(real, 3, frames, [1, 4], 12, dtype=torch.float32)
+        reserved = bench.paged_context_bytes(meta, 3, frames, [1, 4], 12, dtype=torch.float32)
+        assert decoded["decode_steps"] == len(bench.piece_frames(frames, [1, 4])) and reserved["decode_steps"] == 0
+        assert {**decoded, "decode_steps": 0} == reserved
+        assert decoded["streams_held"] == 3
+        assert decoded["pages_in_use_bytes"] == 3 * _paged_held_bytes(cfg, frames, page, 4)
+    # Half the pages: group 5 (32 tokens per frame, window 40 = 20 pages) has ceil(0.5 x 3 x 20) = 30 pages,
+    # and one frame already takes 16 of them: one stream fits.
+    short = bench.paged_context_bytes(real, 3, 3, [1, 4], 12, page_fraction=0.5, dtype=torch.float32)
+    assert short["streams_held"] == 1
+    assert short["pages_in_use_bytes"] == _paged_held_bytes(cfg, 3, page, 4)
+    assert bench.piece_frames(20, [1, 4]) == [1, 4, 4, 4, 4, 3] and bench.piece_frames(1, [1, 15]) == [1]
+
+
 def test_memory_tiny_presets_and_arm_selection(tmp_path):
     bench = _load("bench_codec_memory")
     result = bench.main(["--preset", "tiny-v2", "--streams", "2,3", "--device", "cpu", "--arms", "legacy,v2"])
@@ -93,6 +168,7 @@ def test_memory_tiny_presets_and_arm_selection(tmp_path):
     v1 = bench.main(["--preset", "tiny-v1", "--streams", "2", "--device", "cpu", "--json", str(tmp_path / "v1.json")])
     assert set(v1["arms"]) == {"legacy"}
     assert "v1 codec" in v1["skipped"]["v2"] and "v1 codec" in v1["skipped"]["upstream"]
+    assert "v1 codec" in v1["skipped"]["v2-paged"]
 
 
 def test_step_eager_cpu_smoke(tmp_path):
