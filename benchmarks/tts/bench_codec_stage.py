@@ -43,6 +43,10 @@ Figures per arm and concurrency (``results.json``: ``arms.<arm>.<C>``):
   weights, state, graph pools and activations of that arm); null on CPU.
 * ``details.peak_state_bytes``: the most decoder state the live streams needed after any decode call
   (``pool.state_in_use_bytes()``: all of it for unpaged pools and upstream, the pages held for a paged pool).
+* ``details.state_bytes_over_time``: ``[seconds, bytes]`` pairs, the simulated clock (s) after each decode
+  call and the decoder state in use then (bytes, as for ``peak_state_bytes``), cut to at most
+  ``STATE_TRACE_POINTS`` (200) points by keeping the largest value of each run of consecutive calls, so that
+  its maximum is ``peak_state_bytes``. Upstream's pool holds full rings throughout: a flat line.
 
 SLO: ``codec_latency_ms.p99 <= --slo-ms`` (150). A codec that falls behind real time fails it (its latency
 grows without bound); a run is stopped once a chunk's codec-added latency exceeds ``--give-up-ms``, is
@@ -55,8 +59,9 @@ when that batch is small, a burst of chunks arriving together when it holds most
 decode call into replay time and the host time around it (``details.replay_ms``, ``details.host_ms``).
 
 Writes ``results.json`` (rewritten after every run), ``latencies.npz`` (every chunk's codec-added latency in
-ms per arm and concurrency, keys ``"<arm>/<C>"``), ``results.md``, ``latency_cdf.png`` and ``concurrency.png``
-into ``--out``. ``--append`` adds runs to an existing ``--out`` made at the same commit with the same settings,
+ms per arm and concurrency, keys ``"<arm>/<C>"``), ``results.md`` (with each run's peak state in GiB),
+``latency_cdf.png``, ``concurrency.png`` and ``state_over_time.png`` (decoder state in use against the
+simulated clock, one panel per concurrency, one line per arm) into ``--out``. ``--append`` adds runs to an existing ``--out`` made at the same commit with the same settings,
 so that a sweep longer than one command's time limit can be split (e.g. ``--concurrency 64,128`` then
 ``--concurrency 256 --append``); ``max_streams_at_slo`` and the plots then cover every concurrency run.
 ``--report-only`` rewrites ``results.md`` and the plots from ``--out`` (e.g. after a command was cut short).
@@ -100,6 +105,8 @@ LENGTH_MODEL = "lognormal(median 4.0 s, sigma 0.45), clipped to 13..256 frames (
 # the sizes <= C plus C itself, so that one bucket holds every live stream (upstream's 2N slots).
 UPSTREAM_H200_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256)
 DEFAULT_CONCURRENCY = {"cuda": "64,128,256,512", "cpu": "4,8"}
+#: Most ``[seconds, bytes]`` points of ``details.state_bytes_over_time`` per arm and concurrency.
+STATE_TRACE_POINTS = 200
 
 
 # ------------------------------------------------------------------------------------------ trace
@@ -168,6 +175,7 @@ class OurArm:
     ):
         self.replay_s = 0.0
         self.peak_state = 0
+        self.state_now = 0
         self.session = CodecStreamSession(
             decoder,
             concurrency if slots is None else slots,
@@ -208,18 +216,23 @@ class OurArm:
         return seconds
 
     def reset_state_peak(self) -> None:
-        self.peak_state = self.session.pool.state_in_use_bytes()
+        self.peak_state = self.state_now = self.session.pool.state_in_use_bytes()
 
     def state_peak_bytes(self) -> int:
         """Most state the live streams needed at the end of any decode call since :meth:`reset_state_peak`."""
         return int(self.peak_state)
+
+    def state_bytes_now(self) -> int:
+        """Bytes of state the live streams needed at the end of the last decode call."""
+        return int(self.state_now)
 
     def decode(self, chunks: list[upstream_stage.StageChunk]) -> dict[str, torch.Tensor | None]:
         """Audio per request id decoded in this call (a stream resumed from the queue may return several
         chunks at once, or come back without a chunk in ``chunks``); None for a chunk left queued (its
         stream waits for a slot or state pages)."""
         results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
-        self.peak_state = max(self.peak_state, self.session.pool.state_in_use_bytes())
+        self.state_now = self.session.pool.state_in_use_bytes()
+        self.peak_state = max(self.peak_state, self.state_now)
         out: dict[str, torch.Tensor | None] = {}
         for rid, result in results.items():
             if result.error is not None:
@@ -263,6 +276,7 @@ class UpstreamArm:
             max_step_frames=chunk_sizes[-1],
             samples_per_frame=spf,
         )
+        self._state_bytes: int | None = None
 
     def decode(self, chunks):
         return self.stage.decode(chunks)
@@ -283,7 +297,13 @@ class UpstreamArm:
         pass  # upstream's pool holds full rings for every slot from the start
 
     def state_peak_bytes(self) -> int:
-        return int(self.describe()["state_bytes"])
+        return self.state_bytes_now()
+
+    def state_bytes_now(self) -> int:
+        """Upstream's pool holds full rings for every slot: its state bytes at any time."""
+        if self._state_bytes is None:
+            self._state_bytes = common.upstream_state_bytes(self.stage.model)
+        return self._state_bytes
 
     def describe(self) -> dict[str, Any]:
         stage = self.stage
@@ -312,6 +332,7 @@ class Run:
     step_chunks: list[int] = field(default_factory=list)  # chunks decoded by each step
     step_frames: list[int] = field(default_factory=list)  # frames of each step's longest chunk
     step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
+    state_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock s, state bytes) after each step
     serving_s: float = 0.0
     audio_s: float = 0.0
     finished_requests: int = 0
@@ -371,6 +392,7 @@ def simulate(arm, trace: Trace, concurrency: int, chunk_sizes: list[int], cfg, a
         if replay is not None:
             run.step_replay.append(replay)
         clock += wall
+        run.state_trace.append((clock, arm.state_bytes_now()))
         missing = {c.request_id for c in chunks} - set(audio)
         if missing:
             raise AssertionError(f"{label}: no result for {sorted(missing)}")
@@ -457,6 +479,22 @@ def summarize(run: Run, stats: dict[str, Any], peak: int | None) -> tuple[dict[s
         details["host_ms"] = {"p50": _pct(host, 50), "p99": _pct(host, 99)}
         details["slowest_step"]["replay_ms"] = round(run.step_replay[slowest] * 1e3, 3)
     return figures, details
+
+
+def downsample_max(points: list[tuple[float, int]], limit: int = STATE_TRACE_POINTS) -> list[list[float | int]]:
+    """At most ``limit`` ``[seconds, bytes]`` pairs from ``points`` (in time order): the points are split into
+    ``min(len(points), limit)`` runs of consecutive points (sizes differ by at most one) and each run gives
+    its point of largest bytes (the first such), so the maximum, and the time it was reached, are kept."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    n = len(points)
+    buckets = min(n, limit)
+    out: list[list[float | int]] = []
+    for i in range(buckets):
+        run = points[i * n // buckets : (i + 1) * n // buckets]
+        seconds, value = max(run, key=lambda point: point[1])
+        out.append([round(float(seconds), 4), int(value)])
+    return out
 
 
 def holds_slo(figures: dict[str, Any], details: dict[str, Any], slo_ms: float) -> bool:
@@ -587,6 +625,7 @@ def run_arm(name: str, make_arm, trace: Trace, concurrency: int, chunk_sizes, cf
     details["setup_seconds"] = round(setup_s, 3)
     details["preemptions"] = preempted
     details.update(described)
+    details["state_bytes_over_time"] = downsample_max(run.state_trace)
     return figures, details, run
 
 
@@ -821,8 +860,9 @@ def _write_reports(result: dict[str, Any], latencies: dict[str, dict[int, np.nda
     (out / "results.md").write_text(md)
     plot_latency_cdf(result, latencies, out / "latency_cdf.png")
     plot_concurrency(result, out / "concurrency.png")
+    plot_state_over_time(result, out / "state_over_time.png")
     print(md)
-    print(f"wrote {out}/results.json, results.md, latencies.npz, latency_cdf.png, concurrency.png")
+    print(f"wrote {out}/results.json, results.md, latencies.npz, latency_cdf.png, concurrency.png, state_over_time.png")
 
 
 def _record(result: dict[str, Any], arm: str, c: int, figures, details, slo_ms: float) -> None:
@@ -885,14 +925,14 @@ def results_markdown(result: dict[str, Any]) -> str:
         f"SLO: codec-added latency p99 <= {slo:g} ms (every chunk, the first included).",
         "",
         "| arm | C | requests | audio-s/s | codec p50 / p95 / p99 ms | first chunk p50 / p99 ms | steps graph / eager "
-        "| padded frames | peak GiB | SLO |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| padded frames | peak GiB | peak state GiB | SLO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, entry in result["arms"].items():
         for c, f in _per_c(entry).items():
             lat, first = f["codec_latency_ms"], f["first_chunk_latency_ms"]
             d = result["details"][arm][c]
-            peak = f["peak_memory_bytes"]
+            peak, peak_state = f["peak_memory_bytes"], d.get("peak_state_bytes")
             flags = "held" if holds_slo(f, d, slo) else "missed"
             if d.get("stopped_early"):
                 flags += " (stopped early)"
@@ -904,7 +944,7 @@ def results_markdown(result: dict[str, Any]) -> str:
                 f"{_fmt(first['p50'])} / {_fmt(first['p99'])} | "
                 f"{f['steps_by_path']['graph']} / {f['steps_by_path']['eager']} | "
                 f"{_fmt(f['padded_frame_fraction'], '.3f')} | {_fmt(None if peak is None else common.gib(peak), '.2f')} "
-                f"| {flags} |"
+                f"| {_fmt(None if peak_state is None else common.gib(peak_state), '.4g')} | {flags} |"
             )
     lines += ["", "| arm | max streams at SLO |", "|---|---|"]
     lines += [f"| {arm} | {entry.get('max_streams_at_slo')} |" for arm, entry in result["arms"].items()]
@@ -917,7 +957,7 @@ def results_markdown(result: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------ plots
 
 
-ARM_COLORS = {"v2": "tab:blue", "legacy": "tab:gray", "upstream": "tab:orange"}  # as plot_results.py
+ARM_COLORS = {"v2": "tab:blue", "legacy": "tab:gray", "upstream": "tab:orange", "v2-paged": "tab:green"}
 
 
 def _pyplot():
@@ -1022,6 +1062,44 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     left.set_title(f"throughput (requests per C: {requests})", fontsize=9)
     right.set_title(f"latency, {result['run']['requests_per_stream']} requests/stream", fontsize=9)
     fig.suptitle(f"{result['run']['preset']} codec geometry on {result['run']['device_name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_state_over_time(result: dict[str, Any], path: Path) -> None:
+    """Decoder state in use (GiB) against the simulated clock (s): one panel per concurrency, one line per arm
+    (``details.<arm>.<C>.state_bytes_over_time``; runs without it are left out)."""
+    plt = _pyplot()
+    cs = [str(c) for c in result["run"]["concurrency"]]
+    fig, axes = plt.subplots(1, max(1, len(cs)), figsize=(5.2 * max(1, len(cs)), 4.0), squeeze=False)
+    for ax, c in zip(axes[0], cs):
+        for arm, per_c in result["details"].items():
+            trace = per_c.get(c, {}).get("state_bytes_over_time")
+            if not trace:
+                continue
+            seconds = [t for t, _ in trace]
+            state = [common.gib(b) for _, b in trace]
+            peak = common.gib(per_c[c].get("peak_state_bytes", max(b for _, b in trace)))
+            ax.plot(
+                seconds,
+                state,
+                drawstyle="steps-post",
+                color=ARM_COLORS.get(arm),
+                linestyle="--" if arm == "upstream" else "-",  # legacy's line may lie under it
+                label=f"{arm} (peak {peak:.3g} GiB)",
+            )
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylabel("decoder state in use (GiB)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"C={c}, {result['run']['requests'].get(c, '?')} requests", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"decoder state in use: {result['run']['preset']} on {result['run']['device_name']}, "
+        f"{result['run']['requests_per_stream']} requests per stream, concurrency {','.join(cs)}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -239,7 +239,7 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
     argv = "--device cpu --preset tiny-v2 --concurrency 2,3 --requests-per-stream 2 --chunks 1,4,15 --quiet"
     result = bench.main([*argv.split(), "--out", str(tmp_path)])
     assert json.loads((tmp_path / "results.json").read_text()) == result
-    for name in ("results.md", "latency_cdf.png", "concurrency.png"):
+    for name in ("results.md", "latency_cdf.png", "concurrency.png", "state_over_time.png"):
         assert (tmp_path / name).stat().st_size > 0, name
 
     upstream_ok = bench.common.upstream_status("tiny-v2", bench.torch.device("cpu"))[0]
@@ -281,6 +281,12 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
             # Slots: compact pool N + 1 (the null slot); legacy and upstream have no scratch slots without graphs.
             assert details["slots"] == int(c) + (arm == "v2") and details["graphs"] == 0
             assert details["peak_state_bytes"] == details["state_bytes"]  # full rings for every slot
+            # State over time: one point per decode call (fewer than 200 here), flat at the full rings.
+            trace = details["state_bytes_over_time"]
+            assert len(trace) == details["steps"] <= 200
+            assert all(b == details["state_bytes"] for _, b in trace)
+            seconds = [t for t, _ in trace]
+            assert seconds == sorted(seconds) and 0 < seconds[0] and seconds[-1] <= details["serving_seconds"]
             if lat["p99"] <= 150.0:
                 held.append(int(c))
             trace_frames.setdefault(c, set()).add(details["decoded_frames"])
@@ -293,6 +299,9 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
     assert trace_frames["2"] != trace_frames["3"]
     printed = capsys.readouterr().out
     assert "| arm | C | requests | audio-s/s |" in printed and "| v2 | 2 | 4 |" in printed
+    assert "| peak GiB | peak state GiB | SLO |" in printed
+    peak_v2 = result["details"]["v2"]["3"]["peak_state_bytes"] / 2**30
+    assert f"| - | {peak_v2:.4g} | " in (tmp_path / "results.md").read_text()
 
 
 def test_stage_paged_arm_reports_the_state_its_streams_hold(tmp_path):
@@ -304,6 +313,26 @@ def test_stage_paged_arm_reports_the_state_its_streams_hold(tmp_path):
     assert v2["peak_state_bytes"] == v2["state_bytes"]
     # Pages only for the context streams reach (tiny-v2 windows of a few seconds fill within the trace).
     assert 0 < paged["peak_state_bytes"] < v2["peak_state_bytes"]
+    # The held state rises and falls with the streams' contexts; the trace keeps its peak.
+    trace = paged["state_bytes_over_time"]
+    assert len(trace) <= 200 and max(b for _, b in trace) == paged["peak_state_bytes"]
+    assert min(b for _, b in trace) < paged["peak_state_bytes"] < paged["state_bytes"]
+    assert (tmp_path / "state_over_time.png").stat().st_size > 0
+
+
+def test_stage_state_over_time_keeps_every_bucket_maximum():
+    bench = _load("bench_codec_stage")
+    points = [(0.1 * i, (i * 37) % 101) for i in range(1000)]
+    points[613] = (61.3, 500)  # the peak, inside a bucket
+    kept = bench.downsample_max(points)
+    assert len(kept) == bench.STATE_TRACE_POINTS == 200
+    assert max(b for _, b in kept) == 500 and [61.3, 500] in kept
+    for i, (seconds, value) in enumerate(kept):  # 1000 points: buckets of exactly 5
+        bucket = points[5 * i : 5 * i + 5]
+        assert value == max(b for _, b in bucket) and (seconds, value) in [(round(t, 4), b) for t, b in bucket]
+    assert bench.downsample_max(points[:3]) == [[0.0, 0], [0.1, 37], [0.2, 74]]
+    assert bench.downsample_max([]) == []
+    assert len(bench.downsample_max(points[:401])) == 200  # buckets of 2 or 3 points
 
 
 def test_stage_paged_arm_short_of_pages_preempts_and_still_decodes_every_frame(tmp_path):
