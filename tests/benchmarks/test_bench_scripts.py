@@ -128,6 +128,14 @@ def test_memory_paged_arm_allocates_full_rings_and_holds_the_context_pages(capsy
         assert paged["in_use_by_context_frames"]["125"]["pages_in_use_bytes"] == count * SLOT_BYTES_V2
     # 1.04 s: 36,352,000 bytes per stream, 41% of a slot (docs/memory.md: group 0 holds one page of five).
     assert result["arms"]["v2-paged"]["64"]["in_use_by_context_frames"]["13"]["pages_in_use_bytes"] == 64 * 36_352_000
+    # docs/memory.md quotes the bytes one stream holds.
+    docs = (BENCH_DIR.parents[1] / "docs" / "memory.md").read_text()
+    for frames in ("13", "54", "125"):
+        used = result["arms"]["v2-paged"]["64"]["in_use_by_context_frames"][frames]
+        held = used["pages_in_use_bytes"] // 64
+        pages = ", ".join(str(n // 64) for n in used["pages_in_use_per_group"])
+        assert f"| {frames} | {used['context_seconds']:g} | {pages} | {held:,} B ({held / 2**20:.2f} MiB) | " in docs
+    assert f"one null page per group ({null_pages:,} bytes" in docs
     printed = capsys.readouterr().out
     assert "### v2-paged: state held after F frames per stream (page fraction 1" in printed
     assert "| 64 | 13 | 1.04 | 64 | 2.167 |" in printed
