@@ -574,7 +574,9 @@ class CodecStreamSession:
         """Preempt the youngest live streams until the pool holds the context every ready stream is about
         to reach (only a paged pool can run short). A preempted stream's state goes to host memory
         (``save_slot``) and it waits, ahead of new streams, to resume exactly; its chunks stay buffered."""
-        while ready and self.pool.pages_short({s.slot: s.buffered_frames for s in ready}):
+        while ready and self.pool.pages_short(
+            {s.slot: s.buffered_frames for s in ready}, {s.slot: s.frames_decoded for s in ready}
+        ):
             victim = next(reversed(self._live.values()))  # the youngest: admitted last
             victim.saved = self.pool.save_slot(victim.slot)
             self.pool.release([victim.slot])
@@ -617,7 +619,8 @@ class CodecStreamSession:
             for first in range(0, len(rows), max_rows):
                 batch = rows[first : first + max_rows]
                 step_pieces = [pieces[s.request_id][i] for s in batch]
-                for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces)):
+                done = [s.frames_decoded for s in batch]
+                for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces, done)):
                     parts[s.request_id].append(wav)
                     s.frames_decoded += piece.shape[1]
         return {rid: p[0] if len(p) == 1 else torch.cat(p, dim=-1) for rid, p in parts.items()}
@@ -626,11 +629,12 @@ class CodecStreamSession:
         # The same padding with or without captured graphs, so CPU runs take the steps a GPU does.
         return next((t for t in self.graph_frame_sizes if t >= longest), longest)
 
-    def _step(self, slots: list[int], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One pool step; returns each row's ``(channels, own_T * spf)`` float32 CPU audio."""
+    def _step(self, slots: list[int], pieces: list[torch.Tensor], done: list[int]) -> list[torch.Tensor]:
+        """One pool step (``done``: frames each slot has decoded before it); returns each row's
+        ``(channels, own_T * spf)`` float32 CPU audio."""
         own = [p.shape[1] for p in pieces]
         B, T = len(pieces), self._step_frames(max(own))
-        self.pool.prepare_step(slots, own)  # a paged pool allocates the pages this step writes
+        self.pool.prepare_step(slots, own, done)  # a paged pool allocates the pages this step writes
         codes, slot_ids, lengths = self._stage_inputs(pieces, own, slots, T)
         out = self.runner.decode(codes, lengths, slot_ids) if self.runner is not None else None
         if out is not None:

@@ -88,14 +88,16 @@ POOL_KINDS = ("compact", "legacy", "paged")
 def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int = 2) -> int:
     """Persistent bytes of a pool with ``num_slots`` slots (rings plus offsets), without allocating.
 
-    ``kind`` is ``"compact"`` or ``"legacy"``. The rings of one slot of the v2 codec are
+    ``kind`` is ``"compact"``, ``"legacy"`` or ``"paged"`` (as compact). The rings of one slot of the v2 codec are
     88,678,400 bytes in bf16 (docs/memory.md).
 
     Raises:
         ValueError: unknown ``kind``.
     """
     rings = num_slots * decoder_config.state_bytes_per_slot(element_size)
-    if kind in ("compact", "paged"):  # a paged pool at page_fraction 1.0, plus its page tables (not counted)
+    # "paged": the compact figure, an upper bound for page_fraction 1.0 (that pool allocates one null page per
+    # group instead of a null slot, plus its page tables: docs/memory.md, "Paged rings").
+    if kind in ("compact", "paged"):
         return rings + num_slots * 8
     if kind == "legacy":
         return rings + _legacy_table_rows(decoder_config) * num_slots * 8
@@ -341,15 +343,17 @@ class DecoderStatePool(ABC):
         for ring in self.rings:
             ring.index_fill_(1, ids, 0)
 
-    def prepare_step(self, slot_ids, lengths) -> None:  # noqa: B027 - optional hook
+    def prepare_step(self, slot_ids, lengths, frames=None) -> None:  # noqa: B027 - optional hook
         """Host-side preparation of a step over live ``slot_ids`` decoding ``lengths`` frames each
-        (sequences of ints). Nothing to do for unpaged pools; a paged pool allocates the pages the
-        step writes. Call it before every step that bypasses :meth:`decode_streaming_batch` (graph
-        replays, :meth:`decode_streaming_tensors`)."""
+        (sequences of ints); ``frames``, if the caller tracks them, the frames each slot has decoded
+        so far (saves reading them from the device). Nothing to do for unpaged pools; a paged pool
+        allocates the pages the step writes. Call it before every step that bypasses
+        :meth:`decode_streaming_batch` (graph replays, :meth:`decode_streaming_tensors`)."""
 
-    def pages_short(self, pending: dict[int, int]) -> bool:
+    def pages_short(self, pending: dict[int, int], decoded: dict[int, int] | None = None) -> bool:
         """Whether the live slots of ``pending`` (slot -> frames still to decode) lack state memory for
-        that much more context. Never for unpaged pools (every slot holds full rings)."""
+        that much more context (``decoded``: slot -> frames decoded so far, if the caller tracks them).
+        Never for unpaged pools (every slot holds full rings)."""
         return False
 
     def can_admit(self, frames: int, chunk_frames: int) -> bool:
@@ -1066,12 +1070,14 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             for g, spec in enumerate(self.config.groups)
         ]
 
-    def pages_short(self, pending: dict[int, int]) -> bool:
+    def pages_short(self, pending: dict[int, int], decoded: dict[int, int] | None = None) -> bool:
         """Whether some group lacks the free pages the slots of ``pending`` (slot -> frames still to
-        decode) need for that context. Reads their frame counters (one small device-to-host copy)."""
+        decode) need for that context. Without ``decoded`` (slot -> frames decoded so far) it reads
+        their frame counters (one small device-to-host copy)."""
         self._require_initialized()
         slots = list(pending)
-        targets = {s: f + pending[s] for s, f in zip(slots, self.frames_of(slots))}
+        done = self.frames_of(slots) if decoded is None else [decoded[s] for s in slots]
+        targets = {s: f + pending[s] for s, f in zip(slots, done)}
         return any(need > free for need, free in zip(self._extra_pages(targets), self.free_page_counts()))
 
     def can_admit(self, frames: int, chunk_frames: int) -> bool:
@@ -1090,10 +1096,11 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         slots = [int(s) for s in slots]
         return self.frames_decoded[torch.tensor(slots, device=self.device)].tolist() if slots else []
 
-    def prepare_step(self, slot_ids, lengths) -> None:
+    def prepare_step(self, slot_ids, lengths, frames=None) -> None:
         """Allocate the pages a step writes: each slot in ``slot_ids`` (live ids) decoding ``lengths``
-        frames (ints) gets pages for the context it will have. Reads the slots' frame counters (one small
-        device-to-host copy). Idempotent for one step.
+        frames (ints) gets pages for the context it will have. Without ``frames`` (the frames each slot
+        has decoded so far) it reads the slots' frame counters (one small device-to-host copy).
+        Idempotent for one step.
 
         Raises:
             PagesExhausted: too few free pages in a group; nothing changes then.
@@ -1102,7 +1109,10 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         slot_ids, lengths = [int(s) for s in slot_ids], [int(n) for n in lengths]
         if not slot_ids:
             return
-        frames = self.frames_decoded[torch.tensor(slot_ids, device=self.device)].tolist()
+        if frames is None:
+            frames = self.frames_decoded[torch.tensor(slot_ids, device=self.device)].tolist()
+        else:
+            frames = [int(f) for f in frames]
         self._reserve({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
 
     @torch.no_grad()
