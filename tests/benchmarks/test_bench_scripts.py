@@ -314,7 +314,7 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
 
 def test_stage_paged_arm_reports_the_state_its_streams_hold(tmp_path):
     bench = _load("bench_codec_stage")
-    argv = "--device cpu --preset tiny-v2 --arms v2,v2-paged --concurrency 3 --requests-per-stream 2 --quiet"
+    argv = "--device cpu --preset tiny-v2 --arms v2,v2-paged --concurrency 3 --requests-per-stream 2 --quiet --give-up-ms 600000"
     result = bench.main([*argv.split(), "--out", str(tmp_path)])
     v2, paged = result["details"]["v2"]["3"], result["details"]["v2-paged"]["3"]
     assert v2["decoded_frames"] == paged["decoded_frames"]
