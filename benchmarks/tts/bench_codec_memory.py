@@ -116,6 +116,14 @@ def _pool_kind_slots(arm: str, streams: int) -> tuple[int, int]:
     return streams, streams
 
 
+def _add_device_bytes(entry: dict[str, Any], before: dict[str, int] | None, device: torch.device) -> None:
+    """``offset_bytes`` (state minus rings) and, on CUDA, what the allocation took from the device."""
+    entry["offset_bytes"] = entry["state_bytes"] - entry["ring_bytes"]
+    if before is not None:
+        entry.update(common.memory_delta(before, common.cuda_memory(device)))
+        entry["device_used_bytes"] = common.cuda_memory(device)["device_used"]
+
+
 def _measure_ours(decoder, arm: str, streams: int, device: torch.device) -> dict[str, Any]:
     capacity, scratch = _pool_kind_slots(arm, streams)
     before = common.cuda_memory(device) if device.type == "cuda" else None
@@ -129,10 +137,7 @@ def _measure_ours(decoder, arm: str, streams: int, device: torch.device) -> dict
         "predicted_bytes": int(state_bytes_for(decoder.config, pool.num_slots, common.pool_kind(arm))),
         "ring_bytes": int(sum(r.numel() * r.element_size() for r in pool.rings)),
     }
-    entry["offset_bytes"] = entry["state_bytes"] - entry["ring_bytes"]
-    if before is not None:
-        entry.update(common.memory_delta(before, common.cuda_memory(device)))
-        entry["device_used_bytes"] = common.cuda_memory(device)["device_used"]
+    _add_device_bytes(entry, before, device)
     pool.close()
     del pool
     common.free_memory(device)
@@ -243,10 +248,7 @@ def _measure_paged(decoder, streams: int, device: torch.device, args: argparse.N
             2 * g.num_heads * pool.page_size * g.head_dim * element * g.num_layers for g in decoder.config.groups
         ],
     }
-    entry["offset_bytes"] = entry["state_bytes"] - entry["ring_bytes"]
-    if before is not None:
-        entry.update(common.memory_delta(before, common.cuda_memory(device)))
-        entry["device_used_bytes"] = common.cuda_memory(device)["device_used"]
+    _add_device_bytes(entry, before, device)
     pool.close()
     del pool
     common.free_memory(device)
