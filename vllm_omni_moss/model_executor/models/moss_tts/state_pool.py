@@ -1052,16 +1052,19 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             plan.append(extra)
         for g, extra in enumerate(plan):
             rows, cols, pages = [], [], []
+            free = self._free_pages[g]
             for slot, n in extra.items():
                 held = self._host_tables[g][slot]
-                for _ in range(n):
-                    rows.append(slot)
-                    cols.append(len(held))
-                    held.append(self._free_pages[g].pop())
-                    pages.append(held[-1])
+                taken = free[-n:][::-1]  # the pages n pops would give, in that order (LIFO)
+                del free[-n:]
+                rows += [slot] * n
+                cols += range(len(held), len(held) + n)
+                held += taken
+                pages += taken
             if rows:
-                index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
-                self.page_tables[g].index_put_(index, torch.tensor(pages, device=self.device))
+                # One host-to-device copy for the group's new table entries.
+                entries = torch.tensor([rows, cols, pages], dtype=torch.long).to(self.device)
+                self.page_tables[g].index_put_((entries[0], entries[1]), entries[2])
 
     def _extra_pages(self, targets: dict[int, int]) -> list[int]:
         # Pages each group must still allocate for the slots of `targets` (slot -> frames after).
