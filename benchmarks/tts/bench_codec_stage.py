@@ -633,7 +633,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="auto", help="codec geometry; auto = v2 on CUDA, tiny-v2 on CPU")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--arms", default="auto", help="subset of v2,legacy,upstream (default: every arm that can run)")
+    p.add_argument(
+        "--arms",
+        default="auto",
+        help="subset of v2,legacy,upstream,v2-paged (default: every arm that can run but v2-paged)",
+    )
     p.add_argument("--concurrency", default="auto", help="live streams per run, e.g. 64,128,256,512 (CPU: 4,8)")
     p.add_argument("--requests-per-stream", type=int, default=17, help="requests = concurrency x this (17)")
     p.add_argument("--chunks", default="1,15", help="chunk ramp in frames: each once, the last repeated (1,15)")
