@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -302,3 +303,89 @@ def _paged_session_case(dec, page_fraction):
     assert paged.free_slots == 3 and paged.pool.free_page_counts() == full
     for session in (compact, paged):
         session.close()
+
+
+def test_a_preempted_stream_keeps_its_chunks_whatever_the_queue_bounds(ring_decoder):
+    """A preempted stream was live: its later chunks are buffered even when they exceed the admission
+    queue's frame bound, and it resumes exactly (its audio equals its solo decode)."""
+    session = CodecStreamSession(ring_decoder, 2, pool_kind="paged", page_fraction=0.75, max_waiting_frames=3)
+    codes = {r: random_codes(ring_decoder, 1, 9, seed=i)[:, 0] for i, r in enumerate("ab")}
+    schedule, start = [1, 2, 2, 2, 2], 0
+    audio = {r: [] for r in "ab"}
+    for call, n in enumerate(schedule):
+        batch = [ChunkRequest(r, codes[r][:, start : start + n], call == len(schedule) - 1) for r in "ab"]
+        start += n
+        for r, res in session.decode(batch).items():
+            assert res.error is None, (call, r, res.error)
+            audio[r].append(res.audio)
+    assert session.stats()["preemptions"] >= 1
+    assert session.live_requests == {} and session.waiting_requests == []
+    for r in "ab":
+        want = _solo(ring_decoder, codes[r], schedule)
+        got = torch.cat(audio[r], -1)
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), r
+
+
+def test_a_finished_stream_gives_its_pages_back_before_anyone_is_preempted(ring_decoder):
+    """A stream whose terminal chunk is empty only waits to end: when a live stream needs pages, it is
+    released, not preempted (no state is saved for it, nothing waits behind it)."""
+    session = CodecStreamSession(ring_decoder, 4, pool_kind="paged", page_fraction=0.375)
+    q = ring_decoder.config.num_quantizers
+    assert session.pool.free_page_counts() == [2, 3]
+    session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=1)[:, 0])])
+    session.decode([ChunkRequest("b", random_codes(ring_decoder, 1, 6, seed=2)[:, 0])])
+    assert session.pool.free_page_counts() == [0, 0]
+    got = session.decode(
+        [
+            ChunkRequest("a", random_codes(ring_decoder, 1, 5, seed=3)[:, 0]),
+            ChunkRequest("b", torch.zeros(q, 0, dtype=torch.long), True),
+        ]
+    )
+    assert got["a"].frames == 5 and not got["b"].queued
+    assert session.stats()["preemptions"] == 0 and session.waiting_requests == []
+    assert set(session.live_requests) == {"a"}
+    got = session.decode([ChunkRequest("d", random_codes(ring_decoder, 1, 1, seed=4)[:, 0])])
+    assert got["d"].frames == 1 and set(session.live_requests) == {"a", "d"}
+
+
+def test_new_streams_wait_while_live_streams_need_the_pages(ring_decoder, caplog):
+    """Admission counts the pages the live streams' chunks of the same batch need: a new stream that
+    would leave them short waits (rather than being admitted and preempted at once). A waiting stream
+    that the engine ends with frames still buffered loses them, and the log says so."""
+    session = CodecStreamSession(ring_decoder, 3, pool_kind="paged", page_fraction=0.34)
+    assert session.pool.free_page_counts() == [2, 3]  # rings of 1 and 2 pages
+    session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=1)[:, 0])])
+    # a's next 5 frames take the last group-1 page but one; b's 3 frames (6 tokens) would need two.
+    got = session.decode(
+        [
+            ChunkRequest("b", random_codes(ring_decoder, 1, 3, seed=2)[:, 0]),  # before a's chunk in the batch
+            ChunkRequest("a", random_codes(ring_decoder, 1, 5, seed=3)[:, 0]),
+        ]
+    )
+    assert got["a"].frames == 5 and got["b"].queued and got["b"].frames == 0
+    assert session.stats()["preemptions"] == 0 and session.waiting_requests == ["b"]
+    with caplog.at_level(logging.ERROR):
+        session.on_requests_finished(["b"])
+    assert "request 'b' ended while waiting for a slot; its 3 buffered frames are dropped undecoded" in caplog.text
+
+
+def test_paged_restore_and_page_calls_check_leases_and_pages_first(ring_decoder):
+    pool = PagedDecoderStatePool(ring_decoder, page_fraction=0.5)  # 1 and 3 pages: one full stream and a bit
+    pool.initialize(2)
+    x, y = pool.acquire(), pool.acquire()
+    _step(pool, random_codes(ring_decoder, 1, 6, seed=1), [6], [x])  # x takes every page of group 0
+    saved = pool.save_slot(x)
+    _step(pool, random_codes(ring_decoder, 1, 1, seed=2), [0], [y])
+    before = (pool.slot_state(y), pool.free_page_counts())
+    with pytest.raises(PagesExhausted, match=r"restore_slot: the state's 6 frames need more pages than group 0"):
+        pool.restore_slot(y, saved)
+    after = pool.slot_state(y)
+    assert torch.equal(after["layer_offsets"], before[0]["layer_offsets"]) and pool.free_page_counts() == before[1]
+    pool.release([y])
+    with pytest.raises(ValueError, match=r"restore_slot: slot 1 is not a leased slot"):
+        pool.restore_slot(y, saved)
+    for bad in (y, 2, -1, 99):
+        with pytest.raises(ValueError, match=rf"prepare_step: slot {bad} is not a leased slot"):
+            pool.prepare_step([bad], [1])
+    with pytest.raises(ValueError, match=r"pages_short: slot 7 is not a leased slot"):
+        pool.pages_short({7: 3})

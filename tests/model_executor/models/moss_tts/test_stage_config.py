@@ -130,9 +130,14 @@ def test_pool_kind_reaches_the_session(tmp_path, session_kwargs):
     ("fields", "message"),
     [
         (dict(codec_pool_kind="pages"), "codec_pool_kind must be one of 'compact', 'legacy', 'paged'; got 'pages'"),
-        (dict(codec_state_budget_gib=0), "codec_state_budget_gib must be a number of GiB > 0, got 0"),
-        (dict(codec_state_budget_gib="40"), "codec_state_budget_gib must be a number of GiB > 0, got '40'"),
-        (dict(codec_state_budget_gib=True), "codec_state_budget_gib must be a number of GiB > 0, got True"),
+        (dict(codec_state_budget_gib=0), "codec_state_budget_gib must be a finite number of GiB > 0, got 0"),
+        (dict(codec_state_budget_gib="40"), "codec_state_budget_gib must be a finite number of GiB > 0, got '40'"),
+        (dict(codec_state_budget_gib=True), "codec_state_budget_gib must be a finite number of GiB > 0, got True"),
+        (
+            dict(codec_state_budget_gib=float("inf")),
+            "codec_state_budget_gib must be a finite number of GiB > 0, got inf",
+        ),
+        (dict(codec_state_budget_gib=1e-12), "codec_state_budget_gib 1e-12 is less than one byte"),
         (
             dict(codec_state_budget_gib=40, codec_pool_kind="compact"),
             "codec_state_budget_gib needs the paged pool; codec_pool_kind is 'compact'",
@@ -147,14 +152,15 @@ def test_bad_pool_fields_are_rejected_at_construction(tmp_path, fields, message)
     assert str(err.value) == message
 
 
-def test_state_budget_too_small_for_one_stream_names_the_minimum(tmp_path):
-    stage = build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=1e-6)
+def test_state_budget_too_small_for_one_stream_fails_at_load_naming_the_minimum(tmp_path):
+    # Without graphs (enforce_eager) the session is otherwise built on the first batch: a budget makes the
+    # stage build it at load, so a bad budget fails the deployment, not every request.
     with pytest.raises(
         ValueError,
         match=r"a state budget of 1073 bytes holds no stream: one stream's full rings "
         r"plus the null pages need \d+ bytes",
     ):
-        stage._ensure_session()
+        build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=1e-6)
 
 
 @pytest.mark.parametrize("preset", ["tiny-v1", "tiny-v2"])

@@ -306,6 +306,7 @@ class CodecStreamSession:
             del warm
 
         self._live: dict[str, _Stream] = {}
+        self._incoming: dict[str, int] = {}  # during decode(): frames of this batch not yet buffered, per id
         self._waiting = AdmissionQueue(max_waiting_streams, max_waiting_frames)
         self._counters = _Counters()
         self._closed = False
@@ -382,6 +383,15 @@ class CodecStreamSession:
         try:
             for rid in request_ids:
                 rid = str(rid)
+                waiting = self._waiting.get(rid)
+                if waiting is not None and waiting.buffered_frames:
+                    logger.error(
+                        "MOSS codec: request %r ended while waiting for %s; its %d buffered frames are dropped "
+                        "undecoded",
+                        rid,
+                        "decoder state pages (preempted)" if waiting.saved is not None else "a slot",
+                        waiting.buffered_frames,
+                    )
                 self._waiting.drop(rid)
                 stream = self._live.pop(rid, None)
                 if stream is not None:
@@ -444,9 +454,14 @@ class CodecStreamSession:
             else:
                 self._counters.request_errors += 1
                 results[key] = self._empty(error=error)
+        # Frames this batch brings to each request, not yet buffered (admission accounts for them).
+        self._incoming = {}
+        for req in accepted:
+            self._incoming[req.request_id] = self._incoming.get(req.request_id, 0) + req.codes.shape[1]
         self._admit_waiting()  # slots freed since the last call go to waiting streams first
         taken = []
         for req in accepted:
+            self._incoming.pop(req.request_id, None)
             error = self._accept(req)
             if error is None:
                 taken.append(req.codes)
@@ -512,7 +527,7 @@ class CodecStreamSession:
             if frames == 0:
                 return None  # nothing to decode and no stream to end
             stream = _Stream(rid)
-            if self._waiting or not self.pool.can_admit(0, min(frames, self.max_piece_frames)):
+            if self._waiting or not self._can_admit(0, min(frames, self.max_piece_frames)):
                 error = self._waiting.refusal(frames, new_stream=True, capacity=self.state_capacity)
                 if error is not None:
                     return error
@@ -521,7 +536,8 @@ class CodecStreamSession:
             else:
                 stream.slot = self.pool.acquire()
                 self._live[rid] = stream
-        elif stream.slot is None and frames:
+        elif stream.slot is None and frames and stream.saved is None:
+            # A preempted stream (saved state) was live: its chunks are always kept, whatever the bounds.
             error = self._waiting.refusal(frames, new_stream=False, capacity=self.state_capacity)
             if error is not None:
                 self._waiting.drop(rid)
@@ -533,10 +549,26 @@ class CodecStreamSession:
         stream.finished = stream.finished or req.finished
         return None
 
+    def _can_admit(self, frames: int, chunk_frames: int) -> bool:
+        """Whether a stream with ``frames`` decoded can take a slot and decode ``chunk_frames`` more, after
+        the live streams' buffered chunks (and this batch's chunks for them not yet buffered) get the state
+        they need: admitting it must not make a live stream run short (a paged pool would then preempt)."""
+        if not self.pool.can_admit(frames, chunk_frames):
+            return False
+        if self.pool.room_for_all(frames, chunk_frames):  # unpaged pools, and paged ones with pages to spare
+            return True
+        live = [s for s in self._live.values() if s.chunks or self._incoming.get(s.request_id)]
+        return self.pool.can_admit(
+            frames,
+            chunk_frames,
+            {s.slot: s.buffered_frames + self._incoming.get(s.request_id, 0) for s in live},
+            {s.slot: s.frames_decoded for s in live},
+        )
+
     def _admit_waiting(self) -> None:
         while self._waiting:
             oldest = self._waiting.peek_oldest()
-            if not self.pool.can_admit(oldest.frames_decoded, min(oldest.buffered_frames, self.max_piece_frames)):
+            if not self._can_admit(oldest.frames_decoded, min(oldest.buffered_frames, self.max_piece_frames)):
                 return
             stream = self._waiting.pop_oldest()
             rid = stream.request_id
@@ -577,6 +609,12 @@ class CodecStreamSession:
         while ready and self.pool.pages_short(
             {s.slot: s.buffered_frames for s in ready}, {s.slot: s.frames_decoded for s in ready}
         ):
+            done = [s for s in self._live.values() if s.finished and not s.chunks]
+            if done:  # streams that only wait to end give their pages back before anyone is preempted
+                for stream in done:
+                    del self._live[stream.request_id]
+                self.pool.release([s.slot for s in done])
+                continue
             victim = next(reversed(self._live.values()))  # the youngest: admitted last
             victim.saved = self.pool.save_slot(victim.slot)
             self.pool.release([victim.slot])

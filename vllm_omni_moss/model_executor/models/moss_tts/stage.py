@@ -119,9 +119,12 @@ def _state_budget_bytes(hf: Any) -> int | None:
     value = getattr(hf, "codec_state_budget_gib", None)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"codec_state_budget_gib must be a number of GiB > 0, got {value!r}")
-    return int(float(value) * 2**30)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+        raise ValueError(f"codec_state_budget_gib must be a finite number of GiB > 0, got {value!r}")
+    budget = int(float(value) * 2**30)
+    if budget < 1:
+        raise ValueError(f"codec_state_budget_gib {value!r} is less than one byte")
+    return budget
 
 
 def _positive_frames(name: str, value: Any) -> list[int]:
@@ -469,6 +472,8 @@ class MossTTSCodecDecoder(nn.Module):
         )
         if self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes:
             self._ensure_session()  # compile and capture at load, not on the first request
+        elif self.codec_state_budget_bytes is not None:
+            self._ensure_session()  # a budget too small for one stream fails at load, not on every batch
         return {f"_codec.{name}" for name, _ in codec.named_parameters()}
 
     def _load_codec(self, directory: Path, device: torch.device) -> CodecDecoder:

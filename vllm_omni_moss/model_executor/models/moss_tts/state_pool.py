@@ -356,10 +356,24 @@ class DecoderStatePool(ABC):
         Never for unpaged pools (every slot holds full rings)."""
         return False
 
-    def can_admit(self, frames: int, chunk_frames: int) -> bool:
+    def can_admit(
+        self,
+        frames: int,
+        chunk_frames: int,
+        pending: dict[int, int] | None = None,
+        decoded: dict[int, int] | None = None,
+    ) -> bool:
         """Whether a stream that has decoded ``frames`` frames (0 for a new one) can take a slot and
-        decode ``chunk_frames`` more. Unpaged pools: whenever a slot is free."""
+        decode ``chunk_frames`` more, once the live slots of ``pending`` (slot -> frames still to decode;
+        ``decoded``: slot -> frames decoded so far) have the state for their chunks. Unpaged pools:
+        whenever a slot is free."""
         return self.free_slot_count > 0
+
+    def room_for_all(self, frames: int, chunk_frames: int) -> bool:
+        """Whether the state memory left would hold a stream of ``frames + chunk_frames`` frames even if
+        every leased slot's rings filled completely (then :meth:`can_admit` needs no ``pending``).
+        Always for unpaged pools."""
+        return True
 
     def _read_cells(self, layer: int, slot: int, cells: torch.Tensor) -> torch.Tensor:
         # (2, H, N, Dh) copy of ring cells `cells` (N,) of one slot.
@@ -1078,21 +1092,56 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         decode) need for that context. Without ``decoded`` (slot -> frames decoded so far) it reads
         their frame counters (one small device-to-host copy)."""
         self._require_initialized()
-        slots = list(pending)
+        slots = self._leased_ids(pending, "pages_short")
         done = self.frames_of(slots) if decoded is None else [decoded[s] for s in slots]
         targets = {s: f + pending[s] for s, f in zip(slots, done)}
         return any(need > free for need, free in zip(self._extra_pages(targets), self.free_page_counts()))
 
-    def can_admit(self, frames: int, chunk_frames: int) -> bool:
+    def can_admit(
+        self,
+        frames: int,
+        chunk_frames: int,
+        pending: dict[int, int] | None = None,
+        decoded: dict[int, int] | None = None,
+    ) -> bool:
         """A free slot, and in every group the pages of ``frames + chunk_frames`` frames of context
-        (a restored stream's rings plus its next chunk; a new stream's first chunk) free."""
+        (a restored stream's rings plus its next chunk; a new stream's first chunk) free after the
+        pages the live slots of ``pending`` still need for their chunks (as :meth:`pages_short`)."""
         self._require_initialized()
         if not self.free_slot_count:
             return False
+        reserved = [0] * len(self.config.groups)
+        if pending:
+            slots = self._leased_ids(pending, "can_admit")
+            done = self.frames_of(slots) if decoded is None else [int(decoded[s]) for s in slots]
+            reserved = self._extra_pages({s: f + int(pending[s]) for s, f in zip(slots, done)})
         return all(
-            self._pages_needed(spec, frames + chunk_frames) <= free
-            for spec, free in zip(self.config.groups, self.free_page_counts())
+            self._pages_needed(spec, frames + chunk_frames) + held <= free
+            for spec, held, free in zip(self.config.groups, reserved, self.free_page_counts())
         )
+
+    def room_for_all(self, frames: int, chunk_frames: int) -> bool:
+        """In every group, the free pages cover a stream of ``frames + chunk_frames`` frames plus the pages
+        every leased slot would still take to fill its rings: O(groups), no per-slot work."""
+        self._require_initialized()
+        live = len(self._leased)
+        for g, spec in enumerate(self.config.groups):
+            free = len(self._free_pages[g])
+            held = self.rings[self._group_layers[g][0]].shape[1] - 1 - free  # pages are held by leased slots only
+            if free < live * self._pages_per_ring(spec) - held + self._pages_needed(spec, frames + chunk_frames):
+                return False
+        return True
+
+    def _leased_ids(self, ids, op: str) -> list[int]:
+        """``ids`` as ints, each a leased slot; ValueError naming the first that is not."""
+        out = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i not in self._leased:
+                raise ValueError(
+                    f"{op}: slot {i!r} is not a leased slot (0..{self.state_capacity - 1}, acquired and not released)"
+                )
+            out.append(i)
+        return out
 
     def frames_of(self, slots) -> list[int]:
         """Frames decoded by each of ``slots`` (one small device-to-host copy)."""
@@ -1109,7 +1158,8 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             PagesExhausted: too few free pages in a group; nothing changes then.
         """
         self._require_initialized()
-        slot_ids, lengths = [int(s) for s in slot_ids], [int(n) for n in lengths]
+        slot_ids = self._leased_ids([int(s) for s in slot_ids], "prepare_step")
+        lengths = [int(n) for n in lengths]
         if not slot_ids:
             return
         if frames is None:
@@ -1136,6 +1186,31 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
 
     def _reserve_restored(self, slot: int) -> None:
         self._reserve({slot: int(self.frames_decoded[slot])})
+
+    def restore_slot(self, slot: int, state: SlotState) -> None:
+        """:meth:`DecoderStatePool.restore_slot` into a leased slot, allocating the pages the state's context
+        needs.
+
+        Raises:
+            ValueError: as the base, or ``slot`` is not leased. Nothing changes then.
+            PagesExhausted: a group lacks the pages for the state's context (counting the pages ``slot``
+                holds now, which the restore frees first). Nothing changes then.
+        """
+        slot = self._live_slot(slot, "restore_slot")
+        self._leased_ids([slot], "restore_slot")
+        self._check_slot_state(state)
+        frames = int(state.offsets.reshape(-1)[0])
+        short = [
+            g
+            for g, spec in enumerate(self.config.groups)
+            if self._pages_needed(spec, frames) > len(self._free_pages[g]) + len(self._host_tables[g][slot])
+        ]
+        if short:
+            raise PagesExhausted(
+                f"restore_slot: the state's {frames} frames need more pages than group {short[0]} has free "
+                f"({len(self._free_pages[short[0]])} free, {len(self._host_tables[short[0]][slot])} held by slot {slot})"
+            )
+        super().restore_slot(slot, state)
 
     def _clear_rings(self, ids: torch.Tensor) -> None:
         for g, layers in enumerate(self._group_layers):
