@@ -172,6 +172,7 @@ class OurArm:
         time_replays: bool = False,
         page_fraction: float | None = None,
         slots: int | None = None,
+        paged_budget: dict[str, int] | None = None,
     ):
         self.replay_s = 0.0
         self.peak_state = 0
@@ -188,6 +189,7 @@ class OurArm:
             max_waiting_streams=concurrency,
             max_waiting_frames=1 << 30,
             page_fraction=page_fraction,
+            **(paged_budget or {}),
         )
         self.time_replays = time_replays and self.session.runner is not None
         if self.time_replays:
@@ -578,7 +580,15 @@ def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: d
 
         def make(c: int) -> OurArm:
             fraction, slots = state_budget(args, name, decoder, c)
-            return OurArm(decoder, c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction, slots)
+            split = None
+            if name == "v2-paged" and args.state_budget_gib is not None and args.expected_stream_seconds is not None:
+                # The budget itself, split by the groups' fill, instead of one page fraction.
+                split = {
+                    "state_budget_bytes": int(args.state_budget_gib * 2**30),
+                    "expected_stream_frames": max(1, round(args.expected_stream_seconds * FRAME_RATE)),
+                }
+                fraction = None
+            return OurArm(decoder, c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction, slots, split)
 
         return make
     if "upstream" not in models:
@@ -650,6 +660,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help="decoder state memory per arm (our arms): the slots (v2, legacy) or pages (v2-paged) it buys",
+    )
+    p.add_argument(
+        "--expected-stream-seconds",
+        type=float,
+        default=None,
+        help="v2-paged with --state-budget-gib: split the budget by the groups' fill over a stream this long",
     )
     p.add_argument(
         "--page-fraction",

@@ -552,3 +552,26 @@ def test_stage_append_merges_a_split_sweep(tmp_path):
     (tmp_path / "results.md").unlink()
     assert bench.main(["--out", str(tmp_path), "--report-only"]) == merged
     assert "| legacy | 3 | 3 |" in (tmp_path / "results.md").read_text()
+
+
+def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatch):
+    bench = _load("bench_codec_stage")
+    seen = {}
+    original = bench.CodecStreamSession
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            seen.setdefault(kwargs.get("pool_kind"), kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "CodecStreamSession", Recording)
+    argv = (
+        "--device cpu --preset tiny-v2 --arms v2-paged --concurrency 4 --requests-per-stream 1 --quiet "
+        "--state-budget-gib 0.0003 --expected-stream-seconds 4.3 --give-up-ms 600000"
+    )
+    result = bench.main([*argv.split(), "--out", str(tmp_path)])
+    kwargs = seen["paged"]
+    assert kwargs["state_budget_bytes"] == int(0.0003 * 2**30) and kwargs["expected_stream_frames"] == 54
+    assert kwargs["page_fraction"] is None
+    details = result["details"]["v2-paged"]["4"]
+    assert not details["stopped_early"] and details["finished_requests"] == 4

@@ -389,3 +389,24 @@ def test_paged_restore_and_page_calls_check_leases_and_pages_first(ring_decoder)
             pool.prepare_step([bad], [1])
     with pytest.raises(ValueError, match=r"pages_short: slot 7 is not a leased slot"):
         pool.pages_short({7: 3})
+
+
+def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):
+    """Ring codec: 5-token pages of 15,360 bytes in both groups; rings of 1 and 2 pages (tokens per
+    frame 1 and 2). Over a 4-frame stream a live stream holds on average 1 page of group 0 and
+    (1 + 1 + 2 + 2) / 4 = 1.5 of group 1. A budget of 20 pages pays the null pages (2) and one full
+    stream (3), and the other 15 pages buy 15 / 2.5 = 6 average streams: 1 + 6 and 2 + 9 pages."""
+    page = 2 * 5 * 128 * 4 * 3
+    pool = PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=4)
+    assert pool.average_pages(4) == [1.0, 1.5]
+    pool.initialize(8)
+    assert pool.free_page_counts() == [7, 11]
+    assert sum(r.numel() * r.element_size() for r in pool.rings) == 20 * page
+    assert pool.page_fraction == pytest.approx(18 / (8 * 3))
+    small = PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=4)
+    small.initialize(3)
+    assert small.free_page_counts() == [3, 6]  # never more than full rings for every slot
+    with pytest.raises(ValueError, match="expected_stream_frames splits a state budget: give state_budget_bytes too"):
+        PagedDecoderStatePool(ring_decoder, expected_stream_frames=4)
+    with pytest.raises(ValueError, match="expected_stream_frames must be an integer >= 1, got 0"):
+        PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=0)

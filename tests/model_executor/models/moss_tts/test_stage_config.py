@@ -119,6 +119,13 @@ def test_state_budget_picks_the_paged_pool_with_the_pages_it_pays_for(tmp_path, 
     assert sum(n * b for n, b in zip(want, page_bytes)) <= budget
 
 
+def test_expected_stream_seconds_reach_the_session_in_frames(tmp_path, session_kwargs):
+    stage = build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=0.0002, codec_expected_stream_seconds=4.3)
+    run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
+    assert session_kwargs["expected_stream_frames"] == 54  # round(4.3 s x 12.5 frames/s)
+    assert stage._session.pool.expected_stream_frames == 54
+
+
 def test_pool_kind_reaches_the_session(tmp_path, session_kwargs):
     stage = build_stage(tmp_path, "tiny-v2", codec_pool_kind="paged")
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
@@ -138,6 +145,14 @@ def test_pool_kind_reaches_the_session(tmp_path, session_kwargs):
             "codec_state_budget_gib must be a finite number of GiB > 0, got inf",
         ),
         (dict(codec_state_budget_gib=1e-12), "codec_state_budget_gib 1e-12 is less than one byte"),
+        (
+            dict(codec_expected_stream_seconds=4.3),
+            "codec_expected_stream_seconds splits a state budget: set codec_state_budget_gib too",
+        ),
+        (
+            dict(codec_state_budget_gib=40, codec_expected_stream_seconds=0),
+            "codec_expected_stream_seconds must be a finite number of seconds > 0, got 0",
+        ),
         (
             dict(codec_state_budget_gib=40, codec_pool_kind="compact"),
             "codec_state_budget_gib needs the paged pool; codec_pool_kind is 'compact'",

@@ -228,6 +228,8 @@ class CodecStreamSession:
         state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages a ``"paged"`` pool may
             hold (picks the paged pool when ``pool_kind`` is None); ``state_capacity`` then caps live
             streams and the budget decides how many of them fit (``docs/memory.md``, "Paged rings").
+        expected_stream_frames: with ``state_budget_bytes``, split the budget by the groups' fill over a
+            stream of this many frames (:class:`~.state_pool.PagedDecoderStatePool`).
 
     Graphs are captured at construction when the decoder is on CUDA and both size
     lists are non-empty.
@@ -259,6 +261,7 @@ class CodecStreamSession:
         max_waiting_frames: int = 4096,
         page_fraction: float | None = None,
         state_budget_bytes: int | None = None,
+        expected_stream_frames: int | None = None,
     ):
         if isinstance(state_capacity, bool) or not isinstance(state_capacity, int) or state_capacity < 1:
             raise ValueError(f"state_capacity must be an integer >= 1, got {state_capacity!r}")
@@ -286,7 +289,14 @@ class CodecStreamSession:
 
         use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
         self.pool = make_state_pool(
-            decoder, pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction, state_budget_bytes
+            decoder,
+            pool_kind,
+            state_dtype,
+            ring_semantics,
+            attention_backend,
+            page_fraction,
+            state_budget_bytes,
+            expected_stream_frames,
         )
         scratch = self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
         self.pool.initialize(state_capacity, scratch)

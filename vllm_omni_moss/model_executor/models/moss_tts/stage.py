@@ -127,6 +127,16 @@ def _state_budget_bytes(hf: Any) -> int | None:
     return budget
 
 
+def _expected_stream_seconds(hf: Any) -> float | None:
+    """``codec_expected_stream_seconds`` of the hf_config (None when absent or null)."""
+    value = getattr(hf, "codec_expected_stream_seconds", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+        raise ValueError(f"codec_expected_stream_seconds must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 def _positive_frames(name: str, value: Any) -> list[int]:
     """``value`` (an int, a list of ints or a comma-separated string) as a list of frame counts >= 0."""
     if value is None:
@@ -331,7 +341,9 @@ class MossTTSCodecDecoder(nn.Module):
     (``attention.ATTENTION_BACKENDS``) and ``codec_ring_semantics``
     (``step_metadata.RING_SEMANTICS``; both default to the pool's), ``codec_pool_kind``
     (``state_pool.POOL_KINDS``; default compact for v2 codecs, legacy for v1) and
-    ``codec_state_budget_gib`` (GiB of ring pages; picks the paged pool) from the stage hf_config;
+    ``codec_state_budget_gib`` (GiB of ring pages; picks the paged pool) and
+    ``codec_expected_stream_seconds`` (split that budget by the groups' fill over a stream this long)
+    from the stage hf_config;
     stream capacity = ``scheduler_config.max_num_seqs``; the connector's chunk schedule
     (:func:`connector_chunk_frames`) gives the graph frame sizes and the longest step (its
     largest size, or 100); graph batch buckets are ``compilation_config.cudagraph_capture_sizes``
@@ -377,6 +389,9 @@ class MossTTSCodecDecoder(nn.Module):
         self.codec_ring_semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
         self.codec_pool_kind = _hf_choice(hf, "codec_pool_kind", POOL_KINDS)
         self.codec_state_budget_bytes = _state_budget_bytes(hf)
+        self.codec_expected_stream_seconds = _expected_stream_seconds(hf)
+        if self.codec_expected_stream_seconds is not None and self.codec_state_budget_bytes is None:
+            raise ValueError("codec_expected_stream_seconds splits a state budget: set codec_state_budget_gib too")
         if self.codec_state_budget_bytes is not None and self.codec_pool_kind not in (None, "paged"):
             raise ValueError(
                 f"codec_state_budget_gib needs the paged pool; codec_pool_kind is {self.codec_pool_kind!r}"
@@ -485,6 +500,11 @@ class MossTTSCodecDecoder(nn.Module):
         codec = load_checkpoint(directory, device=staging)
         return codec.to(device=device, dtype=self._dtype).eval()
 
+    def _expected_stream_frames(self) -> int | None:
+        # codec_expected_stream_seconds in code frames of this codec (12.5 frames/s for both MOSS codecs).
+        seconds = self.codec_expected_stream_seconds
+        return None if seconds is None else max(1, round(seconds * self._codec.config.frame_rate))
+
     def _ensure_session(self) -> CodecStreamSession:
         if self._session is None:
             graphs = bool(self.graph_batch_sizes and self.graph_frame_sizes)
@@ -506,6 +526,7 @@ class MossTTSCodecDecoder(nn.Module):
                 ring_semantics=self.codec_ring_semantics,
                 pool_kind=self.codec_pool_kind,
                 state_budget_bytes=self.codec_state_budget_bytes,
+                expected_stream_frames=self._expected_stream_frames(),
             )
         return self._session
 

@@ -908,11 +908,17 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             included) the pool may hold: each group gets the pages its share of the budget pays for
             (the same fraction of full rings for every group, at most 1; :meth:`page_fraction_for_budget`),
             fixed at :meth:`initialize`.
+        expected_stream_frames: with a budget, split it by the groups' fill instead: after one stream's
+            full rings, each group gets pages in proportion to what a live stream of this many frames
+            holds on average (:meth:`average_pages`; fast-filling groups get more of the budget). The
+            mean length of the live streams (length-weighted) is the natural value. ``page_fraction``
+            then reports the pages' bytes as a fraction of full rings for every slot.
 
     Raises:
         ValueError: another backend, a page size that does not divide a window, a fraction outside
             ``(0, 1]``, both ``page_fraction`` and ``state_budget_bytes``, a budget that is not an
-            integer >= 1, or a v1 codec. At :meth:`initialize`: a budget or fraction too small for one
+            integer >= 1, ``expected_stream_frames`` that is not an integer >= 1 or comes without a
+            budget, or a v1 codec. At :meth:`initialize`: a budget or fraction too small for one
             stream's full rings (the message names the minimum).
     """
 
@@ -928,6 +934,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         page_size: int | None = None,
         page_fraction: float | None = None,
         state_budget_bytes: int | None = None,
+        expected_stream_frames: int | None = None,
     ):
         super().__init__(decoder, dtype, ring_semantics, attention_backend or "triton")
         if self.attention_backend != "triton":
@@ -952,6 +959,16 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             raise ValueError(f"page_fraction must be in (0, 1], got {page_fraction!r}")
         self.page_fraction = float(page_fraction)
         self.state_budget_bytes = state_budget_bytes
+        if expected_stream_frames is not None:
+            if state_budget_bytes is None:
+                raise ValueError("expected_stream_frames splits a state budget: give state_budget_bytes too")
+            if (
+                isinstance(expected_stream_frames, bool)
+                or not isinstance(expected_stream_frames, int)
+                or expected_stream_frames < 1
+            ):
+                raise ValueError(f"expected_stream_frames must be an integer >= 1, got {expected_stream_frames!r}")
+        self.expected_stream_frames = expected_stream_frames
         self.page_tables: list[torch.Tensor] = []  # per group, (S, n_g) int64 on the device
         self._host_tables: list[list[list[int]]] = []  # per group, per slot: its physical pages in order
         self._free_pages: list[list[int]] = []  # per group, LIFO
@@ -992,10 +1009,42 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             return [math.floor(x + 1e-9) + 1 for x in share]
         return [math.ceil(x - 1e-9) + 1 for x in share]
 
+    def average_pages(self, frames: int) -> list[float]:
+        """Pages per group a stream holds on average over a life of ``frames`` frames (the mean over its
+        frame counts 1..frames of ``min(ceil(f x tokens_per_frame / page_size), pages per ring)``): what
+        a live stream of that length holds at a random moment."""
+        return [
+            sum(
+                min(-(-f * spec.tokens_per_frame // self.page_size), self._pages_per_ring(spec))
+                for f in range(1, frames + 1)
+            )
+            / frames
+            for spec in self.config.groups
+        ]
+
+    def _pages_by_fill(self, budget_bytes: int, state_capacity: int, frames: int) -> list[int]:
+        """Physical pages per group, the null page included, for a budget split by each group's fill over
+        a stream of ``frames`` frames: one stream's full rings and the null pages first, then the rest
+        in proportion to :meth:`average_pages` (rounded down), at most full rings for every slot."""
+        groups = self.config.groups
+        page_bytes = [self._page_bytes(spec) for spec in groups]
+        per_ring = [self._pages_per_ring(spec) for spec in groups]
+        self.page_fraction_for_budget(budget_bytes, state_capacity)  # the minimum check
+        average = self.average_pages(frames)
+        rest = budget_bytes - sum(b * (n + 1) for b, n in zip(page_bytes, per_ring))
+        streams = rest / sum(a * b for a, b in zip(average, page_bytes))
+        return [min(state_capacity * n, n + math.floor(streams * a + 1e-9)) + 1 for a, n in zip(average, per_ring)]
+
     def _allocate_rings(self) -> list[torch.Tensor]:
-        if self.state_budget_bytes is not None:
-            self.page_fraction = self.page_fraction_for_budget(self.state_budget_bytes, self.state_capacity)
-        counts = self._pages_at(self.page_fraction, self.state_capacity)
+        if self.expected_stream_frames is not None:
+            counts = self._pages_by_fill(self.state_budget_bytes, self.state_capacity, self.expected_stream_frames)
+            full = sum(self._pages_per_ring(spec) * self._page_bytes(spec) for spec in self.config.groups)
+            used = sum((c - 1) * self._page_bytes(spec) for c, spec in zip(counts, self.config.groups))
+            self.page_fraction = used / (self.state_capacity * full)  # of full rings, in bytes
+        else:
+            if self.state_budget_bytes is not None:
+                self.page_fraction = self.page_fraction_for_budget(self.state_budget_bytes, self.state_capacity)
+            counts = self._pages_at(self.page_fraction, self.state_capacity)
         rings, first = [], 0
         self.page_tables, self._host_tables, self._free_pages, self._group_layers = [], [], [], []
         for spec in self.config.groups:
@@ -1260,11 +1309,12 @@ def make_state_pool(
     attention_backend: str | None = None,
     page_fraction: float | None = None,
     state_budget_bytes: int | None = None,
+    expected_stream_frames: int | None = None,
 ) -> DecoderStatePool:
     """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says otherwise.
 
-    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`; ``page_fraction`` and
-    ``state_budget_bytes`` as in :class:`PagedDecoderStatePool` (``kind="paged"`` only; a budget without a
+    ``ring_semantics`` and ``attention_backend`` as in :class:`DecoderStatePool`; ``page_fraction``,
+    ``state_budget_bytes`` and ``expected_stream_frames`` as in :class:`PagedDecoderStatePool` (``kind="paged"`` only; a budget without a
     ``kind`` picks the paged pool).
 
     Raises:
@@ -1275,7 +1325,11 @@ def make_state_pool(
     if kind is None and state_budget_bytes is not None:
         kind = "paged"
     kind = kind or ("compact" if decoder.config.version == "v2" else "legacy")
-    for name, value in (("page_fraction", page_fraction), ("state_budget_bytes", state_budget_bytes)):
+    for name, value in (
+        ("page_fraction", page_fraction),
+        ("state_budget_bytes", state_budget_bytes),
+        ("expected_stream_frames", expected_stream_frames),
+    ):
         if value is not None and kind != "paged":
             raise ValueError(f"{name} applies to the paged pool, not to a {kind!r} pool")
     if kind == "compact":
@@ -1290,5 +1344,6 @@ def make_state_pool(
             attention_backend,
             page_fraction=page_fraction,
             state_budget_bytes=state_budget_bytes,
+            expected_stream_frames=expected_stream_frames,
         )
     raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
