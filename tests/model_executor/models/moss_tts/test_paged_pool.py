@@ -410,3 +410,18 @@ def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):
         PagedDecoderStatePool(ring_decoder, expected_stream_frames=4)
     with pytest.raises(ValueError, match="expected_stream_frames must be an integer >= 1, got 0"):
         PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=0)
+
+
+def test_a_stream_is_admitted_for_all_it_brings_not_just_one_piece(ring_decoder):
+    """A new stream whose first chunk needs more pages than are free waits (it used to be admitted for
+    its first piece, then preempted in the same call and again on every call after)."""
+    session = CodecStreamSession(ring_decoder, 3, pool_kind="paged", page_fraction=0.5, max_step_frames=1)
+    assert session.pool.free_page_counts() == [2, 3]
+    session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 3, seed=1)[:, 0])])
+    assert session.pool.free_page_counts() == [1, 1]
+    got = session.decode([ChunkRequest("b", random_codes(ring_decoder, 1, 12, seed=2)[:, 0])])
+    assert got["b"].queued and session.waiting_requests == ["b"]
+    for i in range(3):
+        got = session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=10 + i)[:, 0])])
+        assert got["a"].frames == 1
+    assert session.stats()["preemptions"] == 0

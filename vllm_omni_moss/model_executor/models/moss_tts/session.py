@@ -537,7 +537,7 @@ class CodecStreamSession:
             if frames == 0:
                 return None  # nothing to decode and no stream to end
             stream = _Stream(rid)
-            if self._waiting or not self._can_admit(0, min(frames, self.max_piece_frames)):
+            if self._waiting or not self._can_admit(0, frames):
                 error = self._waiting.refusal(frames, new_stream=True, capacity=self.state_capacity)
                 if error is not None:
                     return error
@@ -578,7 +578,9 @@ class CodecStreamSession:
     def _admit_waiting(self) -> None:
         while self._waiting:
             oldest = self._waiting.peek_oldest()
-            if not self._can_admit(oldest.frames_decoded, min(oldest.buffered_frames, self.max_piece_frames)):
+            # All it has buffered and brings in this batch: what the step that follows needs pages for.
+            pending = oldest.buffered_frames + self._incoming.get(oldest.request_id, 0)
+            if not self._can_admit(oldest.frames_decoded, pending):
                 return
             stream = self._waiting.pop_oldest()
             rid = stream.request_id

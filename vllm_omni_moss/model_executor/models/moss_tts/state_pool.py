@@ -1013,14 +1013,13 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         """Pages per group a stream holds on average over a life of ``frames`` frames (the mean over its
         frame counts 1..frames of ``min(ceil(f x tokens_per_frame / page_size), pages per ring)``): what
         a live stream of that length holds at a random moment."""
-        return [
-            sum(
-                min(-(-f * spec.tokens_per_frame // self.page_size), self._pages_per_ring(spec))
-                for f in range(1, frames + 1)
-            )
-            / frames
-            for spec in self.config.groups
-        ]
+        out = []
+        for spec in self.config.groups:
+            n = self._pages_per_ring(spec)
+            filling = min(frames, -(-spec.context // spec.tokens_per_frame))  # frames until the ring is full
+            held = sum(min(-(-f * spec.tokens_per_frame // self.page_size), n) for f in range(1, filling + 1))
+            out.append((held + (frames - filling) * n) / frames)
+        return out
 
     def _pages_by_fill(self, budget_bytes: int, state_capacity: int, frames: int) -> list[int]:
         """Physical pages per group, the null page included, for a budget split by each group's fill over
