@@ -114,27 +114,25 @@ def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
     return value
 
 
+def _hf_positive(hf: Any, name: str, unit: str) -> float | None:
+    """The hf_config field ``name`` as a finite number > 0 of ``unit`` (None when absent or null)."""
+    value = getattr(hf, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of {unit} > 0, got {value!r}")
+    return float(value)
+
+
 def _state_budget_bytes(hf: Any) -> int | None:
     """``codec_state_budget_gib`` of the hf_config in bytes (None when absent or null)."""
-    value = getattr(hf, "codec_state_budget_gib", None)
-    if value is None:
+    gib = _hf_positive(hf, "codec_state_budget_gib", "GiB")
+    if gib is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
-        raise ValueError(f"codec_state_budget_gib must be a finite number of GiB > 0, got {value!r}")
-    budget = int(float(value) * 2**30)
+    budget = int(gib * 2**30)
     if budget < 1:
-        raise ValueError(f"codec_state_budget_gib {value!r} is less than one byte")
+        raise ValueError(f"codec_state_budget_gib {hf.codec_state_budget_gib!r} is less than one byte")
     return budget
-
-
-def _expected_stream_seconds(hf: Any) -> float | None:
-    """``codec_expected_stream_seconds`` of the hf_config (None when absent or null)."""
-    value = getattr(hf, "codec_expected_stream_seconds", None)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
-        raise ValueError(f"codec_expected_stream_seconds must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def _positive_frames(name: str, value: Any) -> list[int]:
@@ -389,7 +387,7 @@ class MossTTSCodecDecoder(nn.Module):
         self.codec_ring_semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
         self.codec_pool_kind = _hf_choice(hf, "codec_pool_kind", POOL_KINDS)
         self.codec_state_budget_bytes = _state_budget_bytes(hf)
-        self.codec_expected_stream_seconds = _expected_stream_seconds(hf)
+        self.codec_expected_stream_seconds = _hf_positive(hf, "codec_expected_stream_seconds", "seconds")
         if self.codec_expected_stream_seconds is not None and self.codec_state_budget_bytes is None:
             raise ValueError("codec_expected_stream_seconds splits a state budget: set codec_state_budget_gib too")
         if self.codec_state_budget_bytes is not None and self.codec_pool_kind not in (None, "paged"):
