@@ -982,6 +982,14 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         """Bytes of one page of group ``spec`` over all its layers (keys and values)."""
         return 2 * spec.num_heads * self.page_size * spec.head_dim * self.dtype.itemsize * spec.num_layers
 
+    def _stream_bytes(self) -> int:
+        # One stream's full rings, as pages.
+        return sum(self._pages_per_ring(spec) * self._page_bytes(spec) for spec in self.config.groups)
+
+    def _null_bytes(self) -> int:
+        # The null page of every group.
+        return sum(self._page_bytes(spec) for spec in self.config.groups)
+
     def page_fraction_for_budget(self, budget_bytes: int, state_capacity: int) -> float:
         """The fraction of full rings for ``state_capacity`` slots that ``budget_bytes`` of ring pages
         pay for once the null pages are paid, at most 1.
@@ -990,9 +998,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             ValueError: the budget cannot hold one stream's full rings plus the null pages; the
                 message names that minimum in bytes.
         """
-        groups = self.config.groups
-        null = sum(self._page_bytes(spec) for spec in groups)
-        full = sum(self._pages_per_ring(spec) * self._page_bytes(spec) for spec in groups)  # one slot
+        null, full = self._null_bytes(), self._stream_bytes()
         if budget_bytes < full + null:
             raise ValueError(
                 f"a state budget of {budget_bytes} bytes holds no stream: one stream's full rings plus the "
@@ -1017,7 +1023,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         for spec in self.config.groups:
             n = self._pages_per_ring(spec)
             filling = min(frames, -(-spec.context // spec.tokens_per_frame))  # frames until the ring is full
-            held = sum(min(-(-f * spec.tokens_per_frame // self.page_size), n) for f in range(1, filling + 1))
+            held = sum(self._pages_needed(spec, f) for f in range(1, filling + 1))
             out.append((held + (frames - filling) * n) / frames)
         return out
 
@@ -1030,16 +1036,15 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         per_ring = [self._pages_per_ring(spec) for spec in groups]
         self.page_fraction_for_budget(budget_bytes, state_capacity)  # the minimum check
         average = self.average_pages(frames)
-        rest = budget_bytes - sum(b * (n + 1) for b, n in zip(page_bytes, per_ring))
+        rest = budget_bytes - self._stream_bytes() - self._null_bytes()
         streams = rest / sum(a * b for a, b in zip(average, page_bytes))
         return [min(state_capacity * n, n + math.floor(streams * a + 1e-9)) + 1 for a, n in zip(average, per_ring)]
 
     def _allocate_rings(self) -> list[torch.Tensor]:
         if self.expected_stream_frames is not None:
             counts = self._pages_by_fill(self.state_budget_bytes, self.state_capacity, self.expected_stream_frames)
-            full = sum(self._pages_per_ring(spec) * self._page_bytes(spec) for spec in self.config.groups)
             used = sum((c - 1) * self._page_bytes(spec) for c, spec in zip(counts, self.config.groups))
-            self.page_fraction = used / (self.state_capacity * full)  # of full rings, in bytes
+            self.page_fraction = used / (self.state_capacity * self._stream_bytes())  # of full rings, in bytes
         else:
             if self.state_budget_bytes is not None:
                 self.page_fraction = self.page_fraction_for_budget(self.state_budget_bytes, self.state_capacity)
@@ -1135,15 +1140,20 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             for g, spec in enumerate(self.config.groups)
         ]
 
+    def _pending_pages(self, pending: dict[int, int], decoded: dict[int, int] | None, op: str) -> list[int]:
+        # Pages each group must still allocate for the leased slots of `pending` (slot -> frames still to
+        # decode) to reach that context; `decoded` (slot -> frames so far) or else their device counters.
+        slots = self._leased_ids(pending, op)
+        done = self.frames_of(slots) if decoded is None else [int(decoded[s]) for s in slots]
+        return self._extra_pages({s: f + int(pending[s]) for s, f in zip(slots, done)})
+
     def pages_short(self, pending: dict[int, int], decoded: dict[int, int] | None = None) -> bool:
         """Whether some group lacks the free pages the slots of ``pending`` (slot -> frames still to
         decode) need for that context. Without ``decoded`` (slot -> frames decoded so far) it reads
         their frame counters (one small device-to-host copy)."""
         self._require_initialized()
-        slots = self._leased_ids(pending, "pages_short")
-        done = self.frames_of(slots) if decoded is None else [decoded[s] for s in slots]
-        targets = {s: f + pending[s] for s, f in zip(slots, done)}
-        return any(need > free for need, free in zip(self._extra_pages(targets), self.free_page_counts()))
+        needs = self._pending_pages(pending, decoded, "pages_short")
+        return any(need > free for need, free in zip(needs, self.free_page_counts()))
 
     def can_admit(
         self,
@@ -1158,11 +1168,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         self._require_initialized()
         if not self.free_slot_count:
             return False
-        reserved = [0] * len(self.config.groups)
-        if pending:
-            slots = self._leased_ids(pending, "can_admit")
-            done = self.frames_of(slots) if decoded is None else [int(decoded[s]) for s in slots]
-            reserved = self._extra_pages({s: f + int(pending[s]) for s, f in zip(slots, done)})
+        reserved = self._pending_pages(pending or {}, decoded, "can_admit")
         return all(
             self._pages_needed(spec, frames + chunk_frames) + held <= free
             for spec, held, free in zip(self.config.groups, reserved, self.free_page_counts())
@@ -1210,10 +1216,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         lengths = [int(n) for n in lengths]
         if not slot_ids:
             return
-        if frames is None:
-            frames = self.frames_decoded[torch.tensor(slot_ids, device=self.device)].tolist()
-        else:
-            frames = [int(f) for f in frames]
+        frames = self.frames_of(slot_ids) if frames is None else [int(f) for f in frames]
         self._reserve({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
 
     @torch.no_grad()
