@@ -307,10 +307,10 @@ class CodecStreamSession:
         # rows from torch's caching host allocator (_to_host). With graphs both are prepared here for the
         # largest graph step, so no step pays for pinning memory; without graphs the input buffer grows to
         # the largest step taken (docs/memory.md).
-        self._pinned: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned_inputs: torch.Tensor | None = None
         if self.runner is not None:
             rows, frames = self.graph_batch_sizes[-1], self.graph_frame_sizes[-1]
-            self._host_buffer(torch.long, (self.n_vq * frames + 2) * rows)
+            self._input_buffer((self.n_vq * frames + 2) * rows)
             # Pin one burst's audio rows once and free them: the caching host allocator keeps the blocks.
             warm = [self._audio_row(frames) for _ in range(rows)]
             del warm
@@ -607,12 +607,16 @@ class CodecStreamSession:
             if ready:
                 for rid, wav in self._decode_streams(ready).items():
                     audio.setdefault(rid, []).append(wav)
-            for stream in ending:
-                del self._live[stream.request_id]
-            if ending:
-                self.pool.release([s.slot for s in ending])
+            self._end(ending)
             if not (ending and self._waiting):
                 return audio
+
+    def _end(self, streams: list[_Stream]) -> None:
+        """Remove finished live ``streams`` and release their slots."""
+        for stream in streams:
+            del self._live[stream.request_id]
+        if streams:
+            self.pool.release([s.slot for s in streams])
 
     def _fit_state(self, ready: list[_Stream]) -> list[_Stream]:
         """Preempt the youngest live streams until the pool holds the context every ready stream is about
@@ -623,9 +627,7 @@ class CodecStreamSession:
         ):
             done = [s for s in self._live.values() if s.finished and not s.chunks]
             if done:  # streams that only wait to end give their pages back before anyone is preempted
-                for stream in done:
-                    del self._live[stream.request_id]
-                self.pool.release([s.slot for s in done])
+                self._end(done)
                 continue
             victim = next(reversed(self._live.values()))  # the youngest: admitted last
             victim.saved = self.pool.save_slot(victim.slot)
@@ -699,15 +701,13 @@ class CodecStreamSession:
         self._counters.padded_frames += B * served - sum(own)
         return self._to_host(out, own)
 
-    def _host_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the session's pinned host buffer of ``dtype`` (grown when
-        too small). Its contents are the caller's until the step ends: every step synchronises its
-        device-to-host copy before returning, so the next step may overwrite it."""
-        buffer = self._pinned.get(dtype)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
-            self._pinned[dtype] = buffer
-        return buffer[:numel]
+    def _input_buffer(self, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the session's pinned int64 input buffer (grown when too small).
+        Its contents are the caller's until the step ends: every step's host-to-device copies are ordered
+        before the step's device-to-host copy, which the step awaits, so the next step may overwrite it."""
+        if self._pinned_inputs is None or self._pinned_inputs.numel() < numel:
+            self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=True)
+        return self._pinned_inputs[:numel]
 
     def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
         """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
@@ -720,7 +720,7 @@ class CodecStreamSession:
         stage_codes = pinned and all(p.device.type == "cpu" for p in pieces)
         codes_numel = self.n_vq * B * T if stage_codes else 0
         if pinned:
-            staged = self._host_buffer(torch.long, codes_numel + 2 * B)
+            staged = self._input_buffer(codes_numel + 2 * B)
         else:
             staged = torch.empty(2 * B, dtype=torch.long)
         meta = staged[codes_numel:].view(2, B)
