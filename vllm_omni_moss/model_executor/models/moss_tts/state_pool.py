@@ -1088,10 +1088,12 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
     def pages_in_use_bytes(self) -> int:
         """Bytes of the pages leased slots hold (the state a compact pool would need for their contexts)."""
         self._require_initialized()
-        total = 0
-        for g, spec in enumerate(self.config.groups):
-            total += sum(len(pages) for pages in self._host_tables[g]) * self._page_bytes(spec)
-        return total
+        return sum(self._held_pages(g) * self._page_bytes(spec) for g, spec in enumerate(self.config.groups))
+
+    def _held_pages(self, g: int) -> int:
+        # Pages of group g that slots hold: all but the null page and the free ones (only leased slots
+        # hold pages; release and reset return them).
+        return self.rings[self._group_layers[g][0]].shape[1] - 1 - len(self._free_pages[g])
 
     # ----------------------------------------------------------------- pages
     def _pages_needed(self, spec, frames: int) -> int:
@@ -1180,8 +1182,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         self._require_initialized()
         live = len(self._leased)
         for g, spec in enumerate(self.config.groups):
-            free = len(self._free_pages[g])
-            held = self.rings[self._group_layers[g][0]].shape[1] - 1 - free  # pages are held by leased slots only
+            free, held = len(self._free_pages[g]), self._held_pages(g)
             if free < live * self._pages_per_ring(spec) - held + self._pages_needed(spec, frames + chunk_frames):
                 return False
         return True
