@@ -16,6 +16,9 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``v2-paged`` - the paged pool (``pool_kind="paged"``, ``state_pool.PagedDecoderStatePool``): the V2 pool's
   Triton ops reading and writing rings through page tables. Every slot holds the pages of full rings, as a
   stream past its window does; on request only (not in the default ``--arms``).
+* ``v2-unfused`` - the V2 pool with the layer glue unfused (``CodecDecoder.fused_glue = False``: PyTorch's
+  LayerScale, residual add, LayerNorm and GELU kernels instead of ``ops/residual_norm.py`` and
+  ``ops/linear_gelu.py``); what the fused ops save. On request only.
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
@@ -49,6 +52,7 @@ CPU with a tiny preset runs the eager mode only (graph/compiled are skipped with
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from collections.abc import Callable
@@ -64,11 +68,16 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
 
-ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged")
+ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")
 #: Arms of the default ``--arms``.
-DEFAULT_ARMS = ARMS[:-1]
-#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics) of a V2 pool.
-TRITON_ARMS = {"v2-sdpa": ("sdpa", None), "v2-triton": ("triton", None), "v2-exact": ("triton", "exact")}
+DEFAULT_ARMS = ARMS[:-2]
+#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics, fused layer ops) of a V2 pool.
+TRITON_ARMS = {
+    "v2-sdpa": ("sdpa", None, True),
+    "v2-triton": ("triton", None, True),
+    "v2-exact": ("triton", "exact", True),
+    "v2-unfused": ("triton", None, False),
+}
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
 MODES = ("eager", "graph", "compiled")
 
@@ -127,7 +136,11 @@ class Arm:
 
 def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
     if kind in TRITON_ARMS:
-        backend, semantics = TRITON_ARMS[kind]
+        backend, semantics, fused = TRITON_ARMS[kind]
+        if not fused:
+            # A shallow copy shares the weights; only its flag differs (CodecDecoder.fused_glue).
+            decoder = copy.copy(decoder)
+            decoder.fused_glue = False
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
         return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)

@@ -287,6 +287,26 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
     assert triton_error <= 1.001 * sdpa_error, f"triton {triton_error:.4e} > sdpa {sdpa_error:.4e}"
 
 
+@pytest.mark.cuda
+def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
+    """Issue 9's accuracy criterion for the fused layer ops (``ops/residual_norm.py``,
+    ``ops/linear_gelu.py``): real v2 geometry, 2 streams x 10 chunks ([1, 15]) through the triton backend;
+    the bf16 decoder's relative RMS error against the float32 reference (sdpa, unfused) is no larger with
+    the fused ops than with the unfused PyTorch ops."""
+    fp32 = random_real_decoder("cuda")
+    fp32.fused_glue = False
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16.fused_glue = True
+    unfused = copy.copy(bf16)
+    unfused.fused_glue = False
+    codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
+    reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
+    fused_error = _rel_rms(stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15]), reference)
+    unfused_error = _rel_rms(stream_pool(fresh_pool(unfused, None, "triton"), codes, [1, 15]), reference)
+    print(f"bf16 relative RMS vs fp32: fused {fused_error:.4e}, unfused {unfused_error:.4e}")
+    assert fused_error <= 1.01 * unfused_error, f"fused {fused_error:.4e} > unfused {unfused_error:.4e}"
+
+
 @pytest.fixture
 def cuda_tiny_decoder(tmp_path):
     """tiny-v2 in bf16 on CUDA: its last group gets 32 tokens per frame into a 40-token ring, so every

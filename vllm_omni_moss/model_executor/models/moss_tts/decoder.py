@@ -9,7 +9,8 @@ Read top-down:
 2. :func:`run_decoder` - for each resolution group: input projection, pre-norm layers
    (LayerNorm, QKV, GPT-J RoPE, causal sliding-window attention, LayerScale, exact-GELU
    FFN, no biases; each residual add fused with the LayerNorm after it,
-   ``ops/residual_norm.py``), output projection, pure-reshape upsampling.
+   ``ops/residual_norm.py``, and the GELU with the FFN's first GEMM, ``ops/linear_gelu.py``),
+   output projection, pure-reshape upsampling.
 3. :func:`to_audio` - channel de-interleave (v2 stereo) and float32.
 
 Modules hold weights only. Attention and state are reached through a
@@ -31,6 +32,7 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
+from .ops.linear_gelu import linear_gelu
 from .ops.residual_norm import (
     add_scaled,
     layer_norm_float32,
@@ -86,6 +88,11 @@ class CodecDecoder(nn.Module):
         lut: ``(num_quantizers, codebook_size, latent_dim)``: per-codebook decode table.
         lut_bias: ``(latent_dim,)``: bias of the quantizer's output projection.
     """
+
+    #: Whether CUDA steps run the fused layer ops (``ops/residual_norm.py``, ``ops/linear_gelu.py``);
+    #: ``False`` runs their references (the unfused PyTorch ops), as CPU always does. Read when a step
+    #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
+    fused_glue: bool = True
 
     def __init__(self, config: CodecConfig):
         super().__init__()
@@ -211,28 +218,44 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 FFN_ROW_CHUNK = 16384
 
 
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)``, the exact GELU in place, in slices of at most
+def _ffn_head(layer: DecoderLayer, h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``GELU(linear1(h))``: with ``fused``, one kernel for 16-bit activations (``ops/linear_gelu.py``);
+    the unfused PyTorch ops (the kernel's reference) otherwise."""
+    weight = layer.linear1.weight
+    if fused and h.dtype in (torch.bfloat16, torch.float16) and weight.dtype == h.dtype:
+        return linear_gelu(h, weight)
+    return torch.ops.aten.gelu_(layer.linear1(h))
+
+
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU, in slices of at most
     :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
-    GEMMs' own choice of kernel)."""
+    GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
+    weight has the activation's dtype."""
     B, T, d = h.shape
     rows = B * T
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
     if torch.compiler.is_compiling() or rows <= FFN_ROW_CHUNK:
-        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
+        return layer.linear2(_ffn_head(layer, h, fused))
     flat = h.reshape(rows, d)
+    weight = layer.linear2.weight
     out = None
     for start in range(0, rows, FFN_ROW_CHUNK):
-        piece = layer.linear2(torch.ops.aten.gelu_(layer.linear1(flat[start : start + FFN_ROW_CHUNK])))
+        head = _ffn_head(layer, flat[start : start + FFN_ROW_CHUNK], fused)
         if out is None:
-            out = piece.new_empty(rows, piece.shape[-1])
-        out[start : start + piece.shape[0]] = piece
+            # linear2 computes in the activation's dtype under autocast; the output has it either way.
+            out = head.new_empty(rows, weight.shape[0])
+        if weight.dtype == head.dtype:
+            torch.mm(head, weight.t(), out=out[start : start + head.shape[0]])
+        else:
+            out[start : start + head.shape[0]] = layer.linear2(head)
+        del head
     return out.view(B, T, -1)
 
 
 def _run_layers(
-    weights: DecoderGroup, inputs: list[torch.Tensor], group: GroupStep, attention: AttentionBackend
+    weights: DecoderGroup, inputs: list[torch.Tensor], group: GroupStep, attention: AttentionBackend, fused: bool
 ) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
@@ -241,7 +264,7 @@ def _run_layers(
     then holds one residual stream, not two). Each sublayer ends with ``x + layer_scale * update``
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
-    ``h`` to the next projection.
+    ``h`` to the next projection. ``fused``: use the fused layer ops (CUDA); otherwise their references.
     """
     x = inputs.pop()
     B, T, d = x.shape
@@ -249,8 +272,7 @@ def _run_layers(
     layers = weights.layers
     if not layers:
         return x
-    # CPU decodes with the reference (the unfused PyTorch ops, also under the Triton interpreter).
-    residual_norm = residual_layer_norm if x.is_cuda else residual_layer_norm_reference
+    residual_norm = residual_layer_norm if fused else residual_layer_norm_reference
     norm = layers[0].norm1
     h = layer_norm_float32(x, norm.weight, norm.bias, norm.eps)
     for i, layer in enumerate(layers):
@@ -266,7 +288,7 @@ def _run_layers(
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h)
+        update = _feed_forward(layer, h, fused)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
@@ -298,12 +320,14 @@ def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> t
     Python branching on tensor values.
     """
     x = embed_codes(decoder, codes)
+    # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
+    fused = decoder.fused_glue and x.is_cuda
     for group, weights in zip(plan.groups, decoder.groups):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
         inputs = [x]
         del x  # _run_layers takes the only reference (see its docstring)
-        x = _run_layers(weights, inputs, group, plan.attention)
+        x = _run_layers(weights, inputs, group, plan.attention, fused)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)
