@@ -35,14 +35,22 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import FFN_ROW_CHUNK  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import linear_gelu as ops  # noqa: E402
 
-#: Launch configurations tried for steps of more than 64 rows (large tiles) and of at most 64 (16-row tiles).
-GRID = [
-    dict(block_m=bm, block_n=bn, block_k=64, group_m=8, num_warps=w, num_stages=st)
-    for bm, bn, w, st in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))
-] + [
-    dict(block_m=16, block_n=bn, block_k=bk, group_m=8, num_warps=4, num_stages=st)
-    for bn, bk, st in itertools.product((64, 128), (64, 128), (3, 4))
-]
+#: Launch configurations tried for steps of more than 64 rows (the persistent TMA kernel, large tiles) and
+#: of at most 64 (the pointer kernel, 16-row tiles).
+GRID = (
+    [
+        dict(kernel="tma", block_m=128, block_n=bn, block_k=64, group_m=8, num_warps=w, num_stages=st, flatten=fl)
+        for bn, w, st, fl in itertools.product((128, 256), (4, 8), (3, 4), (True, False))
+    ]
+    + [
+        dict(kernel="tma", block_m=64, block_n=bn, block_k=64, group_m=8, num_warps=4, num_stages=4, flatten=True)
+        for bn in (128, 256)
+    ]
+    + [
+        dict(kernel="pointer", block_m=16, block_n=bn, block_k=bk, group_m=8, num_warps=4, num_stages=st, flatten=False)
+        for bn, bk, st in itertools.product((64, 128), (64, 128), (3, 4))
+    ]
+)
 
 
 def _graph_ms(fn, launches: int = 10, replays: int = 5) -> float:

@@ -88,9 +88,47 @@ if HAS_TRITON:
         out = out_ptr + m.to(tl.int64)[:, None] * n_out + n[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
+    @triton.jit
+    def _linear_gelu_tma_kernel(
+        x_desc,
+        w_desc,
+        out_desc,
+        rows,
+        n_out,
+        k_in,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+        FLATTEN: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # Persistent: PROGRAMS programs (one per SM at most) walk the output tiles in the banded order of
+        # _linear_gelu_kernel. Tiles move through tensor-memory-accelerator descriptors (rows past the end
+        # load as zeros and are not stored); FLATTEN lets the compiler pipeline the next tile's loads
+        # under this tile's epilogue.
+        tiles_m = tl.cdiv(rows, BLOCK_M)
+        tiles_n = tl.cdiv(n_out, BLOCK_N)
+        k_steps = tl.cdiv(k_in, BLOCK_K)
+        band_tiles = GROUP_M * tiles_n
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
+            first_m = (tile // band_tiles) * GROUP_M
+            band_rows = min(tiles_m - first_m, GROUP_M)
+            row0 = (first_m + (tile % band_tiles) % band_rows) * BLOCK_M
+            col0 = ((tile % band_tiles) // band_rows) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in range(k_steps):
+                a = x_desc.load([row0, step * BLOCK_K])
+                b = w_desc.load([col0, step * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            y = acc.to(out_desc.dtype).to(tl.float32)
+            y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+            out_desc.store([row0, col0], y.to(out_desc.dtype))
+
 
 #: The keys of a launch configuration (:func:`linear_gelu_launch_config`), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+LAUNCH_KEYS = ("kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten")
 
 
 def linear_gelu_launch_config(rows: int, n_out: int, k_in: int) -> dict:
@@ -102,8 +140,10 @@ def linear_gelu_launch_config(rows: int, n_out: int, k_in: int) -> dict:
     (``benchmarks/tts/bench_linear_gelu.py``; ``benchmarks/RESULTS.md``, "Fused GELU sweep").
     """
     if rows <= 64:
-        return dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4)
-    return dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+        return dict(
+            kernel="pointer", block_m=16, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, flatten=False
+        )
+    return dict(kernel="tma", block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True)
 
 
 def _launch_config(rows: int, n_out: int, k_in: int, tuning: dict | None) -> dict:
@@ -128,9 +168,36 @@ def _launch_triton(x: torch.Tensor, weight: torch.Tensor, tuning: dict | None = 
     if out.numel() == 0:
         return out
     config = _launch_config(rows, n_out, k_in, tuning)
-    grid = (triton.cdiv(rows, config["block_m"]) * triton.cdiv(n_out, config["block_n"]),)
+    # IEEE products for float32 inputs, as PyTorch's default matmul (no TF32); Triton's default (which
+    # only concerns float32 operands) otherwise.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    tiles = triton.cdiv(rows, config["block_m"]) * triton.cdiv(n_out, config["block_n"])
     with _device_guard(x):
-        _linear_gelu_kernel[grid](
+        # Descriptors need 16-byte aligned row strides; other widths take the pointer kernel.
+        if config["kernel"] == "tma" and (k_in * x.element_size()) % 16 == 0 and (n_out * x.element_size()) % 16 == 0:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            programs = min(tiles, _processor_count(x.device))
+            block_m, block_n, block_k = config["block_m"], config["block_n"], config["block_k"]
+            _linear_gelu_tma_kernel[(programs,)](
+                TensorDescriptor.from_tensor(flat, [block_m, block_k]),
+                TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+                TensorDescriptor.from_tensor(out.view(rows, n_out), [block_m, block_n]),
+                rows,
+                n_out,
+                k_in,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                GROUP_M=config["group_m"],
+                PROGRAMS=programs,
+                FLATTEN=config["flatten"],
+                PRECISION=precision,
+                num_warps=config["num_warps"],
+                num_stages=config["num_stages"],
+            )
+            return out
+        _linear_gelu_kernel[(tiles,)](
             flat,
             weight,
             out,
@@ -142,13 +209,24 @@ def _launch_triton(x: torch.Tensor, weight: torch.Tensor, tuning: dict | None = 
             BLOCK_K=config["block_k"],
             GROUP_M=config["group_m"],
             EVEN_K=k_in % config["block_k"] == 0,
-            # IEEE products for float32 inputs, as PyTorch's default matmul (no TF32); Triton's default
-            # (which only concerns float32 operands) otherwise.
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRECISION=precision,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
     return out
+
+
+_PROCESSOR_COUNTS: dict[int, int] = {}
+
+
+def _processor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (programs of the persistent kernel); 4 on CPU."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROCESSOR_COUNTS:
+        _PROCESSOR_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROCESSOR_COUNTS[index]
 
 
 @torch.library.custom_op("vllm_omni_moss::linear_gelu", mutates_args=())
