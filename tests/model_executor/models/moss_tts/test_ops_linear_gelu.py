@@ -126,6 +126,9 @@ def test_triton_interpreter_subprocess():
         (5, 64, 64, dict(block_m=16, block_n=32, block_k=32, group_m=8, num_warps=4, num_stages=1)),
         # The default launch configuration of a small step.
         (33, 128, 64, None),
+        # The persistent TMA kernel: ragged rows and columns, more tiles than programs, flattened or not.
+        (70, 72, 40, dict(kernel="tma", block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)),
+        (45, 96, 48, dict(kernel="tma", block_m=16, block_n=32, block_k=16, group_m=8, flatten=True)),
     ],
 )
 def test_kernel_interpreted_float32(rows, n_out, k_in, tuning):
