@@ -289,10 +289,9 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
 
 @pytest.mark.cuda
 def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
-    """Issue 9's accuracy criterion for the fused layer ops (``ops/residual_norm.py``,
-    ``ops/linear_gelu.py``): real v2 geometry, 2 streams x 10 chunks ([1, 15]) through the triton backend;
-    the bf16 decoder's relative RMS error against the float32 reference (sdpa, unfused) is no larger with
-    the fused ops than with the unfused PyTorch ops."""
+    """Issue 9's accuracy criterion for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
+    2 streams x 10 chunks ([1, 15]) through the triton backend; the bf16 decoder's relative RMS error
+    against the float32 reference (sdpa, unfused) is no larger with the fused ops than without."""
     fp32 = random_real_decoder("cuda")
     fp32.fused_glue = False
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
@@ -305,6 +304,24 @@ def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
     unfused_error = _rel_rms(stream_pool(fresh_pool(unfused, None, "triton"), codes, [1, 15]), reference)
     print(f"bf16 relative RMS vs fp32: fused {fused_error:.4e}, unfused {unfused_error:.4e}")
     assert fused_error <= 1.01 * unfused_error, f"fused {fused_error:.4e} > unfused {unfused_error:.4e}"
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_ffn_row_slices_write_in_place(monkeypatch):
+    """Under bf16 autocast each FFN slice's second GEMM writes its rows of the output in place
+    (``torch.mm(out=)``): with every group's FFN in 7-row pieces the bf16 audio is as close to the float32
+    reference as with one pass."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    fp32 = random_real_decoder("cuda")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    codes = random_codes(bf16, 2, 16, seed=5, n_vq=12).cuda()
+    reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
+    whole = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
+    monkeypatch.setattr(decoder_mod, "FFN_ROW_CHUNK", 7)
+    sliced = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
+    # A slice written to the wrong rows, or not at all, would move the audio by its own size.
+    assert _rel_rms(sliced, reference) <= 1.1 * _rel_rms(whole, reference)
 
 
 @pytest.fixture

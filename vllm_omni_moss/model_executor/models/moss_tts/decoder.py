@@ -9,8 +9,7 @@ Read top-down:
 2. :func:`run_decoder` - for each resolution group: input projection, pre-norm layers
    (LayerNorm, QKV, GPT-J RoPE, causal sliding-window attention, LayerScale, exact-GELU
    FFN, no biases; each residual add fused with the LayerNorm after it,
-   ``ops/residual_norm.py``, and the GELU with the FFN's first GEMM, ``ops/linear_gelu.py``),
-   output projection, pure-reshape upsampling.
+   ``ops/residual_norm.py``), output projection, pure-reshape upsampling.
 3. :func:`to_audio` - channel de-interleave (v2 stereo) and float32.
 
 Modules hold weights only. Attention and state are reached through a
@@ -32,7 +31,6 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .ops.linear_gelu import linear_gelu
 from .ops.residual_norm import (
     add_scaled,
     layer_norm_float32,
@@ -89,8 +87,8 @@ class CodecDecoder(nn.Module):
         lut_bias: ``(latent_dim,)``: bias of the quantizer's output projection.
     """
 
-    #: Whether CUDA steps run the fused layer ops (``ops/residual_norm.py``, ``ops/linear_gelu.py``);
-    #: ``False`` runs their references (the unfused PyTorch ops), as CPU always does. Read when a step
+    #: Whether CUDA steps run the fused layer ops (``ops/residual_norm.py``); ``False`` runs their
+    #: references (the unfused PyTorch ops), as CPU always does. Read when a step
     #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
     fused_glue: bool = True
 
@@ -218,16 +216,7 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 FFN_ROW_CHUNK = 16384
 
 
-def _ffn_head(layer: DecoderLayer, h: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``GELU(linear1(h))``: with ``fused``, one kernel for 16-bit activations (``ops/linear_gelu.py``);
-    the unfused PyTorch ops (the kernel's reference) otherwise."""
-    weight = layer.linear1.weight
-    if fused and h.dtype in (torch.bfloat16, torch.float16) and weight.dtype == h.dtype:
-        return linear_gelu(h, weight)
-    return torch.ops.aten.gelu_(layer.linear1(h))
-
-
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool) -> torch.Tensor:
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU, in slices of at most
     :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
     GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
@@ -237,12 +226,12 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool) -> torch.Te
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
     if torch.compiler.is_compiling() or rows <= FFN_ROW_CHUNK:
-        return layer.linear2(_ffn_head(layer, h, fused))
+        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
     flat = h.reshape(rows, d)
     weight = layer.linear2.weight
     out = None
     for start in range(0, rows, FFN_ROW_CHUNK):
-        head = _ffn_head(layer, flat[start : start + FFN_ROW_CHUNK], fused)
+        head = torch.ops.aten.gelu_(layer.linear1(flat[start : start + FFN_ROW_CHUNK]))
         if out is None:
             # linear2 computes in the activation's dtype under autocast; the output has it either way.
             out = head.new_empty(rows, weight.shape[0])
@@ -288,7 +277,7 @@ def _run_layers(
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h, fused)
+        update = _feed_forward(layer, h)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1

@@ -9,6 +9,4 @@
   both can rotate queries and keys by RoPE as they load them.
 * :mod:`.residual_norm` - ``residual_layer_norm``: LayerScale, residual add and the next LayerNorm
   of a decoder layer in one pass (CUDA; CPU decodes with its reference).
-* :mod:`.linear_gelu` - ``linear_gelu``: the FFN's first GEMM with the exact GELU applied to each output
-  tile before it is stored (16-bit CUDA activations; elsewhere the decoder runs its reference).
 """
