@@ -261,24 +261,25 @@ if HAS_TRITON:
         cell,
         ok,
         page_table_ptr,
-        page_size,
         page_table_stride_s,
         page_table_stride_p,
         cache_stride_s,
         cache_stride_h,
         cache_stride_c,
         PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
     ):
         # Pointers to ring cells `cell` (a vector) of one (slot, head). Unpaged, the slot indexes the
         # cache's second axis; paged, that axis holds pages and cell c of the slot lives at row
-        # c mod page_size of page page_table[slot, c // page_size]. Masked-off cells read no page id.
+        # c mod PAGE_SIZE of page page_table[slot, c // PAGE_SIZE]. Masked-off cells read no page id.
+        # PAGE_SIZE is a compile-time constant, so both become multiplies and shifts.
         if PAGED:
             page = tl.load(
-                page_table_ptr + slot * page_table_stride_s + (cell // page_size) * page_table_stride_p,
+                page_table_ptr + slot * page_table_stride_s + (cell // PAGE_SIZE) * page_table_stride_p,
                 mask=ok,
                 other=0,
             ).to(tl.int64)
-            return cache_ptr + page * cache_stride_s + head * cache_stride_h + (cell % page_size) * cache_stride_c
+            return cache_ptr + page * cache_stride_s + head * cache_stride_h + (cell % PAGE_SIZE) * cache_stride_c
         else:
             return cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell * cache_stride_c
 
@@ -326,12 +327,12 @@ if HAS_TRITON:
         offsets_stride,
         num_written_stride,
         page_table_ptr,
-        page_size,
         page_table_stride_s,
         page_table_stride_p,
         UPSTREAM: tl.constexpr,
         ROPE: tl.constexpr,
         PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -390,13 +391,13 @@ if HAS_TRITON:
                     cell,
                     key_ok,
                     page_table_ptr,
-                    page_size,
                     page_table_stride_s,
                     page_table_stride_p,
                     cache_stride_s,
                     cache_stride_h,
                     cache_stride_c,
                     PAGED,
+                    PAGE_SIZE,
                 )
                 address = cells[:, None] + d[None, :] * cache_stride_d
                 load_ok = key_ok[:, None] & d_ok[None, :]
@@ -447,11 +448,11 @@ if HAS_TRITON:
 
 
 def _paging_arguments(cache, page_table, fallback):
-    # Ring capacity, the kernels' page-table arguments (pointer, page size, strides) and the PAGED flag.
+    # Ring capacity, the kernels' page-table arguments (pointer, strides), the PAGED flag and PAGE_SIZE.
     if page_table is None:
-        return cache.shape[3], (fallback, 1, 0, 0), False
+        return cache.shape[3], (fallback, 0, 0), False, 1
     page_size = cache.shape[3]
-    return page_table.shape[1] * page_size, (page_table, page_size, *page_table.stride()), True
+    return page_table.shape[1] * page_size, (page_table, *page_table.stride()), True, page_size
 
 
 def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
@@ -537,7 +538,7 @@ def _launch_ring_attention_triton(
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    capacity, paging, paged = _paging_arguments(cache, page_table, slot_ids)
+    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
     out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -575,6 +576,7 @@ def _launch_ring_attention_triton(
             UPSTREAM=semantics == "upstream",
             ROPE=rope,
             PAGED=paged,
+            PAGE_SIZE=page_size,
             BLOCK_Q=block_q,
             BLOCK_K=config["block_k"],
             BLOCK_D=block_d,
@@ -734,11 +736,11 @@ if HAS_TRITON:
         offsets_stride,
         num_written_stride,
         page_table_ptr,
-        page_size,
         page_table_stride_s,
         page_table_stride_p,
         ROPE: tl.constexpr,
         PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -782,13 +784,13 @@ if HAS_TRITON:
                 cell,
                 i < kept,
                 page_table_ptr,
-                page_size,
                 page_table_stride_s,
                 page_table_stride_p,
                 cache_stride_s,
                 cache_stride_h,
                 cache_stride_c,
                 PAGED,
+                PAGE_SIZE,
             )
             dst = cells[:, None] + d[None, :] * cache_stride_d
             tl.store(dst, keys, mask=ok)
@@ -804,7 +806,7 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=N
     if not HAS_TRITON:
         raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = k.shape
-    capacity, paging, paged = _paging_arguments(cache, page_table, slot_ids)
+    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
     kept = min(num_tokens, capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
         return
@@ -834,6 +836,7 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=N
             *paging,
             ROPE=rope,
             PAGED=paged,
+            PAGE_SIZE=page_size,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
             enable_fp_fusion=False,
