@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU tests of bench_codec_step.py's ring-attention arms: ``v2-triton``, ``v2-exact`` and ``upstream-triton``
-(skipped with a reason off CUDA), the ratios against the faster upstream arm, and the stand-in
+(skipped with a reason off CUDA), the ``v2-unfused`` arm, the ratios against the faster upstream arm, and the stand-in
 ``vllm.triton_utils`` that lets upstream's ``streaming_attention.py`` load without vLLM."""
 
 from __future__ import annotations
@@ -98,3 +98,27 @@ print(count, len(layers))
 )
 def test_profile_kernel_categories(name, category):
     assert _bench().kernel_category(name) == category
+
+
+def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
+    import torch
+
+    from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+
+    bench = _bench()
+    decoder = bench.common.random_decoder("tiny-v2", "cpu", seed=3)
+    arm = bench._our_arm(decoder, "v2-unfused", 2)
+    reference = make_state_pool(decoder, "compact", attention_backend="triton")
+    reference.initialize(2, 2)
+    try:
+        unfused = arm.step.__self__.decoder
+        assert unfused is not decoder and unfused.fused_glue is False and decoder.fused_glue is True
+        assert unfused.lut is decoder.lut and unfused.groups is decoder.groups  # the same weights
+        gen = torch.Generator().manual_seed(5)
+        codes = torch.randint(0, decoder.config.codebook_size, (decoder.config.num_quantizers, 2, 3), generator=gen)
+        args = (codes, torch.tensor([3, 2]), torch.tensor([0, 1]), torch.tensor([True, True]))
+        # CPU steps run the references either way: the two arms decode bitwise alike.
+        assert torch.equal(arm.step(*args)[0], reference.decode_streaming_tensors(*args)[0])
+    finally:
+        arm.close()
+        reference.close()
