@@ -100,3 +100,53 @@ def test_ffn_in_row_slices_equals_one_pass(tiny_decoder, monkeypatch):
     monkeypatch.setattr(decoder_mod, "FFN_ROW_CHUNK", 7)  # every group's FFN runs in several slices
     sliced = tiny_decoder.decode(codes)
     assert (sliced - whole).abs().max().item() <= 1e-5 * whole.abs().max().item()
+
+
+def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, monkeypatch):
+    """The in-place write of each slice (``torch.mm(out=)``) has no autograd formula: with gradients on,
+    the sliced FFN computes each slice and copies it (and stays differentiable); under ``no_grad`` it
+    writes in place. Both equal the one-pass FFN."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    layer = tiny_decoder.groups[0].layers[0]
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 9, layer.linear1.in_features, generator=gen)
+    with torch.no_grad():
+        whole = decoder_mod._feed_forward(layer, h)
+    monkeypatch.setattr(decoder_mod, "FFN_ROW_CHUNK", 4)  # 18 rows: slices of 4, 4, 4, 4 and 2
+    with torch.no_grad():
+        in_place = decoder_mod._feed_forward(layer, h)
+    torch.testing.assert_close(in_place, whole, rtol=1e-6, atol=1e-6)
+    h_grad = h.clone().requires_grad_()
+    copied = decoder_mod._feed_forward(layer, h_grad)
+    torch.testing.assert_close(copied.detach(), whole, rtol=1e-6, atol=1e-6)
+    copied.sum().backward()
+    assert h_grad.grad is not None and h_grad.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypatch, fused):
+    """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op or its PyTorch reference (on CPU
+    ``run_decoder`` always asks for the reference; on CUDA ``CodecDecoder.fused_glue`` decides)."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    calls = {"fused": 0, "reference": 0}
+    real_fused, real_reference = decoder_mod.residual_layer_norm, decoder_mod.residual_layer_norm_reference
+
+    def spy(name, fn):
+        def wrapped(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(decoder_mod, "residual_layer_norm", spy("fused", real_fused))
+    monkeypatch.setattr(decoder_mod, "residual_layer_norm_reference", spy("reference", real_reference))
+    codes = random_codes(tiny_decoder, 1, 4, seed=2)
+    plan = decoder_mod.StepPlan(decoder_mod.group_steps(tiny_decoder.config, 4, None), decoder_mod.OfflineAttention())
+    x = tiny_decoder.groups[0].input_proj(decoder_mod.embed_codes(tiny_decoder, codes))
+    with torch.no_grad():
+        decoder_mod._run_layers(tiny_decoder.groups[0], [x], plan.groups[0], plan.attention, fused)
+    layers = tiny_decoder.config.groups[0].num_layers
+    expected = 2 * layers - 1  # each layer's two residual adds, the group's last one unfused
+    assert calls == ({"fused": expected, "reference": 0} if fused else {"fused": 0, "reference": expected})

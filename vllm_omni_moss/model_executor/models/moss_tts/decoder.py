@@ -220,7 +220,7 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU, in slices of at most
     :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
     GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
-    weight has the activation's dtype."""
+    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``)."""
     B, T, d = h.shape
     rows = B * T
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
@@ -235,7 +235,8 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         if out is None:
             # linear2 computes in the activation's dtype under autocast; the output has it either way.
             out = head.new_empty(rows, weight.shape[0])
-        if weight.dtype == head.dtype:
+        # out= has no autograd formula: with gradients on, the slice is computed, then copied.
+        if weight.dtype == head.dtype and not torch.is_grad_enabled():
             torch.mm(head, weight.t(), out=out[start : start + head.shape[0]])
         else:
             out[start : start + head.shape[0]] = layer.linear2(head)
