@@ -300,8 +300,11 @@ def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
     unfused.fused_glue = False
     codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
     reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
-    fused_error = _rel_rms(stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15]), reference)
-    unfused_error = _rel_rms(stream_pool(fresh_pool(unfused, None, "triton"), codes, [1, 15]), reference)
+    fused_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
+    unfused_audio = stream_pool(fresh_pool(unfused, None, "triton"), codes, [1, 15])
+    # The flag switches paths: the fused kernel rounds x + scale * update once, PyTorch twice.
+    assert not torch.equal(fused_audio, unfused_audio)
+    fused_error, unfused_error = _rel_rms(fused_audio, reference), _rel_rms(unfused_audio, reference)
     print(f"bf16 relative RMS vs fp32: fused {fused_error:.4e}, unfused {unfused_error:.4e}")
     assert fused_error <= 1.01 * unfused_error, f"fused {fused_error:.4e} > unfused {unfused_error:.4e}"
 

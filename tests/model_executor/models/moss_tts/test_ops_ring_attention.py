@@ -696,7 +696,21 @@ _CUDA_MARKS = (
 def test_paged_rings_equal_unpaged_rings(path, semantics, num_tokens, device):
     """A paged cache (pages scattered over the pool, unused pages NaN) gives bitwise the outputs and
     ring contents of the unpaged cache it maps, for both ops, rows wrapping and rows longer than C;
-    on CUDA the Triton kernels read and write through the page table."""
+    on CUDA the Triton kernels read and write through the page table (on CPU the kernel path runs the
+    reference here, and the interpreted kernels in the test below)."""
+    _check_paged_equals_unpaged(path, semantics, num_tokens, device)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_tokens", [7, 25])
+@pytest.mark.parametrize("semantics", ["upstream", "exact"])
+def test_paged_kernels_interpreted_equal_unpaged_rings(semantics, num_tokens):
+    """The same check through the interpreted Triton kernels (float32): pages of 5 cells, a page size
+    that is not a power of two, as the kernels' compile-time ``PAGE_SIZE``."""
+    _check_paged_equals_unpaged("kernel", semantics, num_tokens, "cpu")
+
+
+def _check_paged_equals_unpaged(path, semantics, num_tokens, device):
     attend = ring_ops.ring_attention if path == "kernel" else ring_ops.ring_attention_reference
     write = ring_ops.ring_write if path == "kernel" else ring_ops.ring_write_reference
     gen = torch.Generator().manual_seed(11)
