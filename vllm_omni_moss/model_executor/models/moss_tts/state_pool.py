@@ -1106,19 +1106,13 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         Raises:
             PagesExhausted: a group lacks free pages; nothing is allocated then.
         """
-        plan = []
-        for g, spec in enumerate(self.config.groups):
-            extra = {
-                slot: self._pages_needed(spec, frames) - len(self._host_tables[g][slot])
-                for slot, frames in targets.items()
-            }
-            extra = {slot: n for slot, n in extra.items() if n > 0}
+        plan = self._extra_by_slot(targets)
+        for g, extra in enumerate(plan):
             if sum(extra.values()) > len(self._free_pages[g]):
                 raise PagesExhausted(
                     f"group {g} needs {sum(extra.values())} more pages of {self.page_size} tokens for slots "
                     f"{sorted(extra)}; {len(self._free_pages[g])} are free"
                 )
-            plan.append(extra)
         for g, extra in enumerate(plan):
             rows, cols, pages = [], [], []
             free = self._free_pages[g]
@@ -1135,12 +1129,18 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
                 entries = torch.tensor([rows, cols, pages], dtype=torch.long).to(self.device)
                 self.page_tables[g].index_put_((entries[0], entries[1]), entries[2])
 
+    def _extra_by_slot(self, targets: dict[int, int]) -> list[dict[int, int]]:
+        # Per group, slot -> pages it must still allocate to reach its context in `targets` (slot ->
+        # frames after); only the slots that need some.
+        plan = []
+        for g, spec in enumerate(self.config.groups):
+            extra = {s: self._pages_needed(spec, f) - len(self._host_tables[g][s]) for s, f in targets.items()}
+            plan.append({s: n for s, n in extra.items() if n > 0})
+        return plan
+
     def _extra_pages(self, targets: dict[int, int]) -> list[int]:
         # Pages each group must still allocate for the slots of `targets` (slot -> frames after).
-        return [
-            sum(max(0, self._pages_needed(spec, f) - len(self._host_tables[g][s])) for s, f in targets.items())
-            for g, spec in enumerate(self.config.groups)
-        ]
+        return [sum(extra.values()) for extra in self._extra_by_slot(targets)]
 
     def _pending_pages(self, pending: dict[int, int], decoded: dict[int, int] | None, op: str) -> list[int]:
         # Pages each group must still allocate for the leased slots of `pending` (slot -> frames still to
