@@ -210,15 +210,12 @@ if HAS_TRITON:
         l_i,
         acc,
         scale_log2,
-        MASKED: tl.constexpr,
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
     ):
-        # One block of keys folded into the running (max, sum, output) of each query, base 2. Unmasked
-        # blocks (every query of the program sees every key) skip the mask: the same values, less work.
+        # One block of keys folded into the running (max, sum, output) of each query, base 2.
         scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION) * scale_log2
-        if MASKED:
-            scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A query with no visible key so far keeps m = -inf; rebasing on 0 keeps exp2 finite (it gives 0).
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -336,7 +333,6 @@ if HAS_TRITON:
         ROPE: tl.constexpr,
         PAGED: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -381,95 +377,63 @@ if HAS_TRITON:
                 lowest = tl.maximum(lowest, offset + written - capacity)
             lowest = tl.maximum(lowest, 0)
 
-            # Old positions [lowest, offset) from the ring: position p lives in cell p mod C. Key j (position
-            # lowest + j) is seen by every valid query of the program when j >= num_old + t_last - C + 1;
-            # the loop runs over the same key blocks [0, BLOCK_K), [BLOCK_K, 2 BLOCK_K), ... either way
-            # and skips the mask in the full blocks from there (SPLIT), so the result does not change.
+            # Old positions [lowest, offset) from the ring: position p lives in cell p mod C.
             num_old = (offset - lowest).to(tl.int32)  # <= C - 1; negative when there is none
             first_cell = (lowest % capacity).to(tl.int32)
-            t_last = tl.minimum(first + BLOCK_Q, written) - 1
-            ring_split = num_old
-            ring_full_end = num_old
-            if SPLIT:
-                seen_by_all = tl.maximum(num_old + t_last - capacity + 1, 0).to(tl.int32)
-                ring_split = tl.minimum(tl.cdiv(seen_by_all, BLOCK_K) * BLOCK_K, num_old)
-                ring_full_end = ring_split + (num_old - ring_split) // BLOCK_K * BLOCK_K
-            for segment in tl.static_range(3):
-                if segment == 0:
-                    lo, hi = 0, ring_split
-                elif segment == 1:
-                    lo, hi = ring_split, ring_full_end
-                else:
-                    lo, hi = ring_full_end, num_old
-                for start in range(lo, hi, BLOCK_K):
-                    j = start + tl.arange(0, BLOCK_K)  # key position lowest + j
-                    key_ok = j < hi
-                    cell = (first_cell + j) % capacity
-                    cells = _cell_pointers(
-                        cache_ptr,
-                        slot,
-                        head,
-                        cell,
-                        key_ok,
-                        page_table_ptr,
-                        page_table_stride_s,
-                        page_table_stride_p,
-                        cache_stride_s,
-                        cache_stride_h,
-                        cache_stride_c,
-                        PAGED,
-                        PAGE_SIZE,
-                    )
-                    address = cells[:, None] + d[None, :] * cache_stride_d
-                    load_ok = key_ok[:, None] & d_ok[None, :]
-                    keys = tl.load(address, mask=load_ok, other=0.0)
-                    values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
-                    distance = num_old + t[:, None] - j[None, :]  # q - p, >= 1 here
-                    visible = key_ok[None, :] & (distance < capacity)
-                    m_i, l_i, acc = _online_softmax_block(
-                        q, keys, values, visible, m_i, l_i, acc, scale_log2, segment != 1, QK_PRECISION, PV_PRECISION
-                    )
+            for start in range(0, num_old, BLOCK_K):
+                j = start + tl.arange(0, BLOCK_K)  # key position lowest + j
+                key_ok = j < num_old
+                cell = (first_cell + j) % capacity
+                cells = _cell_pointers(
+                    cache_ptr,
+                    slot,
+                    head,
+                    cell,
+                    key_ok,
+                    page_table_ptr,
+                    page_table_stride_s,
+                    page_table_stride_p,
+                    cache_stride_s,
+                    cache_stride_h,
+                    cache_stride_c,
+                    PAGED,
+                    PAGE_SIZE,
+                )
+                address = cells[:, None] + d[None, :] * cache_stride_d
+                load_ok = key_ok[:, None] & d_ok[None, :]
+                keys = tl.load(address, mask=load_ok, other=0.0)
+                values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
+                distance = num_old + t[:, None] - j[None, :]  # q - p, >= 1 here
+                visible = key_ok[None, :] & (distance < capacity)
+                m_i, l_i, acc = _online_softmax_block(
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
+                )
 
             # New positions from the chunk: tokens [max(lowest - offset, 0), min(written, first + BLOCK_Q)).
-            # Token s is seen by every valid query of the program when t_last - C + 1 <= s <= first.
             chunk_lo = tl.maximum(lowest - offset, 0).to(tl.int32)
             chunk_hi = tl.minimum(written, first + BLOCK_Q)
-            chunk_split = chunk_hi
-            chunk_full_end = chunk_hi
-            if SPLIT:
-                seen_by_all = tl.maximum(t_last - capacity + 1, chunk_lo)
-                chunk_split = tl.minimum(chunk_lo + tl.cdiv(seen_by_all - chunk_lo, BLOCK_K) * BLOCK_K, chunk_hi)
-                full_hi = tl.minimum(first + 1, chunk_hi)
-                chunk_full_end = chunk_split + tl.maximum(full_hi - chunk_split, 0) // BLOCK_K * BLOCK_K
             k_row = k_ptr + row * k_stride_b + head * k_stride_h
             v_row = v_ptr + row * v_stride_b + head * v_stride_h
-            for segment in tl.static_range(3):
-                if segment == 0:
-                    lo, hi = chunk_lo, chunk_split
-                elif segment == 1:
-                    lo, hi = chunk_split, chunk_full_end
-                else:
-                    lo, hi = chunk_full_end, chunk_hi
-                for start in range(lo, hi, BLOCK_K):
-                    s = start + tl.arange(0, BLOCK_K)
-                    key_ok = s < hi
-                    load_ok = key_ok[:, None] & d_ok[None, :]
-                    keys = _load_rotated(
-                        k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d,
-                        cos_row + s[:, None] * rope_stride_t,
-                        sin_row + s[:, None] * rope_stride_t,
-                        load_ok,
-                        key_ok[:, None] & i_ok[None, :],
-                        BLOCK_K,
-                        BLOCK_D,
-                        ROPE,
-                    )
-                    values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
-                    distance = t[:, None] - s[None, :]
-                    visible = key_ok[None, :] & (distance >= 0) & (distance < capacity)
-                    m_i, l_i, acc = _online_softmax_block(
-                        q, keys, values, visible, m_i, l_i, acc, scale_log2, segment != 1, QK_PRECISION, PV_PRECISION
-                    )
+            for start in range(chunk_lo, chunk_hi, BLOCK_K):
+                s = start + tl.arange(0, BLOCK_K)
+                key_ok = s < chunk_hi
+                load_ok = key_ok[:, None] & d_ok[None, :]
+                keys = _load_rotated(
+                    k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d,
+                    cos_row + s[:, None] * rope_stride_t,
+                    sin_row + s[:, None] * rope_stride_t,
+                    load_ok,
+                    key_ok[:, None] & i_ok[None, :],
+                    BLOCK_K,
+                    BLOCK_D,
+                    ROPE,
+                )
+                values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
+                distance = t[:, None] - s[None, :]
+                visible = key_ok[None, :] & (distance >= 0) & (distance < capacity)
+                m_i, l_i, acc = _online_softmax_block(
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
+                )
 
         # l == 0: the query saw no key (zeros, as SDPA). A NaN l (a NaN or infinite key or value it saw)
         # is kept: the output is NaN, as SDPA's, not a silent zero.
@@ -529,19 +493,18 @@ def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype) -> dict:
     attention a step); the best block was 16 queries up to 16 tokens, 32 at 30, 32 and 60 tokens, and
     128 at 120 and 240 (64 and 128 within 1% at 480), hence the thresholds 16 and 64; three pipeline
     stages won at 30 tokens and above, two at 15 (T = 1 steps were swept with two only). Float32 rings
-    keep the configuration they were validated with. ``split_mask``: the key blocks every query of a
-    program sees skip the visibility mask (same blocks, same order, so the same output bit for bit).
+    keep the configuration they were validated with.
     """
     if ring_dtype == torch.float32:
         block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
-        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee", split_mask=True)
+        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
     block_q = 16 if num_tokens <= 16 else 32 if num_tokens < 64 else 128
     num_stages = 2 if num_tokens <= 16 else 3
-    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low", split_mask=True)
+    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
 
 
 #: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "split_mask")
+LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv")
 
 
 def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None) -> dict:
@@ -614,7 +577,6 @@ def _launch_ring_attention_triton(
             ROPE=rope,
             PAGED=paged,
             PAGE_SIZE=page_size,
-            SPLIT=config["split_mask"],
             BLOCK_Q=block_q,
             BLOCK_K=config["block_k"],
             BLOCK_D=block_d,
