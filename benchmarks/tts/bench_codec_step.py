@@ -17,8 +17,8 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
   Triton ops reading and writing rings through page tables. Every slot holds the pages of full rings, as a
   stream past its window does; on request only (not in the default ``--arms``).
 * ``v2-unfused`` - the V2 pool with the layer glue unfused (``CodecDecoder.fused_glue = False``: PyTorch's
-  LayerScale, residual add, LayerNorm and GELU kernels instead of ``ops/residual_norm.py`` and
-  ``ops/gelu.py``); what the fused ops save. On request only.
+  LayerScale, residual add and LayerNorm kernels instead of ``ops/residual_norm.py``); what the fused ops
+  save. On request only.
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
