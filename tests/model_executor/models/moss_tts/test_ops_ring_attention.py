@@ -714,12 +714,10 @@ def test_launch_configuration_follows_the_step_size_and_refuses_unknown_keys():
     pick = ring_ops.attention_launch_config
     for tokens, block_q, stages in [(1, 16, 2), (16, 16, 2), (17, 32, 3), (63, 32, 3), (64, 128, 3), (480, 128, 3)]:
         assert pick(tokens, torch.bfloat16) == dict(
-            block_q=block_q, block_k=64, num_warps=4, num_stages=stages, pv="low", mask="bounds", fma=True
+            block_q=block_q, block_k=64, num_warps=4, num_stages=stages, pv="low", mask="bounds"
         ), tokens
         assert pick(tokens, torch.float16)["pv"] == "low"
-    assert pick(15, torch.float32) == dict(
-        block_q=16, block_k=64, num_warps=4, num_stages=2, pv="ieee", mask="bounds", fma=True
-    )
+    assert pick(15, torch.float32) == dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv="ieee", mask="bounds")
     assert pick(480, torch.float32)["block_q"] == 64
     assert ring_ops._launch_config(30, torch.bfloat16, {"num_warps": 8})["num_warps"] == 8
     with pytest.raises(ValueError, match=r"unknown launch configuration keys \['blockq'\]"):

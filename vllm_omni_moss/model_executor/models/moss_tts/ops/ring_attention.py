@@ -210,28 +210,17 @@ if HAS_TRITON:
         l_i,
         acc,
         scale_log2,
-        FMA: tl.constexpr,
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
     ):
         # One block of keys folded into the running (max, sum, output) of each query, base 2.
-        if FMA:
-            # The scale meets each score inside one fused multiply-add with the running max (kept scaled:
-            # max(s) * scale = max(s * scale) for scale > 0), one float32 op per score less.
-            scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION)
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
-        else:
-            scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION) * scale_log2
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION) * scale_log2
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A query with no visible key so far keeps m = -inf; rebasing on 0 keeps exp2 finite (it gives 0).
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_base)
-        if FMA:
-            p = tl.exp2(tl.fma(scores, scale_log2, -m_base[:, None]))
-        else:
-            p = tl.exp2(scores - m_base[:, None])
+        p = tl.exp2(scores - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if PV_PRECISION == "low":
             # Probabilities rounded to the values' 16-bit dtype (as fused SDPA kernels do), accumulated in float32.
@@ -345,7 +334,6 @@ if HAS_TRITON:
         PAGED: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BOUNDS: tl.constexpr,
-        FMA: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -424,7 +412,7 @@ if HAS_TRITON:
                     distance = num_old + t[:, None] - j[None, :]  # q - p, >= 1 here
                     visible = key_ok[None, :] & (distance < capacity)
                 m_i, l_i, acc = _online_softmax_block(
-                    q, keys, values, visible, m_i, l_i, acc, scale_log2, FMA, QK_PRECISION, PV_PRECISION
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
                 )
 
             # New positions from the chunk: tokens [max(lowest - offset, 0), min(written, first + BLOCK_Q)).
@@ -455,7 +443,7 @@ if HAS_TRITON:
                     distance = t[:, None] - s[None, :]
                     visible = key_ok[None, :] & (distance >= 0) & (distance < capacity)
                 m_i, l_i, acc = _online_softmax_block(
-                    q, keys, values, visible, m_i, l_i, acc, scale_log2, FMA, QK_PRECISION, PV_PRECISION
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
                 )
 
         # l == 0: the query saw no key (zeros, as SDPA). A NaN l (a NaN or infinite key or value it saw)
@@ -520,16 +508,14 @@ def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype) -> dict:
     """
     if ring_dtype == torch.float32:
         block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
-        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee", mask="bounds", fma=True)
+        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee", mask="bounds")
     block_q = 16 if num_tokens <= 16 else 32 if num_tokens < 64 else 128
     num_stages = 2 if num_tokens <= 16 else 3
-    return dict(
-        block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low", mask="bounds", fma=True
-    )
+    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low", mask="bounds")
 
 
 #: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "mask", "fma")
+LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "mask")
 
 
 def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None) -> dict:
@@ -603,7 +589,6 @@ def _launch_ring_attention_triton(
             PAGED=paged,
             PAGE_SIZE=page_size,
             BOUNDS=config["mask"] == "bounds",
-            FMA=config["fma"],
             BLOCK_Q=block_q,
             BLOCK_K=config["block_k"],
             BLOCK_D=block_d,
