@@ -11,12 +11,9 @@ launch sweep")::
 
     python benchmarks/tts/bench_ring_attention.py --preset v2 --batch 64,128 --frames 15,1 --json sweep.json
 
-Grid (``--grid full``): ``block_q`` in {16, 32} below 64 tokens per row and {64, 128} from 64 tokens,
-``block_k`` in {64, 128}, ``num_warps`` in {4, 8}, ``num_stages`` in {2, 3}, ``pv`` in {"tf32", "low"}; for
-``T = 1`` only ``block_k = 64`` and two stages; all with the default ``mask``. ``--grid mask`` times only
-the default configuration with each ``mask`` computation::
-
-    python benchmarks/tts/bench_ring_attention.py --grid mask --json mask.json
+Grid: ``block_q`` in {16, 32} below 64 tokens per row and {64, 128} from 64 tokens, ``block_k`` in
+{64, 128}, ``num_warps`` in {4, 8}, ``num_stages`` in {2, 3}, ``pv`` in {"tf32", "low"}; for ``T = 1``
+only ``block_k = 64`` and two stages.
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
     return frames != 1 or (config["num_stages"] == 2 and config["block_k"] == 64)
 
 
-def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid: str = "full") -> dict:
-    """One group shape: the default configuration and every point of ``grid``, timed and compared."""
+def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int) -> dict:
+    """One group shape: the default configuration and every grid point, timed and compared."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     heads, capacity, head_dim = group.num_heads, group.context, group.head_dim
     num_tokens = frames * group.tokens_per_frame
@@ -108,11 +105,9 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid:
         "default": dict(default, ms=_graph_ms(lambda: run(None)), rel_rms=rel_rms(run(None))),
         "grid": [],
     }
-    if grid == "mask":
-        configs = [dict(default, mask=mask) for mask in ("distance", "bounds")]
-    else:
-        configs = [c for c in GRID if _in_grid(c, num_tokens, frames)]
-    for config in configs:
+    for config in GRID:
+        if not _in_grid(config, num_tokens, frames):
+            continue
         try:
             out = run(config)
             ms = _graph_ms(lambda config=config: run(config))
@@ -129,7 +124,6 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="64,128", help="comma-separated batch sizes (64,128)")
     p.add_argument("--frames", default="15,1", help="comma-separated frames per step (15,1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grid", default="full", choices=("full", "mask"), help="what to sweep (module docstring)")
     p.add_argument("--json", type=Path, help="write every record here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,7 +133,7 @@ def main(argv=None) -> int:
     records = []
     for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
         for index, group in enumerate(config.groups):
-            rec = sweep_shape(group, batch, frames, semantics, args.seed, args.grid)
+            rec = sweep_shape(group, batch, frames, semantics, args.seed)
             rec["group"] = index
             records.append(rec)
             timed = [g for g in rec["grid"] if "ms" in g]
@@ -147,7 +141,7 @@ def main(argv=None) -> int:
             print(
                 f"B{batch} T{frames} group {index} ({rec['tokens']} tokens, ring {rec['capacity']}): "
                 f"default {rec['default']['ms'] * 1e3:.1f} us, best {best['ms'] * 1e3:.1f} us "
-                f"{ {k: best[k] for k in ring_ops.LAUNCH_KEYS} }",
+                f"{ {k: best[k] for k in ('block_q', 'block_k', 'num_warps', 'num_stages', 'pv')} }",
                 flush=True,
             )
             if args.json:

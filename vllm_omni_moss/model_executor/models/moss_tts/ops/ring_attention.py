@@ -333,7 +333,6 @@ if HAS_TRITON:
         ROPE: tl.constexpr,
         PAGED: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
-        BOUNDS: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -405,12 +404,9 @@ if HAS_TRITON:
                 load_ok = key_ok[:, None] & d_ok[None, :]
                 keys = tl.load(address, mask=load_ok, other=0.0)
                 values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
-                if BOUNDS:
-                    # Query t sees key j when j >= num_old + t - C + 1; keys past the ring never.
-                    visible = tl.where(key_ok, j, -capacity)[None, :] >= ring_lo[:, None]
-                else:
-                    distance = num_old + t[:, None] - j[None, :]  # q - p, >= 1 here
-                    visible = key_ok[None, :] & (distance < capacity)
+                # Query t sees key j when j >= num_old + t - C + 1 (q - p < C); keys past the ring never.
+                # One compare per (query, key): cheaper than forming q - p (Run U of RESULTS.md).
+                visible = tl.where(key_ok, j, -capacity)[None, :] >= ring_lo[:, None]
                 m_i, l_i, acc = _online_softmax_block(
                     q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
                 )
@@ -435,13 +431,9 @@ if HAS_TRITON:
                     ROPE,
                 )
                 values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
-                if BOUNDS:
-                    # Query t sees token s when t - C < s <= t; tokens past the chunk never.
-                    s_key = tl.where(key_ok, s, 2 * capacity + num_tokens)[None, :]
-                    visible = (s_key <= t[:, None]) & (s_key > t[:, None] - capacity)
-                else:
-                    distance = t[:, None] - s[None, :]
-                    visible = key_ok[None, :] & (distance >= 0) & (distance < capacity)
+                # Query t sees token s when t - C < s <= t; tokens past the chunk never.
+                s_key = tl.where(key_ok, s, 2 * capacity + num_tokens)[None, :]
+                visible = (s_key <= t[:, None]) & (s_key > t[:, None] - capacity)
                 m_i, l_i, acc = _online_softmax_block(
                     q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
                 )
@@ -508,14 +500,14 @@ def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype) -> dict:
     """
     if ring_dtype == torch.float32:
         block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
-        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee", mask="bounds")
+        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
     block_q = 16 if num_tokens <= 16 else 32 if num_tokens < 64 else 128
     num_stages = 2 if num_tokens <= 16 else 3
-    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low", mask="bounds")
+    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
 
 
 #: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "mask")
+LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv")
 
 
 def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None) -> dict:
@@ -588,7 +580,6 @@ def _launch_ring_attention_triton(
             ROPE=rope,
             PAGED=paged,
             PAGE_SIZE=page_size,
-            BOUNDS=config["mask"] == "bounds",
             BLOCK_Q=block_q,
             BLOCK_K=config["block_k"],
             BLOCK_D=block_d,
