@@ -552,21 +552,25 @@ def _git_commit() -> str | None:
     return None
 
 
-def state_budget(args, name: str, decoder, concurrency: int) -> tuple[float | None, int | None]:
-    """(page_fraction, slots) of one of our arms at ``concurrency`` streams: ``--page-fraction`` and one slot
-    per stream without ``--state-budget-gib``; with it, the paged arm gets the pages the budget buys
-    (``page_fraction`` = budget / full rings of every slot, at most 1) and the unpaged arms as many slots as
-    it buys (the other streams wait in the session's queue). Raises SystemExit for a budget below one slot."""
+def state_budget(args, name: str, decoder, concurrency: int) -> tuple[float | None, int | None, dict | None]:
+    """(page_fraction, slots, paged_budget) of one of our arms at ``concurrency`` streams: ``--page-fraction``
+    and one slot per stream without ``--state-budget-gib``; with it, the unpaged arms as many slots as the
+    budget buys (the other streams wait in the session's queue) and the paged arm the budget itself, as the
+    session's ``state_budget_bytes`` (the pool pays its null pages from it and splits the rest uniformly, or by
+    the groups' fill with ``--expected-stream-seconds``). Raises SystemExit for a budget below one slot."""
     paged = name == "v2-paged"
     if args.state_budget_gib is None:
-        return (args.page_fraction if paged else None), None
+        return (args.page_fraction if paged else None), None, None
     slot_bytes = decoder.config.state_bytes_per_slot(torch.empty((), dtype=decoder.state_dtype).element_size())
     budget = args.state_budget_gib * 2**30
     if budget < slot_bytes:
         raise SystemExit(f"--state-budget-gib {args.state_budget_gib} is below one stream's rings ({slot_bytes} bytes)")
     if paged:
-        return min(1.0, budget / (concurrency * slot_bytes)), None
-    return None, min(concurrency, int(budget // slot_bytes))
+        frames = None
+        if args.expected_stream_seconds is not None:
+            frames = max(1, round(args.expected_stream_seconds * FRAME_RATE))
+        return None, None, {"state_budget_bytes": int(budget), "expected_stream_frames": frames}
+    return None, min(concurrency, int(budget // slot_bytes)), None
 
 
 def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: dict[str, Any]):
@@ -579,16 +583,8 @@ def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: d
         decoder = models["ours"]
 
         def make(c: int) -> OurArm:
-            fraction, slots = state_budget(args, name, decoder, c)
-            split = None
-            if name == "v2-paged" and args.state_budget_gib is not None and args.expected_stream_seconds is not None:
-                # The budget itself, split by the groups' fill, instead of one page fraction.
-                split = {
-                    "state_budget_bytes": int(args.state_budget_gib * 2**30),
-                    "expected_stream_frames": max(1, round(args.expected_stream_seconds * FRAME_RATE)),
-                }
-                fraction = None
-            return OurArm(decoder, c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction, slots, split)
+            fraction, slots, budget = state_budget(args, name, decoder, c)
+            return OurArm(decoder, c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction, slots, budget)
 
         return make
     if "upstream" not in models:

@@ -362,14 +362,29 @@ def test_stage_state_budget_buys_slots_or_pages():
     bench = _load("bench_codec_stage")
     decoder = bench.common.random_decoder("tiny-v2", "cpu")
     slot = decoder.config.state_bytes_per_slot(4)  # float32 rings on CPU
-    args = bench._parse(["--state-budget-gib", str(2.5 * slot / 2**30)])
-    assert bench.state_budget(args, "v2", decoder, 4) == (None, 2)
-    fraction, slots = bench.state_budget(args, "v2-paged", decoder, 4)
-    assert slots is None and fraction == pytest.approx(2.5 / 4)
-    assert bench.state_budget(args, "v2-paged", decoder, 2) == (1.0, None)
+    budget = 2.5 * slot
+    args = bench._parse(["--state-budget-gib", str(budget / 2**30)])
+    assert bench.state_budget(args, "v2", decoder, 4) == (None, 2, None)
+    fraction, slots, paged = bench.state_budget(args, "v2-paged", decoder, 4)
+    assert fraction is None and slots is None
+    assert paged == {"state_budget_bytes": int(budget), "expected_stream_frames": None}
+    # The paged arm's pool pays its null pages from the budget (what the bench computed itself before).
+    arm = bench.OurArm(decoder, 4, "v2-paged", False, [1, 15], 12, paged_budget=paged)
+    pool = arm.session.pool
+    null, full = pool._null_bytes(), pool._stream_bytes()
+    assert pool.page_fraction == pytest.approx((int(budget) - null) / (4 * full))
+    arm = bench.OurArm(
+        decoder, 2, "v2-paged", False, [1, 15], 12, paged_budget=bench.state_budget(args, "v2-paged", decoder, 2)[2]
+    )
+    assert arm.session.pool.page_fraction == 1.0  # the budget buys more than full rings: capped
+    split = bench._parse(["--state-budget-gib", str(budget / 2**30), "--expected-stream-seconds", "2"])
+    assert bench.state_budget(split, "v2-paged", decoder, 4)[2] == {
+        "state_budget_bytes": int(budget),
+        "expected_stream_frames": 25,
+    }
     unbudgeted = bench._parse(["--page-fraction", "0.5"])
-    assert bench.state_budget(unbudgeted, "v2-paged", decoder, 4) == (0.5, None)
-    assert bench.state_budget(unbudgeted, "v2", decoder, 4) == (None, None)
+    assert bench.state_budget(unbudgeted, "v2-paged", decoder, 4) == (0.5, None, None)
+    assert bench.state_budget(unbudgeted, "v2", decoder, 4) == (None, None, None)
     with pytest.raises(SystemExit, match="is below one stream's rings"):
         bench.state_budget(bench._parse(["--state-budget-gib", str(0.5 * slot / 2**30)]), "v2", decoder, 4)
 
