@@ -95,6 +95,7 @@ import upstream_stage  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
 
 FRAME_RATE = 12.5  # code frames per second (both MOSS codecs)
 ARMS = ("v2", "legacy", "upstream", "v2-paged")
@@ -557,7 +558,9 @@ def state_budget(args, name: str, decoder, concurrency: int) -> tuple[float | No
     and one slot per stream without ``--state-budget-gib``; with it, the unpaged arms as many slots as the
     budget buys (the other streams wait in the session's queue) and the paged arm the budget itself, as the
     session's ``state_budget_bytes`` (the pool pays its null pages from it and splits the rest uniformly, or by
-    the groups' fill with ``--expected-stream-seconds``). Raises SystemExit for a budget below one slot."""
+    the groups' fill with ``--expected-stream-seconds``). Raises SystemExit for a budget below one slot, and
+    for the paged arm below what its pool needs (one stream's rings plus the null pages; the pool's message
+    names the minimum). Runs of earlier arms are already in ``results.json`` then."""
     paged = name == "v2-paged"
     if args.state_budget_gib is None:
         return (args.page_fraction if paged else None), None, None
@@ -569,6 +572,12 @@ def state_budget(args, name: str, decoder, concurrency: int) -> tuple[float | No
         frames = None
         if args.expected_stream_seconds is not None:
             frames = max(1, round(args.expected_stream_seconds * FRAME_RATE))
+        # The pool's own check (nothing is allocated before initialize).
+        pool = make_state_pool(decoder, "paged", state_budget_bytes=int(budget))
+        try:
+            pool.page_fraction_for_budget(int(budget), concurrency)
+        except ValueError as exc:
+            raise SystemExit(f"--state-budget-gib {args.state_budget_gib} for {name}: {exc}") from None
         return None, None, {"state_budget_bytes": int(budget), "expected_stream_frames": frames}
     return None, min(concurrency, int(budget // slot_bytes)), None
 

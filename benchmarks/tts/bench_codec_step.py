@@ -340,7 +340,7 @@ KERNEL_CATEGORIES = (
     ("norm", ("layer_norm", "layernorm")),
     ("gather / scatter / index", ("index", "gather", "scatter")),
     ("copies / cat", ("copy", "cat_", "catarray", "concat")),
-    ("gelu", ("_gelu_kernel", "gelu")),
+    ("gelu", ("gelu",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduce", ("reduce",)),
 )

@@ -92,7 +92,6 @@ print(count, len(layers))
         ("void at::native::index_elementwise_kernel<128, 4>", "gather / scatter / index"),
         ("void at::native::elementwise_kernel<128, 2>(int, direct_copy_kernel_cuda)", "copies / cat"),
         ("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "gelu"),
-        ("_gelu_kernel", "gelu"),
         ("void at::native::vectorized_elementwise_kernel<4, AUnaryFunctor<MulFunctor>>", "elementwise"),
         ("void at::native::reduce_kernel<512, 1>", "reduce"),
         ("cudaMemsetAsync", "other"),

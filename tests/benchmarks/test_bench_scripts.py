@@ -387,6 +387,11 @@ def test_stage_state_budget_buys_slots_or_pages():
     assert bench.state_budget(unbudgeted, "v2", decoder, 4) == (None, None, None)
     with pytest.raises(SystemExit, match="is below one stream's rings"):
         bench.state_budget(bench._parse(["--state-budget-gib", str(0.5 * slot / 2**30)]), "v2", decoder, 4)
+    # One slot's rings buy a compact slot but not the paged pool, which also needs its null pages.
+    one_slot = bench._parse(["--state-budget-gib", str((slot + 8) / 2**30)])
+    assert bench.state_budget(one_slot, "v2", decoder, 4) == (None, 1, None)
+    with pytest.raises(SystemExit, match=r"for v2-paged: a state budget of \d+ bytes holds no stream: one stream's"):
+        bench.state_budget(one_slot, "v2-paged", decoder, 4)
 
 
 def test_stage_trace_and_slo_helpers():

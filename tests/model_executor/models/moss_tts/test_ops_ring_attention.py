@@ -377,10 +377,10 @@ def test_kernels_interpreted_on_wrapped_and_oversized_rows(semantics):
 
 
 def _mask_case(semantics, capacity, T, seed, dtype=torch.float32, device="cpu", heads=2, head_dim=16):
-    """Rows at every phase of a ring (empty, partial, full, wrapped, far past), with every kind of
+    """Rows at every phase of a ring (empty, partial, full, wrapped, past 2**31 tokens), with every kind of
     chunk length (0, 1, partial, T); returns the ops' arguments."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    offsets = [0, 3, capacity - 1, capacity, 4 * capacity + 3, 1234, 0, 7]
+    offsets = [0, 3, capacity - 1, capacity, 4 * capacity + 3, 3 * 2**31 + 5, 0, 7]  # one past int32
     written = [T, max(T - 1, 0), T, 1, T, min(T, 2), 0, T // 2]
     B = len(offsets)
     cache = torch.randn(2, B + 1, heads, capacity, head_dim, generator=gen, device=device).to(dtype)

@@ -431,7 +431,8 @@ if HAS_TRITON:
                     ROPE,
                 )
                 values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
-                # Query t sees token s when t - C < s <= t; tokens past the chunk never.
+                # Query t sees token s when t - C < s <= t; a stored query (t < T) never sees a token past
+                # the loop's end, which compares as 2C + T.
                 s_key = tl.where(key_ok, s, 2 * capacity + num_tokens)[None, :]
                 visible = (s_key <= t[:, None]) & (s_key > t[:, None] - capacity)
                 m_i, l_i, acc = _online_softmax_block(
