@@ -376,7 +376,7 @@ def test_kernels_interpreted_on_wrapped_and_oversized_rows(semantics):
         run_script(script, semantics)
 
 
-def _mask_case(semantics, capacity, T, seed, dtype=torch.float32, device="cpu", heads=2, head_dim=16):
+def _ring_phase_case(semantics, capacity, T, seed, dtype=torch.float32, device="cpu", heads=2, head_dim=16):
     """Rows at every phase of a ring (empty, partial, full, wrapped, past 2**31 tokens), with every kind of
     chunk length (0, 1, partial, T); returns the ops' arguments."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -399,7 +399,7 @@ def test_kernels_interpreted_at_every_ring_phase(semantics, capacity, T, block_q
     """Each query sees exactly the keys of its window: rows at every phase of the ring, chunks shorter
     and longer than the ring (both window edges inside the chunk), query and key blocks that split
     the window anywhere; against the reference."""
-    args = _mask_case(semantics, capacity, T, seed=capacity * T + block_q)
+    args = _ring_phase_case(semantics, capacity, T, seed=capacity * T + block_q)
     got = ring_ops._launch_ring_attention_triton(*args, tuning=dict(block_q=block_q, block_k=block_k))
     assert_outputs_close(got, ring_ops.ring_attention_reference(*args).float(), args[6])
 
