@@ -77,11 +77,22 @@ def reference_layer(cache, routed, offsets, written, q, k, v, semantics):
     return torch.where(valid, out, 0.0).transpose(1, 2)
 
 
-def kernel_layer(cache, slot_ids, offsets, written, q, k, v, semantics, rope=(None, None)):
-    """The ops on ``cache`` (mutated); ``rope``: the chunk's ``(cos, sin)`` when ``q``/``k`` are unrotated."""
-    out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, semantics, *rope)
-    ring_ops.ring_write(k, v, cache, slot_ids, offsets, written, *rope)
-    return out
+#: How kernel_layer runs a layer: ``ring_attention`` then ``ring_write``, ``ring_attention_write`` as
+#: dispatched, or its kernel with the write fused into the attention kernel / after it (launch option).
+LAYER_OPS = ("pair", "auto", "fused", "split")
+
+
+def kernel_layer(cache, slot_ids, offsets, written, q, k, v, semantics, rope=(None, None), op="pair"):
+    """The ops on ``cache`` (mutated); ``rope``: the chunk's ``(cos, sin)`` when ``q``/``k`` are unrotated;
+    ``op``: one of :data:`LAYER_OPS` (``"fused"`` and ``"split"`` launch the Triton kernel directly)."""
+    args = (q, k, v, cache, slot_ids, offsets, written, semantics, *rope)
+    if op == "pair":
+        out = ring_ops.ring_attention(*args)
+        ring_ops.ring_write(k, v, cache, slot_ids, offsets, written, *rope)
+        return out
+    if op == "auto":
+        return ring_ops.ring_attention_write(*args)
+    return ring_ops._launch_ring_attention_triton(*args, write=True, tuning={"fused_write": op == "fused"})
 
 
 def assert_outputs_close(got, ref, written, what=""):
@@ -107,6 +118,7 @@ def step_scripts(draw):
         "seed": draw(st.integers(0, 2**16)),
         "blocks": draw(st.sampled_from([(64, 64), (16, 16)])),
         "rope": draw(st.booleans()),
+        "op": draw(st.sampled_from(LAYER_OPS)),
         "steps": [],
     }
     for _ in range(draw(st.integers(1, 4))):
@@ -158,7 +170,9 @@ def run_script(script, semantics, heads=2, head_dim=16):
         else:
             ref = reference_layer(ref_cache, routed, row_offsets, written, q, k, v, semantics)
         with block_sizes(*script["blocks"]):
-            got = kernel_layer(ops_cache, kernel_ids, row_offsets, written, q, k, v, semantics, rope)
+            got = kernel_layer(
+                ops_cache, kernel_ids, row_offsets, written, q, k, v, semantics, rope, script.get("op", "pair")
+            )
         assert_outputs_close(got, ref, written, f"step {i}")
         assert torch.equal(ops_cache, ref_cache), f"step {i}: ring contents differ from the reference path"
         assert not ops_cache[:, null].any(), f"step {i}: the null slot was written"
@@ -189,6 +203,7 @@ def test_ops_reference_dispatch_matches_the_reference_path(semantics):
         ],
     }
     run_script(script, semantics)
+    run_script({**script, "op": "auto"}, semantics)  # ring_attention_write's references, in turn
 
 
 @cpu
@@ -253,6 +268,8 @@ def test_ops_reject_bad_inputs(name, bad, message):
     args[name] = bad
     with pytest.raises(ValueError, match=f"ring_attention: {message}"):
         ring_ops.ring_attention(**args, semantics="upstream")
+    with pytest.raises(ValueError, match=f"ring_attention_write: {message}"):
+        ring_ops.ring_attention_write(**args, semantics="upstream")
     if name != "q":
         del args["q"]
         with pytest.raises(ValueError, match=f"ring_write: {message}"):
@@ -282,6 +299,8 @@ def test_ops_reject_bad_rope_tables(cos, sin, message):
     ring_ops.ring_attention(**args, semantics="exact", cos=torch.zeros(3, 1, 4, 8), sin=torch.zeros(3, 1, 4, 8))
     with pytest.raises(ValueError, match=f"ring_attention: {message}"):
         ring_ops.ring_attention(**args, semantics="exact", cos=cos, sin=sin)
+    with pytest.raises(ValueError, match=f"ring_attention_write: {message}"):
+        ring_ops.ring_attention_write(**args, semantics="exact", cos=cos, sin=sin)
     del args["q"]
     with pytest.raises(ValueError, match=f"ring_write: {message}"):
         ring_ops.ring_write(**args, cos=cos, sin=sin)
@@ -301,6 +320,8 @@ def test_ops_handle_an_empty_chunk(rope):
     before = cache.clone()
     ring_ops.ring_write(q, q, cache, ids, offsets, written, *tables)
     assert torch.equal(cache, before)
+    out = ring_ops.ring_attention_write(q, q, q, cache, ids, offsets, written, "exact", *tables)
+    assert out.shape == (2, 0, 2, 16) and torch.equal(cache, before)
 
 
 @cpu
@@ -309,6 +330,8 @@ def test_ring_attention_rejects_unknown_semantics():
         ValueError, match=r"ring_attention: unknown ring semantics 'v2'; expected one of \('upstream', 'exact'\)"
     ):
         ring_ops.ring_attention(**_good_args(), semantics="v2")
+    with pytest.raises(ValueError, match=r"ring_attention_write: unknown ring semantics 'v2'"):
+        ring_ops.ring_attention_write(**_good_args(), semantics="v2")
     with pytest.raises(TypeError, match="ring_attention: `k` must be a torch.Tensor, got list"):
         ring_ops.ring_attention(**{**_good_args(), "k": [0.0]}, semantics="exact")
 
@@ -316,7 +339,9 @@ def test_ring_attention_rejects_unknown_semantics():
 def _compiled_layer(q, k, v, cache, slot_ids, offsets, written):
     out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, "upstream")
     ring_ops.ring_write(k, v, cache, slot_ids, offsets, written)
-    return out * 2
+    # The fused op on the ring just written: its fake impl, and the mutation seen by what follows.
+    again = ring_ops.ring_attention_write(q, k, v, cache, slot_ids, offsets + 1, written, "exact")
+    return out * 2 + again
 
 
 @cpu
@@ -360,13 +385,16 @@ def test_kernels_interpreted_match_the_reference_path(semantics, script):
 @pytest.mark.parametrize("semantics", SEMANTICS)
 def test_kernels_interpreted_on_wrapped_and_oversized_rows(semantics):
     # A fixed script with every hard case at once, both block configurations, RoPE outside and inside.
-    for blocks, rope in (((64, 64), False), ((16, 16), False), ((16, 16), True)):
+    cases = [((64, 64), False, "pair"), ((16, 16), False, "pair"), ((16, 16), True, "pair")]
+    cases += [((16, 16), True, "fused"), ((16, 16), False, "split"), ((64, 64), True, "auto")]
+    for blocks, rope, op in cases:
         script = {
             "capacity": 13,
             "offsets": [0, 29, 1234],
             "seed": 7,
             "blocks": blocks,
             "rope": rope,
+            "op": op,
             "steps": [
                 {"T": 40, "rows": [1, 2, 0], "written": [40, 27, 13], "padding": ["junk", "null"], "reset": []},
                 {"T": 17, "rows": [0, 2, 1], "written": [1, 17, 16], "padding": ["null"], "reset": [2]},
@@ -404,6 +432,24 @@ def test_kernels_interpreted_at_every_ring_phase(semantics, capacity, T, block_q
     assert_outputs_close(got, ring_ops.ring_attention_reference(*args).float(), args[6])
 
 
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("capacity,T", [(8, 1), (8, 20), (13, 40), (40, 37), (40, 100)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_write_interpreted_at_every_ring_phase(semantics, capacity, T, fused):
+    """ring_attention_write, its write fused into the attention kernel (one program walking 16-query
+    blocks, so rows of up to 7 blocks, the chunk longer than the ring) or after it: outputs as the
+    reference's, ring contents bitwise."""
+    args = list(_ring_phase_case(semantics, capacity, T, seed=capacity * T))
+    ref_cache = args[3].clone()
+    expected = ring_ops.ring_attention_write_reference(*args[:3], ref_cache, *args[4:])
+    tuning = dict(block_q=16, block_k=16, fused_write=fused)
+    got = ring_ops._launch_ring_attention_triton(*args, write=True, tuning=tuning)
+    assert_outputs_close(got, expected.float(), args[6])
+    assert torch.equal(args[3], ref_cache)
+
+
 def _visible_cells(offset: int, written: int, capacity: int, semantics: str) -> set[int]:
     """Ring cells holding a position some valid query of the row may see (independent of the kernel)."""
     visible = set()
@@ -419,10 +465,14 @@ def _visible_cells(offset: int, written: int, capacity: int, semantics: str) -> 
 @cpu
 @needs_interpreter
 @pytest.mark.parametrize("semantics", SEMANTICS)
-@pytest.mark.parametrize("blocks,fused_rope", [((64, 64), False), ((16, 16), False), ((16, 16), True)])
-def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks, fused_rope):
+@pytest.mark.parametrize(
+    "blocks,fused_rope,op",
+    [((64, 64), False, "pair"), ((16, 16), False, "pair"), ((16, 16), True, "pair"), ((16, 16), True, "fused")],
+)
+def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks, fused_rope, op):
     """Every ring cell no valid query may see, every unused slot, the null slot and every padding
-    token of q, k and v filled with NaN: the outputs and the written cells are bitwise unchanged."""
+    token of q, k and v filled with NaN: the outputs and the written cells are bitwise unchanged
+    (also with the write fused into the attention kernel, over two query blocks)."""
     C, H, Dh, T = 8, 2, 16, 20
     gen = torch.Generator().manual_seed(11)
     cache = torch.randn(2, 6, H, C, Dh, generator=gen)
@@ -438,9 +488,9 @@ def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks, f
     nan_q, nan_k, nan_v = (x.masked_fill(padding, float("nan")) for x in (q, k, v))
     rope = rope_tables(offsets, T, Dh, 10000.0) if fused_rope else (None, None)
     with block_sizes(*blocks):
-        clean = kernel_layer(cache.clone(), slot_ids, offsets, written, q, k, v, semantics, rope)
+        clean = kernel_layer(cache.clone(), slot_ids, offsets, written, q, k, v, semantics, rope, op)
         after = poisoned.clone()
-        dirty = kernel_layer(after, slot_ids, offsets, written, nan_q, nan_k, nan_v, semantics, rope)
+        dirty = kernel_layer(after, slot_ids, offsets, written, nan_q, nan_k, nan_v, semantics, rope, op)
     assert torch.equal(dirty, clean) and torch.isfinite(dirty).all()
     touched = commit_ops.touched_ring_mask(offsets, written, C)  # (B, C)
     expected = poisoned.clone()
@@ -603,7 +653,8 @@ def _cuda_case(B, H, T, C, Dh, dtype, seed, offsets, written):
     [(15, 125, [15, 7, 0, 1]), (480, 400, [480, 401, 399, 0]), (1, 400, [1, 1, 0, 1]), (60, 250, [60, 3, 60, 59])],
 )
 @pytest.mark.parametrize("fused_rope", [False, True])
-def test_cuda_kernels_match_reference_float32(semantics, T, C, written, fused_rope):
+@pytest.mark.parametrize("op", ["pair", "fused", "split"])
+def test_cuda_kernels_match_reference_float32(semantics, T, C, written, fused_rope, op):
     # The reference path runs on the CPU copies: CPU SDPA is the documented oracle (a query that sees
     # no key gives zeros there), and copied ring cells are bitwise the same on either device. With
     # fused_rope the kernels rotate q and k themselves: the ring must still be bitwise the CPU's.
@@ -616,9 +667,28 @@ def test_cuda_kernels_match_reference_float32(semantics, T, C, written, fused_ro
         rope = rope_tables(offsets, T, 64, 10000.0)
         host[3:5] = apply_rope(torch.stack(host[3:5]), *(t.cpu() for t in rope))
     expected = reference_layer(ref_cache, *host, semantics)
-    got = kernel_layer(cache, slot_ids, offsets, num_written, q, k, v, semantics, rope)
+    got = kernel_layer(cache, slot_ids, offsets, num_written, q, k, v, semantics, rope, op)
     assert_outputs_close(got.cpu(), expected, num_written.cpu())
     assert torch.equal(cache.cpu(), ref_cache)
+
+
+@cuda
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("T,C", [(15, 125), (30, 250), (60, 400), (120, 400), (480, 400)])
+def test_cuda_attention_write_bfloat16_equals_the_two_ops(semantics, T, C):
+    """ring_attention_write (as dispatched, write fused, write after) in bf16 at the v2 groups' shapes of a
+    15-frame step, RoPE in the kernels: bitwise ring_attention then ring_write, outputs and rings."""
+    written = [T, T - 1, T, 0, 1, T // 2, T, 17 % (T + 1)]
+    case = _cuda_case(8, 12, T, C, 64, torch.bfloat16, 5, [0, 397, 1234, 5, 80, 400, 9, 3], written)
+    q, k, v, cache, slot_ids, offsets, num_written = case
+    rope = rope_tables(offsets, T, 64, 10000.0)
+    want_cache = cache.clone()
+    want = kernel_layer(want_cache, slot_ids, offsets, num_written, q, k, v, semantics, rope, "pair")
+    for op in ("auto", "fused", "split"):
+        work = cache.clone()
+        got = kernel_layer(work, slot_ids, offsets, num_written, q, k, v, semantics, rope, op)
+        assert torch.equal(got, want), f"{op}: outputs differ"
+        assert torch.equal(work, want_cache), f"{op}: rings differ"
 
 
 @cuda
@@ -698,14 +768,23 @@ def test_cuda_tiny_codec_triton_pool_equals_sdpa_pool(tmp_path):
 
 def test_launch_configuration_follows_the_step_size_and_refuses_unknown_keys():
     pick = ring_ops.attention_launch_config
-    for tokens, block_q, stages in [(1, 16, 2), (16, 16, 2), (17, 32, 3), (63, 32, 3), (64, 128, 3), (480, 128, 3)]:
-        assert pick(tokens, torch.bfloat16) == dict(
-            block_q=block_q, block_k=64, num_warps=4, num_stages=stages, pv="low"
-        ), tokens
+    cases = [(1, 16, 2), (16, 16, 2), (17, 32, 3), (32, 32, 3), (33, 64, 3), (64, 64, 3), (65, 128, 3), (480, 128, 3)]
+    for tokens, block_q, stages in cases:
+        expected = dict(block_q=block_q, block_k=64, num_warps=4, num_stages=stages, pv="low", fused_write=tokens <= 32)
+        assert pick(tokens, torch.bfloat16) == expected, tokens
+        assert pick(tokens, torch.bfloat16, row_heads=128 * 12) == expected, tokens
         assert pick(tokens, torch.float16)["pv"] == "low"
-    assert pick(15, torch.float32) == dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv="ieee")
-    assert pick(480, torch.float32)["block_q"] == 64
+    # Fewer than 256 programs of 128 queries: 64-query blocks (one row of 12 heads at 480 tokens: 48).
+    assert pick(480, torch.bfloat16, row_heads=12)["block_q"] == 64
+    assert pick(120, torch.bfloat16, row_heads=16 * 12)["block_q"] == 64  # 192 programs
+    assert pick(120, torch.bfloat16, row_heads=32 * 12)["block_q"] == 128  # 384
+    assert pick(240, torch.bfloat16, row_heads=11 * 12)["block_q"] == 128  # 264
+    assert pick(15, torch.float32) == dict(
+        block_q=16, block_k=64, num_warps=4, num_stages=2, pv="ieee", fused_write=True
+    )
+    assert pick(480, torch.float32)["block_q"] == 64 and not pick(480, torch.float32)["fused_write"]
     assert ring_ops._launch_config(30, torch.bfloat16, {"num_warps": 8})["num_warps"] == 8
+    assert ring_ops._launch_config(480, torch.bfloat16, {"fused_write": True})["fused_write"] is True
     with pytest.raises(ValueError, match=r"unknown launch configuration keys \['blockq'\]"):
         ring_ops._launch_config(30, torch.bfloat16, {"blockq": 16})
 

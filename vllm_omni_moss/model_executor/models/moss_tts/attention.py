@@ -240,11 +240,11 @@ class CompactRingAttention:
 class CompactTritonRingAttention:
     """Compact pool, ``"triton"`` backend: rings read in place, chunk tokens written once.
 
-    Per layer: :func:`~.ops.ring_attention.ring_attention` over the slot's ring and the chunk,
-    then :func:`~.ops.ring_attention.ring_write` of each row's last ``min(valid tokens, C)``
-    tokens. Both rotate queries and keys by RoPE as they load them, with the roundings of
-    :func:`apply_rope`, so the stored keys are bitwise the reference path's (when the
-    projections and the rings differ in dtype, :func:`apply_rope` runs first instead). Needs no
+    Per layer: :func:`~.ops.ring_attention.ring_attention_write`, i.e. attention over the slot's
+    ring and the chunk, then the write of each row's last ``min(valid tokens, C)`` tokens (on CUDA
+    inside the attention kernel for rows of at most 32 tokens). Queries and keys are rotated by RoPE as they are loaded,
+    with the roundings of :func:`apply_rope`, so the stored keys are bitwise the reference path's
+    (when the projections and the rings differ in dtype, :func:`apply_rope` runs first instead). Needs no
     :class:`~.step_metadata.RingMetadata`: the offsets and RoPE tables of each group are built
     once here, at construction.
 
@@ -290,10 +290,9 @@ class CompactTritonRingAttention:
             q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
             rope = (None, None)
         table = self.page_tables.get(group.first_layer)
-        out = ring_ops.ring_attention(
+        out = ring_ops.ring_attention_write(
             q, keys, values, ring, self.slots, offsets, written, self.semantics, *rope, page_table=table
         )
-        ring_ops.ring_write(keys, values, ring, self.slots, offsets, written, *rope, page_table=table)
         return out.transpose(1, 2)
 
 

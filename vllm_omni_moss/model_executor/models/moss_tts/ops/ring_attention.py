@@ -14,6 +14,9 @@ never gather:
   reads after ``transpose(1, 2)`` without a copy.
 * ``ring_write`` - store each row's last ``min(valid tokens, C)`` chunk tokens into its ring: every
   destination cell is written exactly once, so the result never depends on the order of writes.
+* ``ring_attention_write`` - the two in turn, as one op: for short rows the attention kernel stores
+  the chunk itself, one program per (row, head) walking its query blocks in order (a block's tokens
+  only overwrite cells that block and earlier ones read).
 
 Key positions a query may see (query at position ``q``, row offset ``o``, ``n`` valid tokens, ``C`` =
 ring capacity = attention window): always ``0 <= p <= q`` and ``q - p < C``; under ``"upstream"`` also
@@ -60,6 +63,8 @@ __all__ = [
     "attend_gathered_rows",
     "ring_attention",
     "ring_attention_reference",
+    "ring_attention_write",
+    "ring_attention_write_reference",
     "ring_write",
     "ring_write_reference",
 ]
@@ -284,7 +289,92 @@ if HAS_TRITON:
             return cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell * cache_stride_c
 
     @triton.jit
-    def _ring_attention_kernel(
+    def _store_tokens(
+        token,
+        ok,
+        row,
+        head,
+        slot,
+        offset,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        cache_ptr,
+        capacity,
+        head_dim,
+        rope_stride_b,
+        rope_stride_t,
+        rope_stride_d,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        page_table_ptr,
+        page_table_stride_s,
+        page_table_stride_p,
+        ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Store chunk tokens `token` (a BLOCK_T vector, only where `ok`) of one (row, head) into cells
+        # (offset + token) mod C of the slot's ring: keys rotated as _load_rotated rotates them.
+        d = tl.arange(0, BLOCK_D)
+        load_ok = ok[:, None] & (d < head_dim)[None, :]
+        pair = tl.arange(0, BLOCK_D // 2)
+        rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
+        keys = _load_rotated(
+            k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
+            cos_ptr + rope,
+            sin_ptr + rope,
+            load_ok,
+            ok[:, None] & (pair < head_dim // 2)[None, :],
+            BLOCK_T,
+            BLOCK_D,
+            ROPE,
+        )
+        values = tl.load(
+            v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
+            mask=load_ok,
+        )
+        cells = _cell_pointers(
+            cache_ptr,
+            slot,
+            head,
+            (offset + token) % capacity,
+            ok,
+            page_table_ptr,
+            page_table_stride_s,
+            page_table_stride_p,
+            cache_stride_s,
+            cache_stride_h,
+            cache_stride_c,
+            PAGED,
+            PAGE_SIZE,
+        )
+        dst = cells[:, None] + d[None, :] * cache_stride_d
+        tl.store(dst, keys, mask=load_ok)
+        tl.store(dst + cache_stride_p, values, mask=load_ok)
+
+    @triton.jit
+    def _attend_query_block(
+        first,  # the block's first query (chunk token index)
+        row,
+        head,
+        written,
+        slot,
+        offset,
         q_ptr,
         k_ptr,
         v_ptr,
@@ -292,14 +382,11 @@ if HAS_TRITON:
         sin_ptr,
         cache_ptr,
         out_ptr,
-        slot_ids_ptr,
-        offsets_ptr,
-        num_written_ptr,
-        num_tokens,  # T
-        capacity,  # C, also the attention window
-        head_dim,  # Dh
-        scale_log2,  # log2(e) / sqrt(Dh)
-        rope_stride_b,  # of cos and sin (B, 1, T, Dh/2)
+        num_tokens,
+        capacity,
+        head_dim,
+        scale_log2,
+        rope_stride_b,
         rope_stride_t,
         rope_stride_d,
         q_stride_b,
@@ -323,9 +410,6 @@ if HAS_TRITON:
         out_stride_t,
         out_stride_h,
         out_stride_d,
-        slot_ids_stride,
-        offsets_stride,
-        num_written_stride,
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
@@ -339,11 +423,7 @@ if HAS_TRITON:
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
     ):
-        # Program (row, head, block): queries t in [first, first + BLOCK_Q) of one (row, head).
-        # Row, head and slot are widened to int64 before they meet a stride (pools exceed 2**31 elements).
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        first = tl.program_id(2) * BLOCK_Q
+        # Queries t in [first, first + BLOCK_Q) of one (row, head): attend, then store the output block.
         t = first + tl.arange(0, BLOCK_Q)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
@@ -351,14 +431,11 @@ if HAS_TRITON:
         i_ok = i < head_dim // 2
         cos_row = cos_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
         sin_row = sin_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
-        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int32)
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
         # Blocks holding no valid query (all of a padding row's) read nothing and store zeros.
         if first < written:
-            slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
-            offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
             q_ok = t < written
             q = _load_rotated(
                 q_ptr + row * q_stride_b + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
@@ -450,6 +527,121 @@ if HAS_TRITON:
             mask=(t < num_tokens)[:, None] & d_ok[None, :],
         )
 
+    @triton.jit
+    def _ring_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        cache_ptr,
+        out_ptr,
+        slot_ids_ptr,
+        offsets_ptr,
+        num_written_ptr,
+        num_tokens,  # T
+        capacity,  # C, also the attention window
+        head_dim,  # Dh
+        scale_log2,  # log2(e) / sqrt(Dh)
+        rope_stride_b,  # of cos and sin (B, 1, T, Dh/2)
+        rope_stride_t,
+        rope_stride_d,
+        q_stride_b,
+        q_stride_h,
+        q_stride_t,
+        q_stride_d,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        out_stride_b,
+        out_stride_t,
+        out_stride_h,
+        out_stride_d,
+        slot_ids_stride,
+        offsets_stride,
+        num_written_stride,
+        page_table_ptr,
+        page_table_stride_s,
+        page_table_stride_p,
+        UPSTREAM: tl.constexpr,
+        ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        QK_PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
+        WRITE: tl.constexpr,
+    ):
+        # Without WRITE, program (row, head, block) attends queries [block * BLOCK_Q, + BLOCK_Q) of one
+        # (row, head) and reads the ring only. With WRITE, program (row, head, 0) walks the row's query
+        # blocks in order and stores each block's kept tokens into the ring after attending it (the
+        # write of ring_write, fused). That order is what makes the fused write safe under "exact":
+        # token t overwrites the cell of position offset + t - C, which only queries t - C <= t' < t
+        # read, all in this block or earlier ones; later blocks read no cell written so far. Under
+        # "upstream" no query reads a cell this step overwrites at all.
+        # Row, head and slot are widened to int64 before they meet a stride (pools exceed 2**31 elements).
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int32)
+        # Padding rows (written == 0) never read their slot id: it may be out of range.
+        has_work = written > 0
+        slot = tl.load(slot_ids_ptr + row * slot_ids_stride, mask=has_work, other=0).to(tl.int64)
+        offset = tl.load(offsets_ptr + row * offsets_stride, mask=has_work, other=0).to(tl.int64)
+        if WRITE:
+            kept_lo = written - tl.minimum(written, capacity)  # first token ring_write keeps
+            for first in range(0, num_tokens, BLOCK_Q):
+                _attend_query_block(
+                    first, row, head, written, slot, offset,
+                    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, out_ptr,
+                    num_tokens, capacity, head_dim, scale_log2,
+                    rope_stride_b, rope_stride_t, rope_stride_d,
+                    q_stride_b, q_stride_h, q_stride_t, q_stride_d,
+                    k_stride_b, k_stride_h, k_stride_t, k_stride_d,
+                    v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                    cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                    out_stride_b, out_stride_t, out_stride_h, out_stride_d,
+                    page_table_ptr, page_table_stride_s, page_table_stride_p,
+                    UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
+                )  # fmt: skip
+                token = first + tl.arange(0, BLOCK_Q)
+                if first + BLOCK_Q > kept_lo and first < written:
+                    _store_tokens(
+                        token, (token >= kept_lo) & (token < written), row, head, slot, offset,
+                        k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
+                        rope_stride_b, rope_stride_t, rope_stride_d,
+                        k_stride_b, k_stride_h, k_stride_t, k_stride_d,
+                        v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                        cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                        page_table_ptr, page_table_stride_s, page_table_stride_p,
+                        ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_D,
+                    )  # fmt: skip
+        else:
+            _attend_query_block(
+                tl.program_id(2) * BLOCK_Q, row, head, written, slot, offset,
+                q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, out_ptr,
+                num_tokens, capacity, head_dim, scale_log2,
+                rope_stride_b, rope_stride_t, rope_stride_d,
+                q_stride_b, q_stride_h, q_stride_t, q_stride_d,
+                k_stride_b, k_stride_h, k_stride_t, k_stride_d,
+                v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                out_stride_b, out_stride_t, out_stride_h, out_stride_d,
+                page_table_ptr, page_table_stride_s, page_table_stride_p,
+                UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
+            )  # fmt: skip
+
 
 def _paging_arguments(cache, page_table, fallback):
     # Ring capacity, the kernels' page-table arguments (pointer, strides), the PAGED flag and PAGE_SIZE.
@@ -484,40 +676,63 @@ def _rope_arguments(cos, sin, fallback):
     return (cos, sin, cos.stride(0), cos.stride(2), cos.stride(3)), True
 
 
-def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype) -> dict:
+def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype, row_heads: int | None = None) -> dict:
     """Launch parameters of the attention kernel for a step of ``num_tokens`` tokens per row.
 
-    Returns a dict with ``block_q`` (queries per program), ``block_k`` (keys per inner iteration),
-    ``num_warps``, ``num_stages`` (software pipelining depth of the key loops) and ``pv`` (how
-    probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
-    16-bit tensor cores, ``"ieee"`` keeps float32). Chosen on an H200 by sweeping these values over
-    the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames (``benchmarks/RESULTS.md``,
-    "Ring attention launch sweep"; the grid offered 16- and 32-query blocks below 64 tokens, 64 and 128
-    from 64). For 16-bit rings ``"low"`` was the fastest in every shape (B64/T15: 10.8 -> 7.3 ms of
-    attention a step); the best block was 16 queries up to 16 tokens, 32 at 30, 32 and 60 tokens, and
-    128 at 120 and 240 (64 and 128 within 1% at 480), hence the thresholds 16 and 64; three pipeline
-    stages won at 30 tokens and above, two at 15 (T = 1 steps were swept with two only). Float32 rings
-    keep the configuration they were validated with.
+    Args:
+        num_tokens: ``T``, tokens per row in the step.
+        ring_dtype: the rings' dtype.
+        row_heads: ``B x H``, the step's (row, head) pairs; None counts as many.
+    Returns:
+        A dict with ``block_q`` (queries per program), ``block_k`` (keys per inner iteration),
+        ``num_warps``, ``num_stages`` (software pipelining depth of the key loops), ``pv`` (how
+        probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
+        16-bit tensor cores, ``"ieee"`` keeps float32) and ``fused_write`` (whether
+        :func:`ring_attention_write` stores the chunk from the attention kernel, one program per
+        (row, head) walking its query blocks in order, rather than with the write kernel after it).
+
+    Chosen on an H200 (``benchmarks/RESULTS.md``: "Ring attention launch sweep" for the block sizes,
+    stages and ``pv`` over the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames;
+    Run Y for the 64-query block and the fused write at 1 to 128 rows). For 16-bit rings ``"low"``
+    was the fastest in every shape (B64/T15: 10.8 -> 7.3 ms of attention a step). The best block is
+    the smallest power of two >= T up to 64 queries (16, 32, 64), and 128 above, except when a step
+    has fewer than ``MIN_ATTENTION_PROGRAMS`` programs of 128 queries (one row at T = 15): 64 then
+    doubles them. Three pipeline stages won at 30 tokens and above, two at 15. The fused write pays
+    only where a row is one small block (T <= 32 tokens: reading the chunk again and one launch are
+    a large share there); with several blocks per row, one program per (row, head) left the device
+    idler than the separate write costs. Float32 rings keep the configuration they were validated
+    with (and the same write rule).
     """
     if ring_dtype == torch.float32:
         block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
-        return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
-    block_q = 16 if num_tokens <= 16 else 32 if num_tokens < 64 else 128
-    num_stages = 2 if num_tokens <= 16 else 3
-    return dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
+        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
+    else:
+        block_q = max(16, _next_power_of_2(num_tokens))
+        if block_q > 64:
+            few = row_heads is not None and row_heads * -(-num_tokens // 128) < MIN_ATTENTION_PROGRAMS
+            block_q = 64 if few else 128
+        num_stages = 2 if num_tokens <= 16 else 3
+        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
+    config["fused_write"] = num_tokens <= FUSED_WRITE_MAX_TOKENS
+    return config
 
 
+#: Most tokens per row for which :func:`ring_attention_write` fuses the write (``attention_launch_config``).
+FUSED_WRITE_MAX_TOKENS = 32
+#: Fewest programs of 128 queries a 16-bit step needs before it uses 128-query blocks (about two per SM
+#: of an H200's 132; ``attention_launch_config``).
+MIN_ATTENTION_PROGRAMS = 256
 #: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv")
+LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "fused_write")
 
 
-def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None) -> dict:
+def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None, row_heads: int | None = None) -> dict:
     """:func:`attention_launch_config` with ``tuning``'s entries in place of the defaults.
 
     Raises:
         ValueError: ``tuning`` names a key outside :data:`LAUNCH_KEYS`.
     """
-    config = attention_launch_config(num_tokens, ring_dtype)
+    config = attention_launch_config(num_tokens, ring_dtype, row_heads)
     unknown = sorted(set(tuning or ()) - set(LAUNCH_KEYS))
     if unknown:
         raise ValueError(f"ring_attention: unknown launch configuration keys {unknown}; expected some of {LAUNCH_KEYS}")
@@ -531,13 +746,29 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _launch_ring_attention_triton(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None, *, tuning=None
+    q,
+    k,
+    v,
+    cache,
+    slot_ids,
+    offsets,
+    num_written,
+    semantics,
+    cos=None,
+    sin=None,
+    page_table=None,
+    *,
+    write=False,
+    tuning=None,
 ) -> torch.Tensor:
     """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
-    Arguments as in :func:`ring_attention`; not validated here. ``tuning`` overrides entries of
-    :func:`attention_launch_config` (benchmarks sweep it). Returns ``(B, T, H, Dh)`` in the
-    cache dtype. Grid ``(B, H, ceil(T / BLOCK_Q))``. Raises RuntimeError without Triton.
+    Arguments as in :func:`ring_attention`; not validated here. With ``write``, the chunk is also
+    stored into the rings as :func:`ring_write` stores it (:func:`ring_attention_write`): fused into
+    the attention kernel when the launch configuration's ``fused_write`` says so, else by the write
+    kernel after it. ``tuning`` overrides entries of :func:`attention_launch_config` (benchmarks
+    sweep it). Returns ``(B, T, H, Dh)`` in the cache dtype. Grid ``(B, H, ceil(T / BLOCK_Q))``,
+    or ``(B, H, 1)`` with the fused write. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
@@ -547,17 +778,18 @@ def _launch_ring_attention_triton(
     if out.numel() == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    config = _launch_config(num_tokens, cache.dtype, tuning)
+    config = _launch_config(num_tokens, cache.dtype, tuning, num_rows * num_heads)
     block_q = config["block_q"]
-    grid = (num_rows, num_heads, triton.cdiv(num_tokens, block_q))
-    (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, q)
+    fused = write and config["fused_write"]
+    grid = (num_rows, num_heads, 1 if fused else triton.cdiv(num_tokens, block_q))
+    (cos_arg, sin_arg, *rope_strides), rope = _rope_arguments(cos, sin, q)
     with _device_guard(cache):
         _ring_attention_kernel[grid](
             q,
             k,
             v,
-            cos,
-            sin,
+            cos_arg,
+            sin_arg,
             cache,
             out,
             slot_ids,
@@ -586,10 +818,13 @@ def _launch_ring_attention_triton(
             BLOCK_D=block_d,
             QK_PRECISION="ieee",
             PV_PRECISION=config["pv"],
+            WRITE=fused,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
             enable_fp_fusion=False,
         )
+    if write and not fused:
+        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
     return out
 
 
@@ -702,6 +937,82 @@ def ring_attention(
     )
 
 
+def ring_attention_write_reference(
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
+) -> torch.Tensor:
+    """PyTorch oracle for :func:`ring_attention_write`: :func:`ring_attention_reference`, then
+    :func:`ring_write_reference`; same arguments, result and effect."""
+    out = ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
+    ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+    return out
+
+
+@torch.library.custom_op("vllm_omni_moss::ring_attention_write", mutates_args=("cache",))
+def _ring_attention_write_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+    semantics: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    args = (q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
+    if runs_triton_kernel(cache):
+        return _launch_ring_attention_triton(*args, write=True)
+    return ring_attention_write_reference(*args)
+
+
+@_ring_attention_write_op.register_fake
+def _ring_attention_write_fake(
+    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
+) -> torch.Tensor:
+    num_rows, num_heads, num_tokens, head_dim = q.shape
+    return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
+
+
+def ring_attention_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+    semantics: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's streaming attention and ring write: :func:`ring_attention` then :func:`ring_write`.
+
+    Arguments and result as in :func:`ring_attention`; ``cache`` is mutated as :func:`ring_write`
+    mutates it (same arguments), so the output and the ring contents are bitwise those of the two
+    calls in order. On CUDA, for rows of at most ``FUSED_WRITE_MAX_TOKENS`` tokens, the write runs
+    inside the attention kernel (``attention_launch_config``'s ``fused_write``), which saves reading
+    the chunk's keys and values a second time and one launch per layer; longer rows run the two
+    kernels in turn.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`ring_attention` and :func:`ring_write`.
+    """
+    op = "ring_attention_write"
+    _check_semantics(op, semantics)
+    shape = _check_step(op, k, v, cache, slot_ids, offsets, num_written)
+    _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
+    _check_rope(op, cos, sin, shape, cache.device)
+    _check_page_table(op, page_table, cache)
+    return torch.ops.vllm_omni_moss.ring_attention_write(
+        q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # ring_write
 # --------------------------------------------------------------------------------------------------
@@ -761,44 +1072,16 @@ if HAS_TRITON:
             # earlier tokens would be overwritten within the step, so they are skipped.
             kept = tl.minimum(written, capacity)
             i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-            token = written - kept + i
-            cell = (offset + token) % capacity
-            d = tl.arange(0, BLOCK_D)
-            ok = (i < kept)[:, None] & (d < head_dim)[None, :]
-            pair = tl.arange(0, BLOCK_D // 2)
-            rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
-            keys = _load_rotated(
-                k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
-                cos_ptr + rope,
-                sin_ptr + rope,
-                ok,
-                (i < kept)[:, None] & (pair < head_dim // 2)[None, :],
-                BLOCK_T,
-                BLOCK_D,
-                ROPE,
-            )
-            values = tl.load(
-                v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
-                mask=ok,
-            )
-            cells = _cell_pointers(
-                cache_ptr,
-                slot,
-                head,
-                cell,
-                i < kept,
-                page_table_ptr,
-                page_table_stride_s,
-                page_table_stride_p,
-                cache_stride_s,
-                cache_stride_h,
-                cache_stride_c,
-                PAGED,
-                PAGE_SIZE,
-            )
-            dst = cells[:, None] + d[None, :] * cache_stride_d
-            tl.store(dst, keys, mask=ok)
-            tl.store(dst + cache_stride_p, values, mask=ok)
+            _store_tokens(
+                written - kept + i, i < kept, row, head, slot, offset,
+                k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
+                rope_stride_b, rope_stride_t, rope_stride_d,
+                k_stride_b, k_stride_h, k_stride_t, k_stride_d,
+                v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                page_table_ptr, page_table_stride_s, page_table_stride_p,
+                ROPE, PAGED, PAGE_SIZE, BLOCK_T, BLOCK_D,
+            )  # fmt: skip
 
 
 def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
