@@ -126,12 +126,14 @@ def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypatch, fused):
-    """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op or its PyTorch reference (on CPU
-    ``run_decoder`` always asks for the reference; on CUDA ``CodecDecoder.fused_glue`` decides)."""
+    """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op and ``ops/gelu.py``'s GELU, or their
+    PyTorch references (on CPU ``run_decoder`` always asks for the references; on CUDA
+    ``CodecDecoder.fused_glue`` decides)."""
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
-    calls = {"fused": 0, "reference": 0}
+    calls = {"fused": 0, "reference": 0, "gelu": 0}
     real_fused, real_reference = decoder_mod.residual_layer_norm, decoder_mod.residual_layer_norm_reference
+    real_gelu = decoder_mod.gelu_
 
     def spy(name, fn):
         def wrapped(*args):
@@ -142,6 +144,7 @@ def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypat
 
     monkeypatch.setattr(decoder_mod, "residual_layer_norm", spy("fused", real_fused))
     monkeypatch.setattr(decoder_mod, "residual_layer_norm_reference", spy("reference", real_reference))
+    monkeypatch.setattr(decoder_mod, "gelu_", spy("gelu", real_gelu))
     codes = random_codes(tiny_decoder, 1, 4, seed=2)
     plan = decoder_mod.StepPlan(decoder_mod.group_steps(tiny_decoder.config, 4, None), decoder_mod.OfflineAttention())
     x = tiny_decoder.groups[0].input_proj(decoder_mod.embed_codes(tiny_decoder, codes))
@@ -149,4 +152,7 @@ def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypat
         decoder_mod._run_layers(tiny_decoder.groups[0], [x], plan.groups[0], plan.attention, fused)
     layers = tiny_decoder.config.groups[0].num_layers
     expected = 2 * layers - 1  # each layer's two residual adds, the group's last one unfused
-    assert calls == ({"fused": expected, "reference": 0} if fused else {"fused": 0, "reference": expected})
+    if fused:
+        assert calls == {"fused": expected, "reference": 0, "gelu": layers}
+    else:
+        assert calls == {"fused": 0, "reference": expected, "gelu": 0}

@@ -9,7 +9,8 @@ Read top-down:
 2. :func:`run_decoder` - for each resolution group: input projection, pre-norm layers
    (LayerNorm, QKV, GPT-J RoPE, causal sliding-window attention, LayerScale, exact-GELU
    FFN, no biases; each residual add fused with the LayerNorm after it,
-   ``ops/residual_norm.py``), output projection, pure-reshape upsampling.
+   ``ops/residual_norm.py``; the GELU in place, ``ops/gelu.py``), output projection,
+   pure-reshape upsampling.
 3. :func:`to_audio` - channel de-interleave (v2 stereo) and float32.
 
 Modules hold weights only. Attention and state are reached through a
@@ -31,6 +32,7 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
+from .ops.gelu import gelu_
 from .ops.residual_norm import (
     add_scaled,
     layer_norm_float32,
@@ -87,7 +89,7 @@ class CodecDecoder(nn.Module):
         lut_bias: ``(latent_dim,)``: bias of the quantizer's output projection.
     """
 
-    #: Whether CUDA steps run the fused layer ops (``ops/residual_norm.py``); ``False`` runs their
+    #: Whether CUDA steps run the fused layer ops (``ops/residual_norm.py``, ``ops/gelu.py``); ``False`` runs their
     #: references (the unfused PyTorch ops), as CPU always does. Read when a step
     #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
     fused_glue: bool = True
@@ -216,8 +218,9 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 FFN_ROW_CHUNK = 16384
 
 
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU, in slices of at most
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU (``ops/gelu.py``'s kernel when
+    ``fused``, else ``aten.gelu_``; both in place), in slices of at most
     :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
     GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
     weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``)."""
@@ -225,13 +228,16 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     rows = B * T
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
-    if torch.compiler.is_compiling() or rows <= FFN_ROW_CHUNK:
+    if torch.compiler.is_compiling():
         return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
+    gelu = gelu_ if fused else torch.ops.aten.gelu_
+    if rows <= FFN_ROW_CHUNK:
+        return layer.linear2(gelu(layer.linear1(h)))
     flat = h.reshape(rows, d)
     weight = layer.linear2.weight
     out = None
     for start in range(0, rows, FFN_ROW_CHUNK):
-        head = torch.ops.aten.gelu_(layer.linear1(flat[start : start + FFN_ROW_CHUNK]))
+        head = gelu(layer.linear1(flat[start : start + FFN_ROW_CHUNK]))
         if out is None:
             # linear2 computes in the activation's dtype under autocast; the output has it either way.
             out = head.new_empty(rows, weight.shape[0])
@@ -254,7 +260,8 @@ def _run_layers(
     then holds one residual stream, not two). Each sublayer ends with ``x + layer_scale * update``
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
-    ``h`` to the next projection. ``fused``: use the fused layer ops (CUDA); otherwise their references.
+    ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
+    layer ops (CUDA); otherwise their references.
     """
     x = inputs.pop()
     B, T, d = x.shape
@@ -278,7 +285,7 @@ def _run_layers(
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h)
+        update = _feed_forward(layer, h, fused)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1

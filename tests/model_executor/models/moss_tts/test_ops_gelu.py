@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests for ``moss_tts.ops.gelu``: the FFN's exact GELU in place.
+
+The reference is PyTorch's ``aten.gelu_`` (what CPU runs). The Triton kernel, with its own float32 ``erf``,
+runs on CPU in Triton's interpreter in the ``TRITON_INTERPRET=1`` child of
+``test_triton_interpreter_subprocess`` (float32 only, as for the other ops); on CUDA bfloat16, float16 and
+float32 results are held to the exact GELU (float64) and compared with PyTorch's CUDA kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moss_codecs import assert_interpreted_tests_pass
+
+from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops import gelu as ops
+
+INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
+cpu = pytest.mark.cpu
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
+)
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+interpreted_here = pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")
+
+
+def _draw(shape, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # FFN activations before the GELU: mostly within a few units, with tails on both sides.
+    return (3.0 * torch.randn(*shape, generator=gen, device=device)).to(dtype)
+
+
+@cpu
+@pytest.mark.skipif(INTERPRETED, reason="CPU runs the interpreted kernel in this process")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_is_pytorch_exact_gelu_in_place(dtype):
+    x = _draw((5, 33), dtype)
+    expected = F.gelu(x, approximate="none")
+    y = x.clone()
+    pointer = y.data_ptr()
+    out = ops.gelu_(y)
+    assert out is y and out.data_ptr() == pointer
+    assert torch.equal(y, expected)
+
+
+@cpu
+@pytest.mark.parametrize(
+    "bad,error,message",
+    [
+        ([1.0], TypeError, "`x` must be a torch.Tensor, got list"),
+        (torch.zeros(4, dtype=torch.int32), ValueError, r"`x` must have one of the dtypes .*, got torch.int32"),
+        (
+            torch.zeros(4, 6).t(),
+            ValueError,
+            r"`x` must be contiguous \(the kernel walks it flat\), got strides \(1, 6\)",
+        ),
+    ],
+)
+def test_rejects_bad_inputs(bad, error, message):
+    with pytest.raises(error, match=f"gelu_: {message}"):
+        ops.gelu_(bad)
+
+
+@cpu
+def test_rejected_input_is_left_unchanged():
+    x = torch.arange(24.0).view(4, 6).t()
+    before = x.clone()
+    with pytest.raises(ValueError):
+        ops.gelu_(x)
+    assert torch.equal(x, before)
+
+
+@cpu
+def test_traces_fullgraph_with_the_fake_impl():
+    def ffn(x, w):
+        hidden = x @ w
+        ops.gelu_(hidden)
+        return hidden.sum(-1)
+
+    compiled = torch.compile(ffn, fullgraph=True, dynamic=True, backend="aot_eager")
+    w = _draw((8, 12), torch.float32, seed=1)
+    for rows in (3, 7):
+        x = _draw((rows, 8), torch.float32, seed=rows)
+        assert torch.equal(compiled(x, w), ffn(x, w))
+
+
+@cpu
+@pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
+def test_triton_interpreter_subprocess():
+    assert_interpreted_tests_pass(__file__, timeout=600)
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(3, 7), (2, 4096), (5000,), (0, 5)])
+def test_kernel_interpreted_float32(shape):
+    # Sizes below, at and above one program's block, and an empty tensor (no launch).
+    x = _draw(shape, torch.float32, seed=sum(shape))
+    if x.numel():
+        x.view(-1)[:3] = torch.tensor([0.0, -0.0, 40.0])
+    expected = F.gelu(x, approximate="none")
+    y = x.clone()
+    assert ops.gelu_(y) is y
+    # The kernel's erf against the host's (1 + erf(x) cancels for negative x, so the bound is relative to
+    # x, not to GELU(x)).
+    assert ((y - expected).abs() <= 1e-6 * x.abs()).all()
+    if x.numel():
+        assert y.view(-1)[:3].tolist() == [0.0, 0.0, 40.0]
+
+
+def _exact_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU in float64 on the host (the value the dtype's rounding should approach)."""
+    x = x.double().cpu()
+    return 0.5 * x * (1.0 + torch.erf(x / 2**0.5))
+
+
+@pytest.mark.cuda
+@no_cuda
+@interpreted_here
+def test_cuda_every_bfloat16_value_is_as_exact_as_pytorch():
+    """Every finite bfloat16 input: the kernel's GELU rounds to the correctly rounded exact value at
+    least as often as ``aten.gelu_`` does, and is never more than one bfloat16 step away from it."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)].cuda()
+    exact = _exact_gelu(x).to(torch.bfloat16)
+    ours = ops.gelu_(x.clone()).cpu()
+    aten = torch.ops.aten.gelu_(x.clone()).cpu()
+    ours_off, aten_off = (ours != exact).sum().item(), (aten != exact).sum().item()
+    assert ours_off <= aten_off, f"{ours_off} values off the rounded exact GELU, aten.gelu_ {aten_off}"
+    steps = (ours.view(torch.int16).int() - exact.view(torch.int16).int()).abs()
+    same_sign = torch.sign(ours.float()) == torch.sign(exact.float())
+    assert (steps[same_sign] <= 1).all() and ((ours.float() - exact.float()).abs()[~same_sign] <= 1e-30).all()
+
+
+@pytest.mark.cuda
+@no_cuda
+@interpreted_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(16384, 3072), (1920, 5120), (3, 1001)])
+def test_cuda_within_float32_erf_error_of_the_exact_gelu(dtype, shape):
+    """FFN-like draws and edge values: within 2e-7 |x| (the float32 erf's error, halved by the 0.5 of the
+    formula, with margin) plus the dtype's rounding of the exact GELU; mostly equal to aten.gelu_."""
+    x = _draw(shape, dtype, device="cuda", seed=shape[-1])
+    x.view(-1)[:6] = torch.tensor([0.0, -0.0, 1e-30, -60.0, 60.0, -3.0], dtype=dtype)
+    y = ops.gelu_(x.clone())
+    exact = _exact_gelu(x)
+    err = (y.double().cpu() - exact).abs()
+    bound = 2e-7 * x.double().cpu().abs() + torch.finfo(dtype).eps * exact.abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3e}"
+    differ = (y != torch.ops.aten.gelu_(x.clone())).float().mean().item()
+    assert differ <= 0.01, f"{differ:.4f} of the elements differ from aten.gelu_"
+    assert y.view(-1)[:3].tolist() == [0.0, 0.0, 0.0] and y.view(-1)[4].item() == 60.0
+
+
+@pytest.mark.cuda
+@no_cuda
+@interpreted_here
+def test_cuda_graph_replay_recomputes():
+    x = _draw((64, 3072), torch.bfloat16, device="cuda", seed=2)
+    buffer = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.gelu_(buffer)
+    buffer.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, ops.gelu_(x.clone()))
