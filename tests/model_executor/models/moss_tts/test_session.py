@@ -252,6 +252,26 @@ def test_admitted_stream_equals_its_solo_decode(ring_decoder):
     assert s.free_slots == 1
 
 
+def test_buffered_chunks_do_not_follow_the_callers_tensors(ring_decoder):
+    """Chunks are kept uncopied only within the call that brings them: a waiting stream's chunk is the
+    session's own copy once decode() returns, so the caller may reuse (here: overwrite) its tensor. The
+    chunk also holds an out-of-range code, clamped when its step runs, after it waited."""
+    K = ring_decoder.config.codebook_size
+    s = CodecStreamSession(ring_decoder, 1)
+    a, c = _codes(ring_decoder, 2, 1), _codes(ring_decoder, 4, 2)
+    s.decode([ChunkRequest("a", a[:, :1])])
+    sent = c[:, :3].clone()
+    sent[1, 2] = K + 5
+    assert s.decode([ChunkRequest("c", sent)])["c"].queued
+    sent.fill_(0)  # the caller reuses its buffer
+    got = s.decode([ChunkRequest("a", a[:, 1:], True)])
+    assert got["c"].frames == 3 and s.clamped_codes == 1
+    last = s.decode([ChunkRequest("c", c[:, 3:], True)])["c"]
+    expected = c.clone()
+    expected[1, 2] = K - 1
+    _close(torch.cat([got["c"].audio, last.audio], -1), _solo(ring_decoder, expected, [3, 1]), "c")
+
+
 def test_admission_queue_bounds_fail_the_request_alone(ring_decoder):
     s = CodecStreamSession(ring_decoder, 1, max_waiting_streams=1, max_waiting_frames=4)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])

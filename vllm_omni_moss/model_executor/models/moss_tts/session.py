@@ -105,7 +105,9 @@ def _result_key(request_id) -> object:
 class _Stream:
     request_id: str
     slot: int | None = None  # None while waiting for a slot
-    chunks: list[torch.Tensor] = field(default_factory=list)  # (n_vq, T) int64 on the pool's device
+    # (n_vq, T) integer codes as the caller sent them (any code dtype, on the caller's device), clamped when a
+    # step stages them; the session's own copies once a decode() call returns with them still buffered.
+    chunks: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     waiting_since: float | None = None
     saved: SlotState | None = None  # the state of a preempted stream, restored when it gets a slot back
@@ -480,7 +482,10 @@ class CodecStreamSession:
                 results[req.request_id] = self._empty(error=error)
         self._count_clamped(taken)
 
-        audio = self._decode_ready()
+        try:
+            audio = self._decode_ready()
+        finally:
+            self._own_buffered_chunks({id(c) for c in taken})
         for rid, parts in audio.items():
             wav = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
             refused = results.get(rid)  # this call's chunk refused, the buffered ones decoded
@@ -553,11 +558,19 @@ class CodecStreamSession:
                 self._waiting.drop(rid)
                 return f"{error}; the waiting stream's buffered chunks were dropped"
         if frames:
-            # Chunks stay on the device they arrived on until a step gathers them (host chunks then
-            # travel in one pinned copy, see _stage_inputs).
-            stream.chunks.append(req.codes.to(torch.long).clamp(0, self.codebook_size - 1))
+            # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel
+            # in one pinned copy and every step clamps its codes once (_stage_inputs); no per-chunk op here.
+            stream.chunks.append(req.codes)
         stream.finished = stream.finished or req.finished
         return None
+
+    def _own_buffered_chunks(self, borrowed: set[int]) -> None:
+        """Copy the chunks of this call (``borrowed``: their tensors' ids) that are still buffered as it
+        returns (streams that wait, or were preempted), so that the caller may reuse its tensors."""
+        streams = list(self._live.values()) + [self._waiting.get(rid) for rid in self._waiting.request_ids]
+        for stream in streams:
+            if any(id(c) in borrowed for c in stream.chunks):
+                stream.chunks = [c.clone() if id(c) in borrowed else c for c in stream.chunks]
 
     def _can_admit(self, frames: int, chunk_frames: int) -> bool:
         """Whether a stream with ``frames`` decoded can take a slot and decode ``chunk_frames`` more, after
@@ -662,7 +675,9 @@ class CodecStreamSession:
         limit = self.max_piece_frames
         pieces: dict[str, list[torch.Tensor]] = {}
         for s in streams:
-            pieces[s.request_id] = [c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)]
+            pieces[s.request_id] = [
+                c if c.shape[1] <= limit else c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)
+            ]
             s.chunks = []
         max_rows = self.max_step_rows or len(streams)
         parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
@@ -711,8 +726,10 @@ class CodecStreamSession:
 
     def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
         """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
-        device. On CUDA, codes from the host are gathered in the pinned input buffer and arrive in one
-        host-to-device copy; slot ids and lengths always travel through it."""
+        device, codes clamped into ``[0, codebook_size)`` and zero past each row's length. On CUDA, codes
+        from the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot
+        ids and lengths always travel through it. Pieces of one dtype and device are gathered by one
+        stack (all of length ``T``) or one padded gather, not row by row."""
         B = len(pieces)
         pinned = self.device.type == "cuda"
         # Codes from the host (as Stage 0 sends them) to a CUDA pool are gathered in the pinned buffer;
@@ -727,11 +744,21 @@ class CodecStreamSession:
         meta[0] = torch.tensor(slots, dtype=torch.long)
         meta[1] = torch.tensor(own, dtype=torch.long)
         if stage_codes:
-            codes = staged[:codes_numel].view(self.n_vq, B, T).zero_()
+            codes = staged[:codes_numel].view(self.n_vq, B, T)
         else:
-            codes = torch.zeros(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        for b, p in enumerate(pieces):
-            codes[:, b, : own[b]] = p
+            codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
+        uniform = len({(p.dtype, p.device) for p in pieces}) == 1
+        if uniform and all(n == T for n in own):
+            codes.copy_(torch.stack(pieces, dim=1))
+        elif uniform:
+            padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
+            codes.zero_()
+            codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
+        else:
+            codes.zero_()
+            for b, p in enumerate(pieces):
+                codes[:, b, : own[b]] = p
+        codes.clamp_(0, self.codebook_size - 1)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would
         # guard on): the copies below always make new tensors.
         slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
