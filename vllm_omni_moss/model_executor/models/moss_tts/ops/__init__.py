@@ -6,7 +6,10 @@
   and offsets into the state pool.
 * :mod:`.ring_attention` - ``ring_attention`` / ``ring_write``: one layer's streaming attention
   reading the pool's rings in place, and the write of each row's last ``min(tokens, C)`` tokens;
-  both can rotate queries and keys by RoPE as they load them.
+  both can rotate queries and keys by RoPE as they load them. ``ring_attention_write`` is the two
+  in turn as one op (the attention kernel stores the chunk itself for rows of at most 32 tokens).
 * :mod:`.residual_norm` - ``residual_layer_norm``: LayerScale, residual add and the next LayerNorm
   of a decoder layer in one pass (CUDA; CPU decodes with its reference).
+* :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32
+  ``erf`` (CUDA; CPU decodes with ``aten.gelu_``).
 """
