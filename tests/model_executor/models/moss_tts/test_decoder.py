@@ -124,6 +124,18 @@ def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, 
     assert h_grad.grad is not None and h_grad.grad.abs().sum() > 0
 
 
+def test_fused_ffn_keeps_pytorchs_gelu_for_float64(tiny_decoder):
+    """``ops/gelu.py`` takes float32 and 16-bit activations only; a float64 decoder's fused FFN (CUDA with
+    ``fused_glue``) falls back to ``aten.gelu_`` instead of failing, with the unfused FFN's result."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    layer = tiny_decoder.groups[0].layers[0].double()
+    h = torch.randn(2, 3, layer.linear1.in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got = decoder_mod._feed_forward(layer, h, fused=True)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, decoder_mod._feed_forward(layer, h, fused=False))
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypatch, fused):
     """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op and ``ops/gelu.py``'s GELU, or their

@@ -32,7 +32,7 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .ops.gelu import gelu_
+from .ops.gelu import GELU_DTYPES, gelu_
 from .ops.residual_norm import (
     add_scaled,
     layer_norm_float32,
@@ -218,6 +218,11 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 FFN_ROW_CHUNK = 16384
 
 
+def _fused_gelu_(x: torch.Tensor) -> torch.Tensor:
+    """``ops/gelu.py``'s in-place GELU for the dtypes its kernel takes; PyTorch's for others (float64)."""
+    return gelu_(x) if x.dtype in GELU_DTYPES else torch.ops.aten.gelu_(x)
+
+
 def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU (``ops/gelu.py``'s kernel when
     ``fused``, else ``aten.gelu_``; both in place), in slices of at most
@@ -230,7 +235,7 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> 
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
     if torch.compiler.is_compiling():
         return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
-    gelu = gelu_ if fused else torch.ops.aten.gelu_
+    gelu = _fused_gelu_ if fused else torch.ops.aten.gelu_
     if rows <= FFN_ROW_CHUNK:
         return layer.linear2(gelu(layer.linear1(h)))
     flat = h.reshape(rows, d)

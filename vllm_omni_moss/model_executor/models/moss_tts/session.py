@@ -472,20 +472,20 @@ class CodecStreamSession:
             self._incoming[req.request_id] = self._incoming.get(req.request_id, 0) + req.codes.shape[1]
         self._admit_waiting()  # slots freed since the last call go to waiting streams first
         taken = []
-        for req in accepted:
-            self._incoming.pop(req.request_id, None)
-            error = self._accept(req)
-            if error is None:
-                taken.append(req.codes)
-            else:
-                self._counters.request_errors += 1
-                results[req.request_id] = self._empty(error=error)
-        self._count_clamped(taken)
-
         try:
+            for req in accepted:
+                self._incoming.pop(req.request_id, None)
+                error = self._accept(req)
+                if error is None:
+                    taken.append(req.codes)
+                else:
+                    self._counters.request_errors += 1
+                    results[req.request_id] = self._empty(error=error)
+            self._count_clamped(taken)
             audio = self._decode_ready()
         finally:
-            self._own_buffered_chunks({id(c) for c in taken})
+            # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
+            self._own_buffered_chunks({id(req.codes) for req in accepted})
         for rid, parts in audio.items():
             wav = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
             refused = results.get(rid)  # this call's chunk refused, the buffered ones decoded

@@ -73,7 +73,8 @@ __all__ = [
 RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Keys per inner iteration of the attention kernel.
 _BLOCK_KEYS = 64
-#: Largest block of queries per program (smaller steps use the next power of two >= T, at least 16).
+#: Largest block of queries per program for float32 rings (smaller steps use the next power of two >= T,
+#: at least 16); 16-bit rings go up to 128 (``attention_launch_config``).
 _MAX_BLOCK_QUERIES = 64
 #: Elements per (token x head_dim) tile of ring_write.
 _WRITE_TILE_ELEMENTS = 2048
