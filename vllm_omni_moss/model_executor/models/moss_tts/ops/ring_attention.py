@@ -200,6 +200,17 @@ def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
     return shape
 
 
+def _check_attention(op, q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table) -> None:
+    """The argument checks of both attention ops (:func:`ring_attention`, :func:`ring_attention_write`)."""
+    _check_semantics(op, semantics)
+    shape = _check_step(op, k, v, cache, slot_ids, offsets, num_written)
+    _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
+    _check_rope(op, cos, sin, shape, cache.device)
+    _check_page_table(op, page_table, cache)
+
+
 # --------------------------------------------------------------------------------------------------
 # ring_attention
 # --------------------------------------------------------------------------------------------------
@@ -874,12 +885,15 @@ def _ring_attention_op(
     return ring_attention_reference(*args)
 
 
-@_ring_attention_op.register_fake
-def _ring_attention_fake(
+def _attention_fake(
     q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
+    # The fake impl of both attention ops: an empty (B, T, H, Dh) output in the cache dtype.
     num_rows, num_heads, num_tokens, head_dim = q.shape
     return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
+
+
+_ring_attention_op.register_fake(_attention_fake)
 
 
 def ring_attention(
@@ -925,14 +939,7 @@ def ring_attention(
             unknown ``semantics``. Data (slot ranges, counts) is not checked: that would need a sync.
         RuntimeError: CUDA tensors without Triton installed.
     """
-    op = "ring_attention"
-    _check_semantics(op, semantics)
-    shape = _check_step(op, k, v, cache, slot_ids, offsets, num_written)
-    _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
-    _check_rope(op, cos, sin, shape, cache.device)
-    _check_page_table(op, page_table, cache)
+    _check_attention("ring_attention", q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
     return torch.ops.vllm_omni_moss.ring_attention(
         q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
     )
@@ -968,12 +975,7 @@ def _ring_attention_write_op(
     return ring_attention_write_reference(*args)
 
 
-@_ring_attention_write_op.register_fake
-def _ring_attention_write_fake(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
-) -> torch.Tensor:
-    num_rows, num_heads, num_tokens, head_dim = q.shape
-    return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
+_ring_attention_write_op.register_fake(_attention_fake)
 
 
 def ring_attention_write(
@@ -1001,14 +1003,9 @@ def ring_attention_write(
     Raises:
         TypeError, ValueError, RuntimeError: as :func:`ring_attention` and :func:`ring_write`.
     """
-    op = "ring_attention_write"
-    _check_semantics(op, semantics)
-    shape = _check_step(op, k, v, cache, slot_ids, offsets, num_written)
-    _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
-    _check_rope(op, cos, sin, shape, cache.device)
-    _check_page_table(op, page_table, cache)
+    _check_attention(
+        "ring_attention_write", q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
+    )
     return torch.ops.vllm_omni_moss.ring_attention_write(
         q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
     )
