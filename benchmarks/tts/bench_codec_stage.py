@@ -75,9 +75,7 @@ import datetime
 import heapq
 import json
 import math
-import os
 import shlex
-import subprocess
 import sys
 import time
 from collections import deque
@@ -534,25 +532,6 @@ def stall_warning(arm: str, concurrency: int, details: dict[str, Any]) -> str | 
 # ------------------------------------------------------------------------------------------ driver
 
 
-def _git_commit() -> str | None:
-    """``$MOSS_BENCH_COMMIT`` when set (a copy of the tree whose ``.git``, if any, may be stale), else
-    ``git rev-parse --short HEAD`` of the repository."""
-    if os.environ.get("MOSS_BENCH_COMMIT"):
-        return os.environ["MOSS_BENCH_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(common.REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        out = None
-    if out is not None and out.returncode == 0 and out.stdout.strip():
-        return out.stdout.strip()
-    return None
-
-
 def state_budget(args, name: str, decoder, concurrency: int) -> tuple[float | None, int | None, dict | None]:
     """(page_fraction, slots, paged_budget) of one of our arms at ``concurrency`` streams: ``--page-fraction``
     and one slot per stream without ``--state-budget-gib``; with it, the unpaged arms as many slots as the
@@ -724,7 +703,7 @@ def _select_arms(args, cfg, device) -> tuple[list[str], dict[str, str]]:
 
 def _run_header(args, device, chunk_sizes: list[int], concurrencies: list[int], skipped, command) -> dict[str, Any]:
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    commit, command = _git_commit(), shlex.join(command)
+    commit, command = common.git_commit(), shlex.join(command)
     return {
         "date": date,
         "commit": commit,

@@ -11,9 +11,16 @@ launch sweep")::
 
     python benchmarks/tts/bench_ring_attention.py --preset v2 --batch 64,128 --frames 15,1 --json sweep.json
 
-Grid: ``block_q`` in {16, 32} below 64 tokens per row and {64, 128} from 64 tokens, ``block_k`` in
-{64, 128}, ``num_warps`` in {4, 8}, ``num_stages`` in {2, 3}, ``pv`` in {"tf32", "low"}; for ``T = 1``
-only ``block_k = 64`` and two stages.
+Grid (``--grid launch``, the default): ``block_q`` in {16, 32} below 64 tokens per row and {64, 128} from 64
+tokens, ``block_k`` in {64, 128}, ``num_warps`` in {4, 8}, ``num_stages`` in {2, 3}, ``pv`` in {"tf32", "low"};
+for ``T = 1`` only ``block_k = 64`` and two stages. ``--grid default`` times the default configuration only,
+and prints each shape's time summed over the group's layers and the step's total.
+
+``--write`` times ``ring_attention_write`` (attention and ring write, the op a decoder step runs) instead of
+``ring_attention``; every launch then stores the same chunk into the same cells, which no query of a launch
+reads under the v2 codec's "upstream" semantics. ``--prerotated`` passes no RoPE tables, so the kernels
+rotate nothing: the difference to a run with tables is what rotating queries and keys inside the kernels
+costs (``benchmarks/RESULTS.md``, Run AE).
 """
 
 from __future__ import annotations
@@ -65,13 +72,15 @@ def _graph_ms(fn, launches: int = 10, replays: int = 5) -> float:
 
 
 def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
+    """Whether a point of the launch grid applies to rows of ``num_tokens`` tokens at ``frames`` frames."""
     if (num_tokens >= 64) != (config["block_q"] >= 64):
         return False
     return frames != 1 or (config["num_stages"] == 2 and config["block_k"] == 64)
 
 
-def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int) -> dict:
-    """One group shape: the default configuration and every grid point, timed and compared."""
+def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=GRID, write=False, rope=True) -> dict:
+    """One group shape: the default configuration and every point of ``grid`` that applies, timed and
+    compared (``write``: time ``ring_attention_write``; ``rope``: pass the group's RoPE tables)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     heads, capacity, head_dim = group.num_heads, group.context, group.head_dim
     num_tokens = frames * group.tokens_per_frame
@@ -84,17 +93,17 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int) -> di
     slots = torch.randperm(batch, generator=gen, device="cuda")
     offsets = torch.full((batch,), 123457 * group.tokens_per_frame, dtype=torch.long, device="cuda")
     written = torch.full((batch,), num_tokens, dtype=torch.long, device="cuda")
-    cos, sin = rope_tables(offsets, num_tokens, head_dim, group.max_period)
+    cos, sin = rope_tables(offsets, num_tokens, head_dim, group.max_period) if rope else (None, None)
     args = (slots, offsets, written, semantics, cos, sin)
     ref = ring_ops._launch_ring_attention_triton(q.float(), k.float(), v.float(), cache.float(), *args).float()
 
     def run(tuning):
-        return ring_ops._launch_ring_attention_triton(q, k, v, cache, *args, tuning=tuning)
+        return ring_ops._launch_ring_attention_triton(q, k, v, cache, *args, write=write, tuning=tuning)
 
     def rel_rms(out):
         return float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
-    default = ring_ops.attention_launch_config(num_tokens, torch.bfloat16)
+    default = ring_ops.attention_launch_config(num_tokens, torch.bfloat16, batch * heads)
     record = {
         "batch": batch,
         "frames": frames,
@@ -102,10 +111,12 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int) -> di
         "heads": heads,
         "capacity": capacity,
         "layers": group.num_layers,
+        "write": write,
+        "rope": rope,
         "default": dict(default, ms=_graph_ms(lambda: run(None)), rel_rms=rel_rms(run(None))),
         "grid": [],
     }
-    for config in GRID:
+    for config in grid:
         if not _in_grid(config, num_tokens, frames):
             continue
         try:
@@ -124,6 +135,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="64,128", help="comma-separated batch sizes (64,128)")
     p.add_argument("--frames", default="15,1", help="comma-separated frames per step (15,1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--grid", choices=("launch", "default"), default="launch", help="the launch grid, or the default only"
+    )
+    p.add_argument("--write", action="store_true", help="time ring_attention_write instead of ring_attention")
+    p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
     p.add_argument("--json", type=Path, help="write every record here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -131,21 +147,28 @@ def main(argv=None) -> int:
     config = preset_config(args.preset)
     semantics = default_ring_semantics(config.version)
     records = []
+    grid = GRID if args.grid == "launch" else []
     for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
+        step_ms = 0.0
         for index, group in enumerate(config.groups):
-            rec = sweep_shape(group, batch, frames, semantics, args.seed)
+            rec = sweep_shape(group, batch, frames, semantics, args.seed, grid, args.write, not args.prerotated)
             rec["group"] = index
             records.append(rec)
-            timed = [g for g in rec["grid"] if "ms" in g]
-            best = min(timed, key=lambda g: g["ms"])
-            print(
+            default_ms = rec["default"]["ms"]
+            step_ms += default_ms * group.num_layers
+            line = (
                 f"B{batch} T{frames} group {index} ({rec['tokens']} tokens, ring {rec['capacity']}): "
-                f"default {rec['default']['ms'] * 1e3:.1f} us, best {best['ms'] * 1e3:.1f} us "
-                f"{ {k: best[k] for k in ('block_q', 'block_k', 'num_warps', 'num_stages', 'pv')} }",
-                flush=True,
+                f"default {default_ms * 1e3:.1f} us ({default_ms * group.num_layers:.2f} ms over {group.num_layers} layers)"
             )
+            timed = [g for g in rec["grid"] if "ms" in g]
+            if timed:
+                best = min(timed, key=lambda g: g["ms"])
+                knobs = {k: best[k] for k in ("block_q", "block_k", "num_warps", "num_stages", "pv")}
+                line += f", best {best['ms'] * 1e3:.1f} us {knobs}"
+            print(line, flush=True)
             if args.json:
-                args.json.write_text(json.dumps(records, indent=1))
+                args.json.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"B{batch} T{frames} step: {step_ms:.2f} ms with the default configuration", flush=True)
     return 0
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import types
 from collections.abc import Iterable, Sequence
@@ -43,6 +45,7 @@ __all__ = [
     "cuda_memory",
     "free_memory",
     "gib",
+    "git_commit",
     "markdown_table",
     "module_bytes",
     "parse_int_list",
@@ -88,6 +91,25 @@ def parse_str_list(text: str, allowed: Sequence[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ devices
+
+
+def git_commit() -> str | None:
+    """``$MOSS_BENCH_COMMIT`` when set (a copy of the tree whose ``.git``, if any, may be stale), else
+    ``git rev-parse --short HEAD`` of the repository."""
+    if os.environ.get("MOSS_BENCH_COMMIT"):
+        return os.environ["MOSS_BENCH_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return None
 
 
 def resolve_device(name: str) -> torch.device:

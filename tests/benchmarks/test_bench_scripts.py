@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
@@ -209,6 +210,35 @@ def test_step_eager_cpu_smoke(tmp_path):
             assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"]
         assert entry["ratios"]["v2/legacy"] > 0
         assert (entry["ratios"]["v2/upstream"] is None) == ("upstream" not in expected_arms)
+
+
+@pytest.mark.parametrize("preset, batch, frames", [("v2", 128, 15), ("v2", 64, 1), ("v1", 8, 15)])
+def test_gemm_shapes_are_every_projection_of_a_step(preset, batch, frames):
+    # The listed GEMMs multiply every token row of each group by every projection weight of the decoder
+    # (checked against the module's own weights), and the FFN slices cover the rows exactly.
+    from vllm_omni_moss.model_executor.models.moss_tts.decoder import FFN_ROW_CHUNK, CodecDecoder
+
+    bench = _load("bench_gemm_shapes")
+    cfg = preset_config(preset)
+    with torch.device("meta"):
+        decoder = CodecDecoder(cfg)
+    gemms = bench.step_gemms(cfg, batch, frames)
+    for index, (spec, weights) in enumerate(zip(cfg.groups, decoder.groups)):
+        rows = batch * frames * spec.tokens_per_frame
+        mine = [g for g in gemms if g.group == index]
+        params = sum(m.weight.numel() for m in weights.modules() if isinstance(m, torch.nn.Linear))
+        assert sum(g.flops for g in mine) == 2 * rows * params
+        for name in ("linear1", "linear2"):
+            slices = [g for g in mine if g.name == name]
+            assert sum(g.rows * g.calls for g in slices) == rows * spec.num_layers
+            assert max(g.rows for g in slices) == min(rows, FFN_ROW_CHUNK)
+    g5 = [(g.name, g.rows, g.calls) for g in gemms if g.group == 5 and g.name == "linear1"]
+    if (preset, batch, frames) == ("v2", 128, 15):  # 61440 rows: three slices of 16384 and one of 12288
+        assert g5 == [("linear1", 16384, 36), ("linear1", 12288, 12)]
+    whole = [g for g in bench.step_gemms(cfg, batch, frames, ffn_rows=1 << 30) if g.name == "linear1"]
+    assert [(g.rows, g.calls) for g in whole] == [
+        (batch * frames * s.tokens_per_frame, s.num_layers) for s in cfg.groups
+    ]
 
 
 def test_common_helpers():
