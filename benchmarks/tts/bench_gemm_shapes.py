@@ -4,7 +4,8 @@
 A decoder step of ``B`` rows and ``T`` frames runs, per resolution group (``docs/codec_architecture.md``),
 ``M = B x T x tokens_per_frame`` token rows through the group's input projection, then per layer the QKV
 projection ``d -> 3d``, the attention output projection ``d -> d`` and the FFN ``d -> ff -> d`` (in slices of
-``decoder.FFN_ROW_CHUNK`` rows, as ``decoder._feed_forward`` runs it), then the output projection. This
+``decoder.FFN_ROW_CHUNK`` rows, as ``decoder._feed_forward`` runs it outside ``torch.compile``; compiled, the
+FFN is one pass), then the output projection. This
 script lists those GEMMs from the preset's geometry (:func:`step_gemms`), times each shape with
 ``torch.nn.functional.linear`` on random bf16 operands (median of 5 replays of a CUDA graph of 20 launches),
 and reports TFLOP/s and each group's and the step's summed GEMM time. It answers how far a step's GEMMs
@@ -109,12 +110,12 @@ def time_gemm(gemm: Gemm, seed: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="v2", choices=sorted(PRESETS))
-    p.add_argument("--batch", default="64,128", help="comma-separated rows per step (64,128)")
-    p.add_argument("--frames", default="15", help="comma-separated frames per step (15)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="write every record here")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="v2", choices=sorted(PRESETS), help="codec geometry (v2)")
+    p.add_argument("--batch", default="64,128", help="comma-separated streams per step, B (64,128)")
+    p.add_argument("--frames", default="15", help="comma-separated frames per step, T (15)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
+    p.add_argument("--json", type=Path, help='write {"run": ..., "records": [...]} here (rewritten after each shape)')
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("this script times cuBLAS GEMMs on a CUDA device; none is available")

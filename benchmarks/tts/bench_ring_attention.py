@@ -26,8 +26,9 @@ costs (``benchmarks/RESULTS.md``, Run AE).
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
-import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -130,22 +131,31 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="v2", choices=sorted(PRESETS))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="v2", choices=sorted(PRESETS), help="codec geometry (v2)")
     p.add_argument("--batch", default="64,128", help="comma-separated batch sizes (64,128)")
     p.add_argument("--frames", default="15,1", help="comma-separated frames per step (15,1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random rings, queries, keys and values")
     p.add_argument(
         "--grid", choices=("launch", "default"), default="launch", help="the launch grid, or the default only"
     )
     p.add_argument("--write", action="store_true", help="time ring_attention_write instead of ring_attention")
     p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
-    p.add_argument("--json", type=Path, help="write every record here")
+    p.add_argument("--json", type=Path, help='write {"run": ..., "records": [...]} here (rewritten after each shape)')
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        p.error("the sweep times Triton kernels on a CUDA device; none is available")
+        p.error("this script times Triton kernels on a CUDA device; none is available")
     config = preset_config(args.preset)
     semantics = default_ring_semantics(config.version)
+    run = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": common.git_commit(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "device_name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "semantics": semantics,
+    }
     records = []
     grid = GRID if args.grid == "launch" else []
     for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
@@ -166,8 +176,7 @@ def main(argv=None) -> int:
                 knobs = {k: best[k] for k in ("block_q", "block_k", "num_warps", "num_stages", "pv")}
                 line += f", best {best['ms'] * 1e3:.1f} us {knobs}"
             print(line, flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(records, indent=1) + "\n")
+            common.write_json(args.json, {"run": run, "records": records})
         print(f"B{batch} T{frames} step: {step_ms:.2f} ms with the default configuration", flush=True)
     return 0
 

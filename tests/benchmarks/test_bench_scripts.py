@@ -241,6 +241,28 @@ def test_gemm_shapes_are_every_projection_of_a_step(preset, batch, frames):
     ]
 
 
+@pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        ("bench_gemm_shapes", [], "this script times cuBLAS GEMMs on a CUDA device; none is available"),
+        (
+            "bench_ring_attention",
+            ["--grid", "default", "--write", "--prerotated"],
+            "this script times Triton kernels on a CUDA device; none is available",
+        ),
+    ],
+)
+def test_cuda_only_benchmarks_refuse_a_machine_without_cuda(name, argv, message, monkeypatch, tmp_path, capsys):
+    # Usage error (exit 2) naming the missing device, and no JSON written.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as exc:
+        _load(name).main([*argv, "--json", str(out)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_common_helpers():
     common = _load("bench_codec_step").common
     assert common.parse_int_list("1, 8,8,64") == [1, 8, 64]
