@@ -57,6 +57,9 @@ time max exceeds 10x its p50, naming the slowest step's batch (chunks and frames
 when that batch is small, a burst of chunks arriving together when it holds most of the live streams.
 ``--time-replays`` (CUDA, our arms) brackets every graph replay with device synchronisations and splits each
 decode call into replay time and the host time around it (``details.replay_ms``, ``details.host_ms``).
+``--trace-calls`` (our arms) records each decode call's host time by phase
+(``CodecStreamSession.enable_call_traces``, phases of ``session.CallTrace``): ``details.call_trace_ms`` holds
+each phase's p50 and p99 over the run's calls and ``details.slowest_step.trace_ms`` the slowest call's trace.
 
 Writes ``results.json`` (rewritten after every run), ``latencies.npz`` (every chunk's codec-added latency in
 ms per arm and concurrency, keys ``"<arm>/<C>"``), ``results.md`` (with each run's peak state in GiB),
@@ -79,7 +82,7 @@ import shlex
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +175,7 @@ class OurArm:
         page_fraction: float | None = None,
         slots: int | None = None,
         paged_budget: dict[str, int] | None = None,
+        trace_calls: bool = False,
     ):
         self.replay_s = 0.0
         self.peak_state = 0
@@ -193,6 +197,8 @@ class OurArm:
         self.time_replays = time_replays and self.session.runner is not None
         if self.time_replays:
             self._time_replays(self.session.runner)
+        if trace_calls:
+            self.session.enable_call_traces(max_calls=None)
 
     def _time_replays(self, runner) -> None:
         # Bracket every graph replay with device synchronisations (only under --time-replays: the extra
@@ -215,6 +221,15 @@ class OurArm:
             return None
         seconds, self.replay_s = self.replay_s, 0.0
         return seconds
+
+    def take_call_trace(self):
+        """The last decode call's ``CallTrace`` (None without --trace-calls); earlier ones are dropped."""
+        traces = self.session.call_traces
+        if not traces:
+            return None
+        trace = traces[-1]
+        traces.clear()
+        return trace
 
     def reset_state_peak(self) -> None:
         self.peak_state = self.state_now = self.session.pool.state_in_use_bytes()
@@ -285,6 +300,9 @@ class UpstreamArm:
     def take_replay_seconds(self) -> float | None:
         return None  # --time-replays times our session only
 
+    def take_call_trace(self):
+        return None  # --trace-calls traces our session only
+
     def abort(self, request_ids):
         self.stage.release(request_ids)
 
@@ -333,6 +351,7 @@ class Run:
     step_chunks: list[int] = field(default_factory=list)  # chunks decoded by each step
     step_frames: list[int] = field(default_factory=list)  # frames of each step's longest chunk
     step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
+    step_trace: list[Any] = field(default_factory=list)  # session.CallTrace of each step (--trace-calls)
     state_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock s, state bytes) after each step
     serving_s: float = 0.0
     audio_s: float = 0.0
@@ -392,6 +411,9 @@ def simulate(arm, trace: Trace, concurrency: int, chunk_sizes: list[int], cfg, a
         replay = arm.take_replay_seconds()
         if replay is not None:
             run.step_replay.append(replay)
+        call_trace = arm.take_call_trace()
+        if call_trace is not None:
+            run.step_trace.append(call_trace)
         clock += wall
         run.state_trace.append((clock, arm.state_bytes_now()))
         missing = {c.request_id for c in chunks} - set(audio)
@@ -479,6 +501,15 @@ def summarize(run: Run, stats: dict[str, Any], peak: int | None) -> tuple[dict[s
         details["replay_ms"] = {"p50": _pct(run.step_replay, 50), "p99": _pct(run.step_replay, 99)}
         details["host_ms"] = {"p50": _pct(host, 50), "p99": _pct(host, 99)}
         details["slowest_step"]["replay_ms"] = round(run.step_replay[slowest] * 1e3, 3)
+    if run.step_trace and len(run.step_trace) == len(walls):
+        traces = [asdict(t) for t in run.step_trace]
+        phases = [k for k, v in traces[0].items() if k.endswith("_ms")]
+        details["call_trace_ms"] = {
+            k: {f"p{q}": _pct([t[k] for t in traces], q, 1.0) for q in (50, 99)} for k in phases
+        }
+        details["slowest_step"]["trace_ms"] = {
+            k: round(v, 3) if k.endswith("_ms") else v for k, v in traces[slowest].items()
+        }
     return figures, details
 
 
@@ -572,7 +603,19 @@ def _arm_factory(name: str, args, device, cfg, chunk_sizes: list[int], models: d
 
         def make(c: int) -> OurArm:
             fraction, slots, budget = state_budget(args, name, decoder, c)
-            return OurArm(decoder, c, name, graphs, chunk_sizes, args.n_vq, args.time_replays, fraction, slots, budget)
+            return OurArm(
+                decoder,
+                c,
+                name,
+                graphs,
+                chunk_sizes,
+                args.n_vq,
+                args.time_replays,
+                fraction,
+                slots,
+                budget,
+                args.trace_calls,
+            )
 
         return make
     if "upstream" not in models:
@@ -674,6 +717,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--time-replays",
         action="store_true",
         help="CUDA, our arms: time each graph replay between device syncs; details gain replay_ms and host_ms",
+    )
+    p.add_argument(
+        "--trace-calls",
+        action="store_true",
+        help="our arms: each decode call's host time by phase; details gain call_trace_ms and slowest_step.trace_ms",
     )
     args = p.parse_args(argv)
     if args.requests_per_stream < 1 or args.n_vq < 1:

@@ -490,6 +490,30 @@ def test_stage_summary_splits_decode_calls_into_replay_and_host_time():
     assert details["host_ms"]["p99"] == pytest.approx(19.72)  # numpy percentile of [6, 20, 5] ms
 
 
+def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
+    # --trace-calls: one session.CallTrace per decode call of our arm, summarised per phase, and the
+    # slowest call's own trace, whose phases add up to its total and fit inside the call's wall time.
+    bench = _load("bench_codec_stage")
+    argv = "--device cpu --preset tiny-v2 --arms v2 --concurrency 3 --requests-per-stream 2 --quiet --trace-calls"
+    result = bench.main([*argv.split(), "--out", str(tmp_path)])
+    details = result["details"]["v2"]["3"]
+    phases = ("plan_ms", "stage_ms", "run_ms", "to_host_ms", "finish_ms", "total_ms", "gc_ms")
+    assert list(details["call_trace_ms"]) == list(phases)
+    for phase in phases:
+        assert 0 <= details["call_trace_ms"][phase]["p50"] <= details["call_trace_ms"][phase]["p99"]
+    slowest = details["slowest_step"]
+    trace = slowest["trace_ms"]
+    assert trace["chunks"] == slowest["chunks"] and trace["steps"] == 1
+    assert sum(trace[p] for p in phases[:5]) == pytest.approx(trace["total_ms"], abs=0.01)
+    assert 0 < trace["run_ms"] < trace["total_ms"] <= details["step_ms"]["max"]
+
+    # Without the flag, nothing is traced.
+    result = bench.main(["--device", "cpu", "--preset", "tiny-v2", "--arms", "v2", "--concurrency", "2",
+                         "--requests-per-stream", "1", "--quiet", "--out", str(tmp_path / "plain")])  # fmt: skip
+    details = result["details"]["v2"]["2"]
+    assert "call_trace_ms" not in details and "trace_ms" not in details["slowest_step"]
+
+
 def test_upstream_stage_plan_follows_upstream_policy():
     plan_steps = _load("bench_codec_stage").upstream_stage.plan_steps
 

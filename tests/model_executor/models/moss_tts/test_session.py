@@ -553,3 +553,64 @@ def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
     for t in (codes, lengths, slot_ids):
         assert t.is_contiguous() and t._base is None and t.dtype == torch.long
     assert len({t.untyped_storage().data_ptr() for t in (codes, lengths, slot_ids)}) == 3
+
+
+def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
+    import gc
+
+    s = CodecStreamSession(ring_decoder, 4, graph_frame_sizes=[2], max_step_frames=2)
+    assert s.call_traces is None  # off by default: nothing recorded
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
+    traces = s.enable_call_traces(max_calls=3)
+    assert s.call_traces is traces and s._gc_callback in gc.callbacks
+
+    # A garbage collection inside the pool step is counted, and lands in the run phase.
+    real = s.pool.decode_streaming_batch
+    collected = []
+
+    def step_with_gc(codes, lengths, slot_ids, valid):
+        collected.append(gc.collect())
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", step_with_gc)
+    before = sum(s.stats()["steps_by_path"].values())
+    # Chunks of 3 frames are cut into pieces of 2 and 1: two steps in one call.
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 3, 1)), ChunkRequest("b", _codes(ring_decoder, 3, 2))])
+    (trace,) = traces
+    assert trace.chunks == 2 and trace.steps == 2 == sum(s.stats()["steps_by_path"].values()) - before
+    phases = [trace.plan_ms, trace.stage_ms, trace.run_ms, trace.to_host_ms, trace.finish_ms]
+    assert min(phases) >= 0 and trace.stage_ms > 0 and trace.run_ms > 0 and trace.to_host_ms > 0
+    assert sum(phases) == pytest.approx(trace.total_ms, rel=1e-9, abs=1e-9)
+    # One count per collection (the collector calls back at its start and its stop); automatic ones may add.
+    assert len(collected) == 2 and trace.gc_collections >= 2
+    assert 0 < trace.gc_ms <= trace.run_ms
+
+    # A call that decodes nothing (a zero-frame terminal chunk, a refused chunk) is all planning.
+    s.decode([ChunkRequest("b", _codes(ring_decoder, 0, 3), True), ChunkRequest("", _codes(ring_decoder, 1, 4))])
+    empty = traces[-1]
+    assert empty.steps == 0 and empty.chunks == 2 and empty.plan_ms == pytest.approx(empty.total_ms, rel=1e-9)
+    assert empty.stage_ms == empty.run_ms == empty.to_host_ms == empty.finish_ms == 0.0
+
+    for i in range(3):  # only the last max_calls traces are kept
+        s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 10 + i))])
+    assert len(traces) == 3 and [t.chunks for t in traces] == [1, 1, 1]
+
+    # A refused batch records nothing.
+    with pytest.raises(ValueError, match="appears twice"):
+        s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 20)), ChunkRequest("a", _codes(ring_decoder, 1, 21))])
+    assert len(traces) == 3
+
+    s.disable_call_traces()
+    assert s.call_traces is None and s._gc_callback not in gc.callbacks
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 30))])  # still decodes, records nothing
+    s.enable_call_traces(None)
+    s.close()  # close drops the collector callback too
+    assert s._gc_callback not in gc.callbacks
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "3"])
+def test_call_traces_refuse_a_bad_length(bad, ring_decoder):
+    s = CodecStreamSession(ring_decoder, 1)
+    with pytest.raises(ValueError, match=f"max_calls must be None or an integer >= 1, got {bad!r}"):
+        s.enable_call_traces(bad)
+    assert s.call_traces is None

@@ -35,9 +35,10 @@ The session imports nothing from vLLM; it runs wherever the pool runs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ import torch
 from .decoder import CodecDecoder
 from .state_pool import DecoderStatePool, SlotState, make_state_pool
 
-__all__ = ["ChunkRequest", "ChunkResult", "CodecStreamSession"]
+__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,48 @@ def _result_key(request_id) -> object:
     except TypeError:
         return repr(request_id)
     return request_id
+
+
+@dataclass
+class CallTrace:
+    """Host time of one :meth:`CodecStreamSession.decode` call by phase, in milliseconds of
+    ``time.perf_counter`` (:meth:`CodecStreamSession.enable_call_traces`).
+
+    The phases follow each other and add up to ``total_ms``:
+
+    Attributes:
+        plan_ms: work before and between steps: request checks, routing chunks to streams, the clamp
+            count, admission, and cutting the ready chunks into steps (the whole call when no step runs).
+        stage_ms: each step's ``prepare_step`` and the gathering and copies of its codes, slot ids and
+            lengths (``_stage_inputs``).
+        run_ms: the steps themselves as the host sees them: with CUDA graphs the graph's input copies,
+            the replay's launch and the output's copy on the device (the GPU may still be running when
+            they return); an eager step whole.
+        to_host_ms: each step's audio rows to the host, including the wait for the step and the copies
+            to finish on CUDA.
+        finish_ms: after the last step: ending streams, result objects, copies of still-buffered chunks.
+        total_ms: the whole call.
+        gc_ms: Python garbage collection while the call ran (time already inside the phases above).
+        gc_collections: collections while the call ran.
+        chunks: requests in the call.
+        steps: pool steps the call ran.
+    """
+
+    plan_ms: float = 0.0
+    stage_ms: float = 0.0
+    run_ms: float = 0.0
+    to_host_ms: float = 0.0
+    finish_ms: float = 0.0
+    total_ms: float = 0.0
+    gc_ms: float = 0.0
+    gc_collections: int = 0
+    chunks: int = 0
+    steps: int = 0
+
+    def _lap(self, phase: str, now: float, last: float) -> float:
+        # Add now - last to `phase` and return now, the next phase's start.
+        setattr(self, phase, getattr(self, phase) + (now - last) * 1e3)
+        return now
 
 
 @dataclass
@@ -322,6 +365,11 @@ class CodecStreamSession:
         self._waiting = AdmissionQueue(max_waiting_streams, max_waiting_frames)
         self._counters = _Counters()
         self._closed = False
+        #: Traces of the last calls (:meth:`enable_call_traces`); None while tracing is off.
+        self.call_traces: deque[CallTrace] | None = None
+        self._trace: CallTrace | None = None  # the running call's trace
+        self._trace_mark = 0.0  # perf_counter at the end of the trace's last phase
+        self._gc_started = 0.0
 
     def _compiled_step(self, compile) -> Callable | None:
         if compile is True:
@@ -413,11 +461,49 @@ class CodecStreamSession:
             if released:
                 self.pool.release(released)
 
+    def enable_call_traces(self, max_calls: int | None = 4096) -> deque[CallTrace]:
+        """Record a :class:`CallTrace` of every later :meth:`decode` call in :attr:`call_traces` (the
+        last ``max_calls``; None keeps all), for latency diagnosis. Costs a few clock reads a step and a
+        garbage-collector callback while enabled. Returns :attr:`call_traces`.
+
+        Raises:
+            ValueError: ``max_calls`` is not None or an integer >= 1.
+        """
+        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+            raise ValueError(f"max_calls must be None or an integer >= 1, got {max_calls!r}")
+        if self._gc_callback not in gc.callbacks:
+            gc.callbacks.append(self._gc_callback)
+        self.call_traces = deque(maxlen=max_calls)
+        return self.call_traces
+
+    def disable_call_traces(self) -> None:
+        """Stop recording call traces; :attr:`call_traces` becomes None. Idempotent."""
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
+        self.call_traces = None
+
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        # gc.callbacks hook while traces are on: the collections that happen inside a decode call.
+        trace = self._trace
+        if trace is None:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            trace.gc_ms += (time.perf_counter() - self._gc_started) * 1e3
+            trace.gc_collections += 1
+
+    def _lap(self, phase: str) -> None:
+        # Close the running trace's current phase as `phase` (no-op while tracing is off).
+        if self._trace is not None:
+            self._trace_mark = self._trace._lap(phase, time.perf_counter(), self._trace_mark)
+
     def close(self) -> None:
         """Drop graphs and pool state. Idempotent; :meth:`decode` raises afterwards."""
         if self._closed:
             return
         self._closed = True
+        self.disable_call_traces()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -438,6 +524,7 @@ class CodecStreamSession:
             for a refused chunk, ``queued`` while the stream waits), plus one for every
             waiting stream that got a slot and was decoded in this call. A request whose id
             is not a string gets its error under that id (its ``repr`` if it cannot key a dict).
+            With :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
         Raises:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
@@ -445,6 +532,7 @@ class CodecStreamSession:
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
+        started = time.perf_counter() if self.call_traces is not None else 0.0
         if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
             raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
         requests = list(requests)
@@ -456,7 +544,21 @@ class CodecStreamSession:
         dupes = sorted(rid for rid, n in Counter(named).items() if n > 1)
         if dupes:
             raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
+        if self.call_traces is not None:  # the batch's checks above count as planning
+            self._trace, self._trace_mark = CallTrace(chunks=len(requests)), started
+        try:
+            return self._decode_batch(requests, ids)
+        finally:
+            trace, self._trace = self._trace, None
+            if trace is not None:
+                now = time.perf_counter()
+                trace._lap("finish_ms" if trace.steps else "plan_ms", now, self._trace_mark)
+                trace.total_ms = (now - started) * 1e3
+                if self.call_traces is not None:
+                    self.call_traces.append(trace)
 
+    def _decode_batch(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
+        # decode() past its argument checks (which change nothing).
         results: dict[str, ChunkResult] = {}
         accepted = []
         for req, key in zip(requests, ids):
@@ -699,10 +801,12 @@ class CodecStreamSession:
     def _step(self, slots: list[int], pieces: list[torch.Tensor], done: list[int]) -> list[torch.Tensor]:
         """One pool step (``done``: frames each slot has decoded before it); returns each row's
         ``(channels, own_T * spf)`` float32 CPU audio."""
+        self._lap("plan_ms")
         own = [p.shape[1] for p in pieces]
         B, T = len(pieces), self._step_frames(max(own))
         self.pool.prepare_step(slots, own, done)  # a paged pool allocates the pages this step writes
         codes, slot_ids, lengths = self._stage_inputs(pieces, own, slots, T)
+        self._lap("stage_ms")
         out = self.runner.decode(codes, lengths, slot_ids) if self.runner is not None else None
         if out is not None:
             self._counters.steps_graph += 1
@@ -711,10 +815,15 @@ class CodecStreamSession:
             valid = torch.ones(B, dtype=torch.bool, device=self.device)
             step = self._eager_step or self.pool.decode_streaming_batch
             out, _ = step(codes, lengths, slot_ids, valid)
+        self._lap("run_ms")
         served = out.shape[-1] // self.samples_per_frame
         self._counters.decoded_frames += sum(own)
         self._counters.padded_frames += B * served - sum(own)
-        return self._to_host(out, own)
+        rows = self._to_host(out, own)
+        self._lap("to_host_ms")
+        if self._trace is not None:
+            self._trace.steps += 1
+        return rows
 
     def _input_buffer(self, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the session's pinned int64 input buffer (grown when too small).
