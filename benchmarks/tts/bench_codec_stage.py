@@ -59,7 +59,7 @@ when that batch is small, a burst of chunks arriving together when it holds most
 decode call into replay time and the host time around it (``details.replay_ms``, ``details.host_ms``).
 ``--trace-calls`` (our arms) records each decode call's host time by phase
 (``CodecStreamSession.enable_call_traces``, phases of ``session.CallTrace``): ``details.call_trace_ms`` holds
-each phase's p50 and p99 over the run's calls and ``details.slowest_step.trace_ms`` the slowest call's trace.
+each phase's p50 and p99 over the run's calls and ``details.slowest_step.trace`` the slowest call's whole trace.
 
 Writes ``results.json`` (rewritten after every run), ``latencies.npz`` (every chunk's codec-added latency in
 ms per arm and concurrency, keys ``"<arm>/<C>"``), ``results.md`` (with each run's peak state in GiB),
@@ -507,7 +507,7 @@ def summarize(run: Run, stats: dict[str, Any], peak: int | None) -> tuple[dict[s
         details["call_trace_ms"] = {
             k: {f"p{q}": _pct([t[k] for t in traces], q, 1.0) for q in (50, 99)} for k in phases
         }
-        details["slowest_step"]["trace_ms"] = {
+        details["slowest_step"]["trace"] = {
             k: round(v, 3) if k.endswith("_ms") else v for k, v in traces[slowest].items()
         }
     return figures, details
@@ -721,7 +721,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--trace-calls",
         action="store_true",
-        help="our arms: each decode call's host time by phase; details gain call_trace_ms and slowest_step.trace_ms",
+        help="our arms: each decode call's host time by phase; details gain call_trace_ms and slowest_step.trace",
     )
     args = p.parse_args(argv)
     if args.requests_per_stream < 1 or args.n_vq < 1:

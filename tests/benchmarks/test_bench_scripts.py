@@ -502,8 +502,8 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     for phase in phases:
         assert 0 <= details["call_trace_ms"][phase]["p50"] <= details["call_trace_ms"][phase]["p99"]
     slowest = details["slowest_step"]
-    trace = slowest["trace_ms"]
-    assert trace["chunks"] == slowest["chunks"] and trace["steps"] == 1
+    trace = slowest["trace"]
+    assert trace["chunks"] == slowest["chunks"] and trace["steps"] == 1 and trace["failed"] is False
     assert sum(trace[p] for p in phases[:5]) == pytest.approx(trace["total_ms"], abs=0.01)
     assert 0 < trace["run_ms"] < trace["total_ms"] <= details["step_ms"]["max"]
 
@@ -511,7 +511,7 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     result = bench.main(["--device", "cpu", "--preset", "tiny-v2", "--arms", "v2", "--concurrency", "2",
                          "--requests-per-stream", "1", "--quiet", "--out", str(tmp_path / "plain")])  # fmt: skip
     details = result["details"]["v2"]["2"]
-    assert "call_trace_ms" not in details and "trace_ms" not in details["slowest_step"]
+    assert "call_trace_ms" not in details and "trace" not in details["slowest_step"]
 
 
 def test_upstream_stage_plan_follows_upstream_policy():

@@ -558,13 +558,20 @@ def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
 def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     import gc
 
+    from vllm_omni_moss.model_executor.models.moss_tts import session as session_module
+
     s = CodecStreamSession(ring_decoder, 4, graph_frame_sizes=[2], max_step_frames=2)
     assert s.call_traces is None  # off by default: nothing recorded
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
     traces = s.enable_call_traces(max_calls=3)
-    assert s.call_traces is traces and s._gc_callback in gc.callbacks
+    assert s.call_traces is traces and s in session_module._TRACING_SESSIONS
+    assert gc.callbacks.count(session_module._gc_hook) == 1
+    s.enable_call_traces(max_calls=3)  # enabling again: a new, empty history, still one hook
+    assert gc.callbacks.count(session_module._gc_hook) == 1
+    traces = s.call_traces
 
-    # A garbage collection inside the pool step is counted, and lands in the run phase.
+    # A garbage collection inside the pool step is counted and lands in the run phase; a collection's stop
+    # whose start came before the call is not counted.
     real = s.pool.decode_streaming_batch
     collected = []
 
@@ -574,10 +581,12 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
 
     monkeypatch.setattr(s.pool, "decode_streaming_batch", step_with_gc)
     before = sum(s.stats()["steps_by_path"].values())
+    session_module._gc_hook("start", {})  # outside any call: ignored
     # Chunks of 3 frames are cut into pieces of 2 and 1: two steps in one call.
     s.decode([ChunkRequest("a", _codes(ring_decoder, 3, 1)), ChunkRequest("b", _codes(ring_decoder, 3, 2))])
     (trace,) = traces
     assert trace.chunks == 2 and trace.steps == 2 == sum(s.stats()["steps_by_path"].values()) - before
+    assert not trace.failed
     phases = [trace.plan_ms, trace.stage_ms, trace.run_ms, trace.to_host_ms, trace.finish_ms]
     assert min(phases) >= 0 and trace.stage_ms > 0 and trace.run_ms > 0 and trace.to_host_ms > 0
     assert sum(phases) == pytest.approx(trace.total_ms, rel=1e-9, abs=1e-9)
@@ -585,11 +594,35 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert len(collected) == 2 and trace.gc_collections >= 2
     assert 0 < trace.gc_ms <= trace.run_ms
 
+    def stray_stop(codes, lengths, slot_ids, valid):
+        session_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", stray_stop)
+    gc.disable()
+    try:
+        s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 5))])
+    finally:
+        gc.enable()
+    assert traces[-1].gc_collections == 0 and traces[-1].gc_ms == 0.0
+
     # A call that decodes nothing (a zero-frame terminal chunk, a refused chunk) is all planning.
     s.decode([ChunkRequest("b", _codes(ring_decoder, 0, 3), True), ChunkRequest("", _codes(ring_decoder, 1, 4))])
     empty = traces[-1]
     assert empty.steps == 0 and empty.chunks == 2 and empty.plan_ms == pytest.approx(empty.total_ms, rel=1e-9)
     assert empty.stage_ms == empty.run_ms == empty.to_host_ms == empty.finish_ms == 0.0
+
+    # A call whose step raises is recorded as failed; the session goes on decoding and tracing.
+    def broken(codes, lengths, slot_ids, valid):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", broken)
+    with pytest.raises(RuntimeError, match="the device fell over"):
+        s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
+    assert traces[-1].failed and traces[-1].steps == 0 and s._trace is None
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", real)
+    s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 7))])
+    assert not traces[-1].failed and traces[-1].steps == 1
 
     for i in range(3):  # only the last max_calls traces are kept
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 10 + i))])
@@ -601,16 +634,35 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert len(traces) == 3
 
     s.disable_call_traces()
-    assert s.call_traces is None and s._gc_callback not in gc.callbacks
+    assert s.call_traces is None and s not in session_module._TRACING_SESSIONS
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 30))])  # still decodes, records nothing
     s.enable_call_traces(None)
-    s.close()  # close drops the collector callback too
-    assert s._gc_callback not in gc.callbacks
+    s.close()  # close stops tracing too; a closed session cannot trace again
+    assert s.call_traces is None and s not in session_module._TRACING_SESSIONS
+    with pytest.raises(RuntimeError, match="closed"):
+        s.enable_call_traces()
 
 
-@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "3"])
-def test_call_traces_refuse_a_bad_length(bad, ring_decoder):
+def test_tracing_keeps_no_session_alive(ring_decoder):
+    import gc
+    import weakref
+
     s = CodecStreamSession(ring_decoder, 1)
-    with pytest.raises(ValueError, match=f"max_calls must be None or an integer >= 1, got {bad!r}"):
+    s.enable_call_traces()
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
+    ref, pool = weakref.ref(s), weakref.ref(s.pool)
+    del s
+    gc.collect()
+    assert ref() is None and pool() is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "3", 2**63])
+def test_call_traces_refuse_a_bad_length(bad, ring_decoder):
+    import re
+    import sys
+
+    s = CodecStreamSession(ring_decoder, 1)
+    message = f"max_calls must be None or an integer in 1..{sys.maxsize}, got {bad!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
         s.enable_call_traces(bad)
     assert s.call_traces is None

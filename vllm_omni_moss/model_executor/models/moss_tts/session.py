@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -111,20 +113,24 @@ class CallTrace:
 
     Attributes:
         plan_ms: work before and between steps: request checks, routing chunks to streams, the clamp
-            count, admission, and cutting the ready chunks into steps (the whole call when no step runs).
+            count, admission, ending streams, preempting streams of a paged pool (their state copied to
+            the host), and cutting the ready chunks into steps (the whole call when no step runs).
         stage_ms: each step's ``prepare_step`` and the gathering and copies of its codes, slot ids and
             lengths (``_stage_inputs``).
         run_ms: the steps themselves as the host sees them: with CUDA graphs the graph's input copies,
             the replay's launch and the output's copy on the device (the GPU may still be running when
-            they return); an eager step whole.
-        to_host_ms: each step's audio rows to the host, including the wait for the step and the copies
-            to finish on CUDA.
-        finish_ms: after the last step: ending streams, result objects, copies of still-buffered chunks.
+            they return); an eager step's launches, and on CUDA the waits inside it.
+        to_host_ms: each step's audio rows to the host, including the wait for the GPU to finish the
+            step and the copies on CUDA.
+        finish_ms: after the last step: joining a stream's pieces, ending streams, admitting and decoding
+            nothing more, result objects, copies of still-buffered chunks.
         total_ms: the whole call.
-        gc_ms: Python garbage collection while the call ran (time already inside the phases above).
-        gc_collections: collections while the call ran.
+        gc_ms: Python garbage collections that started and ended while the call ran (time already inside
+            the phases above).
+        gc_collections: those collections.
         chunks: requests in the call.
-        steps: pool steps the call ran.
+        steps: pool steps the call completed.
+        failed: the call raised; the time of the step that raised counts in the phase open when it did.
     """
 
     plan_ms: float = 0.0
@@ -137,11 +143,24 @@ class CallTrace:
     gc_collections: int = 0
     chunks: int = 0
     steps: int = 0
+    failed: bool = False
 
     def _lap(self, phase: str, now: float, last: float) -> float:
         # Add now - last to `phase` and return now, the next phase's start.
         setattr(self, phase, getattr(self, phase) + (now - last) * 1e3)
         return now
+
+
+#: Sessions whose call traces are on; the one garbage-collector hook below reads them. A WeakSet, so that
+#: tracing never keeps a session (and its pool) alive.
+_TRACING_SESSIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _gc_hook(phase: str, info: dict) -> None:
+    # gc.callbacks hook, registered once by the first enable_call_traces: hands each collection's start
+    # and stop to every tracing session (CodecStreamSession._gc_event).
+    for session in list(_TRACING_SESSIONS):
+        session._gc_event(phase)
 
 
 @dataclass
@@ -369,7 +388,7 @@ class CodecStreamSession:
         self.call_traces: deque[CallTrace] | None = None
         self._trace: CallTrace | None = None  # the running call's trace
         self._trace_mark = 0.0  # perf_counter at the end of the trace's last phase
-        self._gc_started = 0.0
+        self._gc_started: float | None = None  # perf_counter at the start of a collection inside the call
 
     def _compiled_step(self, compile) -> Callable | None:
         if compile is True:
@@ -463,35 +482,44 @@ class CodecStreamSession:
 
     def enable_call_traces(self, max_calls: int | None = 4096) -> deque[CallTrace]:
         """Record a :class:`CallTrace` of every later :meth:`decode` call in :attr:`call_traces` (the
-        last ``max_calls``; None keeps all), for latency diagnosis. Costs a few clock reads a step and a
-        garbage-collector callback while enabled. Returns :attr:`call_traces`.
+        last ``max_calls``; None keeps all), for latency diagnosis. Costs a few clock reads a step, and a
+        look at the tracing sessions on every garbage collection (one hook in ``gc.callbacks``, installed
+        once per process; it holds no session alive). Enabling again starts a new, empty
+        :attr:`call_traces`. Returns :attr:`call_traces`.
 
         Raises:
-            ValueError: ``max_calls`` is not None or an integer >= 1.
+            ValueError: ``max_calls`` is not None or an integer in ``1..sys.maxsize``.
+            RuntimeError: the session is closed.
         """
-        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
-            raise ValueError(f"max_calls must be None or an integer >= 1, got {max_calls!r}")
-        if self._gc_callback not in gc.callbacks:
-            gc.callbacks.append(self._gc_callback)
+        if self._closed:
+            raise RuntimeError("this CodecStreamSession is closed")
+        if max_calls is not None and (
+            isinstance(max_calls, bool) or not isinstance(max_calls, int) or not 1 <= max_calls <= sys.maxsize
+        ):
+            raise ValueError(f"max_calls must be None or an integer in 1..{sys.maxsize}, got {max_calls!r}")
+        if _gc_hook not in gc.callbacks:
+            gc.callbacks.append(_gc_hook)
         self.call_traces = deque(maxlen=max_calls)
+        _TRACING_SESSIONS.add(self)
         return self.call_traces
 
     def disable_call_traces(self) -> None:
         """Stop recording call traces; :attr:`call_traces` becomes None. Idempotent."""
-        if self._gc_callback in gc.callbacks:
-            gc.callbacks.remove(self._gc_callback)
+        _TRACING_SESSIONS.discard(self)
         self.call_traces = None
 
-    def _gc_callback(self, phase: str, info: dict) -> None:
-        # gc.callbacks hook while traces are on: the collections that happen inside a decode call.
+    def _gc_event(self, phase: str) -> None:
+        # A collection's start or stop (_gc_hook). Only collections that start and stop within one traced
+        # call count toward it: a stop whose start fell outside the call is ignored.
         trace = self._trace
         if trace is None:
             return
         if phase == "start":
             self._gc_started = time.perf_counter()
-        else:
+        elif self._gc_started is not None:
             trace.gc_ms += (time.perf_counter() - self._gc_started) * 1e3
             trace.gc_collections += 1
+            self._gc_started = None
 
     def _lap(self, phase: str) -> None:
         # Close the running trace's current phase as `phase` (no-op while tracing is off).
@@ -532,7 +560,8 @@ class CodecStreamSession:
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
-        started = time.perf_counter() if self.call_traces is not None else 0.0
+        tracing = self.call_traces is not None  # decided once per call
+        started = time.perf_counter() if tracing else 0.0
         if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
             raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
         requests = list(requests)
@@ -544,12 +573,16 @@ class CodecStreamSession:
         dupes = sorted(rid for rid, n in Counter(named).items() if n > 1)
         if dupes:
             raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
-        if self.call_traces is not None:  # the batch's checks above count as planning
-            self._trace, self._trace_mark = CallTrace(chunks=len(requests)), started
+        if tracing:  # the batch's checks above count as planning
+            self._trace, self._trace_mark, self._gc_started = CallTrace(chunks=len(requests)), started, None
         try:
             return self._decode_batch(requests, ids)
+        except BaseException:
+            if self._trace is not None:
+                self._trace.failed = True
+            raise
         finally:
-            trace, self._trace = self._trace, None
+            trace, self._trace, self._gc_started = self._trace, None, None
             if trace is not None:
                 now = time.perf_counter()
                 trace._lap("finish_ms" if trace.steps else "plan_ms", now, self._trace_mark)
