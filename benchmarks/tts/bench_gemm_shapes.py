@@ -17,10 +17,7 @@ are from what cuBLAS does with the same shapes in isolation::
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import shlex
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,33 +77,12 @@ def step_gemms(config: CodecConfig, batch: int, frames: int, ffn_rows: int | Non
     return gemms
 
 
-def _graph_ms(fn, launches: int = 20, replays: int = 5) -> float:
-    """Median milliseconds of one launch of ``fn``, from CUDA-graph replays of ``launches`` launches."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return statistics.median(times)
-
-
 def time_gemm(gemm: Gemm, seed: int) -> float:
     """Milliseconds of one ``(rows, k) x (k, n)`` bf16 ``linear`` on the current CUDA device."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(gemm.rows, gemm.k, generator=gen, device="cuda").to(torch.bfloat16)
     w = torch.randn(gemm.n, gemm.k, generator=gen, device="cuda").to(torch.bfloat16)
-    return _graph_ms(lambda: torch.nn.functional.linear(x, w))
+    return common.graph_launch_ms(lambda: torch.nn.functional.linear(x, w), launches=20)
 
 
 def main(argv=None) -> int:
@@ -120,15 +96,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("this script times cuBLAS GEMMs on a CUDA device; none is available")
     config = preset_config(args.preset)
-    run = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": common.git_commit(),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "device_name": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "preset": args.preset,
-        "ffn_row_chunk": decoder.FFN_ROW_CHUNK,
-    }
+    run = common.run_block(args.preset, ffn_row_chunk=decoder.FFN_ROW_CHUNK)
     records = []
     for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
         step_ms, step_flops = 0.0, 0

@@ -26,10 +26,7 @@ costs (``benchmarks/RESULTS.md``, Run AE).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -49,27 +46,6 @@ GRID = [
     dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st, pv=pv)
     for bq, bk, w, st, pv in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (2, 3), ("tf32", "low"))
 ]
-
-
-def _graph_ms(fn, launches: int = 10, replays: int = 5) -> float:
-    """Median milliseconds of one launch of ``fn``, from CUDA-graph replays of ``launches`` launches."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return statistics.median(times)
 
 
 def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
@@ -114,7 +90,7 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
         "layers": group.num_layers,
         "write": write,
         "rope": rope,
-        "default": dict(default, ms=_graph_ms(lambda: run(None)), rel_rms=rel_rms(run(None))),
+        "default": dict(default, ms=common.graph_launch_ms(lambda: run(None), launches=10), rel_rms=rel_rms(run(None))),
         "grid": [],
     }
     for config in grid:
@@ -122,7 +98,7 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
             continue
         try:
             out = run(config)
-            ms = _graph_ms(lambda config=config: run(config))
+            ms = common.graph_launch_ms(lambda config=config: run(config), launches=10)
         except Exception as exc:  # a configuration the device cannot launch (shared memory, registers)
             record["grid"].append(dict(config, error=f"{type(exc).__name__}: {exc}"[:200]))
             continue
@@ -147,15 +123,7 @@ def main(argv=None) -> int:
         p.error("this script times Triton kernels on a CUDA device; none is available")
     config = preset_config(args.preset)
     semantics = default_ring_semantics(config.version)
-    run = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": common.git_commit(),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "device_name": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "preset": args.preset,
-        "semantics": semantics,
-    }
+    run = common.run_block(args.preset, semantics=semantics)
     records = []
     grid = GRID if args.grid == "launch" else []
     for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):

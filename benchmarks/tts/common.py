@@ -12,10 +12,12 @@ not installed.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -46,6 +48,7 @@ __all__ = [
     "free_memory",
     "gib",
     "git_commit",
+    "graph_launch_ms",
     "markdown_table",
     "module_bytes",
     "parse_int_list",
@@ -54,6 +57,7 @@ __all__ = [
     "random_decoder",
     "pool_kind",
     "resolve_device",
+    "run_block",
     "summarize_ms",
     "upstream_state_bytes",
     "upstream_status",
@@ -110,6 +114,43 @@ def git_commit() -> str | None:
     if out is not None and out.returncode == 0 and out.stdout.strip():
         return out.stdout.strip()
     return None
+
+
+def run_block(preset: str, **extra: Any) -> dict[str, Any]:
+    """The ``run`` block of a CUDA script's JSON: UTC date, commit (:func:`git_commit`), this process's
+    command line, device name, torch version, preset, then ``extra``."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "device_name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "preset": preset,
+        **extra,
+    }
+
+
+def graph_launch_ms(fn, launches: int, replays: int = 5) -> float:
+    """Median milliseconds of one launch of ``fn`` on the current CUDA device: ``fn`` runs once, then
+    ``launches`` calls are captured in one CUDA graph, replayed once untimed and ``replays`` times timed
+    with CUDA events; each replay's time is divided by ``launches``."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return statistics.median(times)
 
 
 def resolve_device(name: str) -> torch.device:
