@@ -217,6 +217,29 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
 
 
 @pytest.mark.cuda
+def test_session_counts_clamped_codes_of_host_and_device_chunks(tmp_path):
+    """Codes outside the codebook are counted by the step that clamps them: host chunks on the host,
+    device chunks on the device (read when ``clamped_codes`` is read); the audio is that of the
+    clamped codes, through the graph path."""
+    dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
+    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(2,), graph_frame_sizes=(1,))
+    clean = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(2,), graph_frame_sizes=(1,))
+    K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
+    codes = torch.randint(0, K, (n_vq, 2, 1), generator=torch.Generator().manual_seed(3))
+    raw = codes.clone()
+    raw[0, 0, 0], raw[1, 0, 0], raw[2, 1, 0] = K, -5, K + 9
+    got = session.decode([ChunkRequest("host", raw[:, 0]), ChunkRequest("dev", raw[:, 1].cuda())])
+    assert session.clamped_codes == 3 and session.stats()["clamped_codes"] == 3
+    want = clean.decode([ChunkRequest("host", raw[:, 0].clamp(0, K - 1)), ChunkRequest("dev", codes[:, 1].cuda())])
+    for r in ("host", "dev"):
+        assert torch.equal(got[r].audio, want[r].audio), r
+    session.decode([ChunkRequest("dev", raw[:, 1].cuda(), True)])  # its device count adds to the 3
+    assert session.clamped_codes == 4 and clean.clamped_codes == 0
+    session.close()
+    clean.close()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_replay_with_mixed_lengths_equals_eager_of_the_same_batch(kind, cuda_ring_decoder):
     """Rows of lengths 3, 1, 2 and 0 in one 3-frame graph: bitwise the eager step of that batch."""

@@ -109,6 +109,23 @@ def test_release_zeroes_and_frees_pages_and_save_restore_is_exact(ring_decoder):
         compact.restore_slot(1, saved)
 
 
+def test_release_zeroes_only_the_released_slots_pages(ring_decoder):
+    # Freed pages are filled group by group (one fill per resolution group): the other slot's pages keep
+    # their bytes in every layer, and the freed pages return to their group's free list.
+    _, pool = _pools(ring_decoder)
+    full = pool.free_page_counts()
+    _step(pool, random_codes(ring_decoder, 2, 7, seed=4), [7, 5], [0, 1])
+    before = [ring.clone() for ring in pool.rings]
+    kept = [sorted({int(p) for p in table[1] if p}) for table in pool.page_tables]
+    freed = [sorted({int(p) for p in table[0] if p}) for table in pool.page_tables]
+    pool.release([0])
+    assert pool.free_page_counts() == [f - len(k) for f, k in zip(full, kept)]
+    for layer, (ring, old) in enumerate(zip(pool.rings, before)):
+        g = pool._group_of(layer)
+        assert not ring[:, freed[g]].any(), layer
+        assert torch.equal(ring[:, kept[g]], old[:, kept[g]]) and bool(ring[:, kept[g]].any()), layer
+
+
 def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
     pool = PagedDecoderStatePool(ring_decoder, page_fraction=0.2)  # one slot's worth of pages per group
     pool.initialize(CAPACITY)

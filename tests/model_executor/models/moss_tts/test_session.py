@@ -505,6 +505,18 @@ def test_clamped_codes_count_only_out_of_range_codes_of_taken_chunks(tiny_decode
     assert got["b"].error is not None and s.clamped_codes == 1
 
 
+def test_clamped_codes_of_a_chunk_cut_into_pieces_are_counted_once(ring_decoder):
+    # A chunk longer than the largest step frame size is decoded in pieces, one step each; every
+    # out-of-range code is counted by the step that clamps it, once, and the audio is the clamped codes'.
+    K = ring_decoder.config.codebook_size
+    s = CodecStreamSession(ring_decoder, 1, graph_frame_sizes=(2,))
+    raw = _codes(ring_decoder, 5, 4)
+    raw[0, 0], raw[1, 3], raw[0, 4] = K, -2, K + 1  # in pieces 0, 1 and 2
+    out = s.decode([ChunkRequest("a", raw, True)])["a"]
+    assert s.clamped_codes == 3 and s.stats()["clamped_codes"] == 3 and s.stats()["steps_by_path"]["eager"] == 3
+    _close(out.audio, _solo(ring_decoder, raw.clamp(0, K - 1), [2, 2, 1]), "pieces")
+
+
 def test_clamped_codes_of_one_batch_in_mixed_dtypes_are_counted_once_each(tiny_decoder):
     # The host chunks of a batch are compared together: int8, uint8 and int64 chunks side by side must
     # neither wrap (uint8 255 is in range; int8 -1 is not) nor count another row's codes.

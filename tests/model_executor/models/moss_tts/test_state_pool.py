@@ -528,6 +528,25 @@ def test_acquire_is_lifo_and_release_resets(kind, ring_decoder):
     assert pool.leased_slots == {0, 1, 2}
 
 
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
+def test_release_clears_only_the_released_slots_in_every_layer(kind, ring_decoder):
+    # Each layer's ring is a view of its resolution group's tensor and release fills slots group by group:
+    # the released slots read zero in every layer, the others keep their bytes, and each ring still lives
+    # at its own address (the graphs and the attention ops read rings by address).
+    pool = _pool_for(ring_decoder, kind)
+    slots = [pool.acquire() for _ in range(3)]
+    _run(pool, random_codes(ring_decoder, 3, 4, seed=5), [4, 2, 3], slots)
+    before = [ring.clone() for ring in pool.rings]
+    assert all(bool(ring[:, s].any()) for ring in pool.rings for s in slots)
+    pool.release([2, 0])
+    for layer, (ring, old) in enumerate(zip(pool.rings, before)):
+        assert not ring[:, [0, 2]].any(), layer
+        assert torch.equal(ring[:, 1], old[:, 1]) and torch.equal(ring[:, 3:], old[:, 3:]), layer
+    ptrs = [ring.data_ptr() for ring in pool.rings]
+    assert len(set(ptrs)) == len(ptrs) == sum(g.num_layers for g in ring_decoder.config.groups)
+    assert pool.state_bytes() == sum(r.numel() * r.element_size() for r in pool.rings + pool.offset_tensors())
+
+
 @pytest.mark.parametrize(
     "ids,message",
     [

@@ -191,6 +191,7 @@ class _Counters:
     queue_wait_s_max: float = 0.0
     request_errors: int = 0
     clamped_codes: int = 0
+    clamped_on_device: torch.Tensor | None = None  # counts of steps whose codes were on the device, not yet read
 
 
 class AdmissionQueue:
@@ -424,8 +425,14 @@ class CodecStreamSession:
 
     @property
     def clamped_codes(self) -> int:
-        """Codes clamped into ``[0, codebook_size - 1]`` since construction."""
-        return self._counters.clamped_codes
+        """Codes clamped into ``[0, codebook_size - 1]`` since construction, counted by the step that
+        decodes them (a chunk refused, or dropped while it waits, counts nothing). Reading it waits for
+        the device when chunks arrived on it (their counts stay on the device until read)."""
+        c = self._counters
+        if c.clamped_on_device is not None:
+            c.clamped_codes += int(c.clamped_on_device)
+            c.clamped_on_device = None
+        return c.clamped_codes
 
     def stats(self) -> dict[str, object]:
         """Counters since construction: steps by path (``graph``/``eager``), decoded and padded
@@ -442,7 +449,7 @@ class CodecStreamSession:
             "admitted_from_queue": c.admitted_from_queue,
             "preemptions": c.preemptions,
             "queue_wait_s_max": c.queue_wait_s_max,
-            "clamped_codes": c.clamped_codes,
+            "clamped_codes": self.clamped_codes,
             "request_errors": c.request_errors,
         }
 
@@ -606,17 +613,13 @@ class CodecStreamSession:
         for req in accepted:
             self._incoming[req.request_id] = self._incoming.get(req.request_id, 0) + req.codes.shape[1]
         self._admit_waiting()  # slots freed since the last call go to waiting streams first
-        taken = []
         try:
             for req in accepted:
                 self._incoming.pop(req.request_id, None)
                 error = self._accept(req)
-                if error is None:
-                    taken.append(req.codes)
-                else:
+                if error is not None:
                     self._counters.request_errors += 1
                     results[req.request_id] = self._empty(error=error)
-            self._count_clamped(taken)
             audio = self._decode_ready()
         finally:
             # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
@@ -651,23 +654,6 @@ class CodecStreamSession:
         if c.device.type == "meta":
             return f"request {rid!r}: codes are on the meta device"
         return None
-
-    def _count_clamped(self, chunks: list[torch.Tensor]) -> None:
-        # Stage 0 pads with codebook_size (the audio pad code); upstream clamps every chunk. Codes that
-        # arrive on the host are counted there (no device work); others with one sync per batch. Compared
-        # as int64: the codebook's last index does not fit every code dtype (1023 in int8 is -1).
-        hi = self.codebook_size - 1
-
-        def outside(codes: torch.Tensor) -> torch.Tensor:
-            codes = codes.to(torch.long)
-            return ((codes < 0) | (codes > hi)).sum()
-
-        on_host = [c.reshape(-1) for c in chunks if c.numel() and not c.is_cuda]
-        if on_host:  # one comparison for the whole batch (torch.cat promotes mixed code dtypes)
-            self._counters.clamped_codes += int(outside(torch.cat(on_host)))
-        on_device = [outside(c).to(self.device) for c in chunks if c.numel() and c.is_cuda]
-        if on_device:
-            self._counters.clamped_codes += int(torch.stack(on_device).sum())
 
     def _accept(self, req: ChunkRequest) -> str | None:
         """Route one valid chunk to its live or waiting stream, or start one. Returns an error or None."""
@@ -900,12 +886,28 @@ class CodecStreamSession:
             codes.zero_()
             for b, p in enumerate(pieces):
                 codes[:, b, : own[b]] = p
+        self._count_clamped(codes)
         codes.clamp_(0, self.codebook_size - 1)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would
         # guard on): the copies below always make new tensors.
         slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
         lengths = meta[1].to(self.device, non_blocking=pinned, copy=True)
         return codes.to(self.device, non_blocking=pinned), slot_ids, lengths
+
+    def _count_clamped(self, codes: torch.Tensor) -> None:
+        """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
+        (padding is 0, in range). Host codes (as Stage 0 sends them) take one min/max pass and a count only
+        when one is out of range; device codes are counted on the device without a sync (read lazily by
+        :attr:`clamped_codes`). Stage 0 pads with ``codebook_size``; upstream clamps every chunk."""
+        hi = self.codebook_size - 1
+        if codes.is_cuda:
+            outside = ((codes < 0) | (codes > hi)).sum()
+            c = self._counters
+            c.clamped_on_device = outside if c.clamped_on_device is None else c.clamped_on_device + outside
+            return
+        low, high = torch.aminmax(codes)
+        if int(low) < 0 or int(high) > hi:
+            self._counters.clamped_codes += int(((codes < 0) | (codes > hi)).sum())
 
     def _audio_row(self, frames: int) -> torch.Tensor:
         """An empty ``(channels, frames * spf)`` float32 tensor in page-locked host memory."""

@@ -2,7 +2,8 @@
 """Slot-addressed decoder state pools for many live streams.
 
 A pool owns every persistent streaming tensor (one K/V ring per attention layer,
-``(2, S, H, C, Dh)``, and the offsets) and the slot lifecycle: :meth:`acquire` leases
+``(2, S, H, C, Dh)``, a view of its resolution group's ``(L, 2, S, H, C, Dh)`` tensor, and
+the offsets) and the slot lifecycle: :meth:`acquire` leases
 a slot (LIFO free list, so the slot released last is leased next while its memory is
 warm), :meth:`release` resets it and returns it. It also owns its padding policy: the
 slot ids graph padding rows carry, how many scratch slots a bucket needs, and which
@@ -202,6 +203,8 @@ class DecoderStatePool(ABC):
         if self.attention_backend == "triton" and self.dtype not in RING_DTYPES:
             raise ValueError(f"attention backend 'triton' needs a ring dtype in {RING_DTYPES}, got {self.dtype}")
         self.rings: list[torch.Tensor] = []
+        # One tensor per resolution group holding its layers' rings (``rings`` are views of them).
+        self._group_rings: list[torch.Tensor] = []
         self.state_capacity = 0
         self.scratch_capacity = 0
         self.num_slots = 0
@@ -246,16 +249,25 @@ class DecoderStatePool(ABC):
         self._free = list(range(state_capacity - 1, -1, -1))  # a fresh pool leases 0, 1, 2, ...
 
     def _allocate_rings(self) -> list[torch.Tensor]:
-        # One zeroed ring (2, S, H, C, Dh) per attention layer.
-        return [
-            torch.zeros(2, self.num_slots, s.num_heads, s.context, s.head_dim, device=self.device, dtype=self.dtype)
-            for s in self.config.groups
-            for _ in range(s.num_layers)
+        # One zeroed ring (2, S, H, C, Dh) per attention layer, a view of its group's (L, 2, S, H, C, Dh)
+        # tensor: clearing a slot then takes one fill per group instead of one per layer (_clear_rings).
+        return self._group_ring_views(
+            [(2, self.num_slots, s.num_heads, s.context, s.head_dim) for s in self.config.groups]
+        )
+
+    def _group_ring_views(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Allocate one zeroed tensor ``(num_layers, *shape)`` per resolution group (``shapes``: one ring's
+        shape per group) into ``_group_rings``; returns every layer's ring, in layer order, as a view."""
+        self._group_rings = [
+            torch.zeros(spec.num_layers, *shape, device=self.device, dtype=self.dtype)
+            for spec, shape in zip(self.config.groups, shapes)
         ]
+        return [ring for group in self._group_rings for ring in group.unbind(0)]
 
     def close(self) -> None:
         """Drop all state and leases. The pool can be initialised again, with another capacity."""
         self.rings = []
+        self._group_rings = []
         self.state_capacity = 0
         self.scratch_capacity = 0
         self.num_slots = 0
@@ -340,8 +352,8 @@ class DecoderStatePool(ABC):
         self._reset_offsets(ids)
 
     def _clear_rings(self, ids: torch.Tensor) -> None:
-        for ring in self.rings:
-            ring.index_fill_(1, ids, 0)
+        for group in self._group_rings:  # (L, 2, S, H, C, Dh): slots are dim 2
+            group.index_fill_(2, ids, 0)
 
     def prepare_step(self, slot_ids, lengths, frames=None) -> None:  # noqa: B027 - optional hook
         """Host-side preparation of a step over live ``slot_ids`` decoding ``lengths`` frames each
@@ -1049,7 +1061,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             if self.state_budget_bytes is not None:
                 self.page_fraction = self.page_fraction_for_budget(self.state_budget_bytes, self.state_capacity)
             counts = self._pages_at(self.page_fraction, self.state_capacity)
-        rings, first = [], 0
+        shapes, first = [], 0
         self.page_tables, self._host_tables, self._free_pages, self._group_layers = [], [], [], []
         for spec in self.config.groups:
             n = self._pages_per_ring(spec)
@@ -1059,14 +1071,13 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
                     f"page_fraction {self.page_fraction} gives group {len(self.page_tables)} {pages - 1} pages; one "
                     f"stream needs {n} (page_fraction >= {n / (self.state_capacity * n):.4g} for {self.state_capacity} slots)"
                 )
-            shape = (2, pages, spec.num_heads, self.page_size, spec.head_dim)
-            rings += [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(spec.num_layers)]
+            shapes.append((2, pages, spec.num_heads, self.page_size, spec.head_dim))
             self.page_tables.append(torch.zeros(self.num_slots, n, dtype=torch.long, device=self.device))
             self._host_tables.append([[] for _ in range(self.num_slots)])
             self._free_pages.append(list(range(pages - 1, 0, -1)))  # page 1 is allocated first
             self._group_layers.append(range(first, first + spec.num_layers))
             first += spec.num_layers
-        return rings
+        return self._group_ring_views(shapes)
 
     def close(self) -> None:
         super().close()
@@ -1265,15 +1276,13 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         super().restore_slot(slot, state)
 
     def _clear_rings(self, ids: torch.Tensor) -> None:
-        for g, layers in enumerate(self._group_layers):
+        for g in range(len(self._group_layers)):
             freed = []
             for slot in ids.tolist():
                 freed += self._host_tables[g][slot]
                 self._host_tables[g][slot] = []
-            if freed:
-                pages = torch.tensor(freed, device=self.device)
-                for layer in layers:
-                    self.rings[layer].index_fill_(1, pages, 0)
+            if freed:  # the group's rings (L, 2, pages, H, page, Dh): pages are dim 2
+                self._group_rings[g].index_fill_(2, torch.tensor(freed, device=self.device), 0)
                 self._free_pages[g].extend(reversed(freed))
             self.page_tables[g].index_fill_(0, ids, 0)
 
