@@ -497,14 +497,14 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     argv = "--device cpu --preset tiny-v2 --arms v2 --concurrency 3 --requests-per-stream 2 --quiet --trace-calls"
     result = bench.main([*argv.split(), "--out", str(tmp_path)])
     details = result["details"]["v2"]["3"]
-    phases = ("plan_ms", "stage_ms", "run_ms", "to_host_ms", "finish_ms", "total_ms", "gc_ms")
+    phases = ("plan_ms", "stage_ms", "run_ms", "to_host_ms", "finish_ms", "wait_ms", "total_ms", "gc_ms")
     assert list(details["call_trace_ms"]) == list(phases)
     for phase in phases:
         assert 0 <= details["call_trace_ms"][phase]["p50"] <= details["call_trace_ms"][phase]["p99"]
     slowest = details["slowest_step"]
     trace = slowest["trace"]
     assert trace["chunks"] == slowest["chunks"] and trace["steps"] == 1 and trace["failed"] is False
-    assert sum(trace[p] for p in phases[:5]) == pytest.approx(trace["total_ms"], abs=0.01)
+    assert sum(trace[p] for p in phases[:6]) == pytest.approx(trace["total_ms"], abs=0.01)
     assert 0 < trace["run_ms"] < trace["total_ms"] <= details["step_ms"]["max"]
 
     # Without the flag, nothing is traced.

@@ -230,7 +230,9 @@ def test_session_counts_clamped_codes_of_host_and_device_chunks(tmp_path):
     raw[0, 0, 0], raw[1, 0, 0], raw[2, 1, 0] = K, -5, K + 9
     got = session.decode([ChunkRequest("host", raw[:, 0]), ChunkRequest("dev", raw[:, 1].cuda())])
     assert session.clamped_codes == 3 and session.stats()["clamped_codes"] == 3
-    want = clean.decode([ChunkRequest("host", raw[:, 0].clamp(0, K - 1)), ChunkRequest("dev", codes[:, 1].cuda())])
+    want = clean.decode(
+        [ChunkRequest("host", raw[:, 0].clamp(0, K - 1)), ChunkRequest("dev", raw[:, 1].clamp(0, K - 1).cuda())]
+    )
     for r in ("host", "dev"):
         assert torch.equal(got[r].audio, want[r].audio), r
     session.decode([ChunkRequest("dev", raw[:, 1].cuda(), True)])  # its device count adds to the 3
@@ -292,6 +294,46 @@ def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
         _assert_close_to_peak(torch.cat(audio[rid], -1), ref)
     assert session.free_slots == CAPACITY
     session.close()
+
+
+@pytest.mark.cuda
+def test_steps_of_one_call_queued_behind_a_busy_device_equal_one_step_per_call(cuda_ring_decoder):
+    """A call awaits the device once, at its end: its steps queue up behind each other while the host
+    stages the next one in the same page-locked input buffer, ends streams (their slots reset) and
+    admits a waiting stream into a freed slot. With the device held busy before the call (so nothing of
+    it has run when the host stages step 2), every row equals the same steps taken one call each."""
+    dec = cuda_ring_decoder
+    gen = torch.Generator().manual_seed(11)
+    codes = {rid: torch.randint(0, 16, (2, 13), generator=gen) for rid in "abc"}
+
+    def run(one_call: bool) -> dict[str, torch.Tensor]:
+        session = CodecStreamSession(dec, 2, graph_batch_sizes=(2,), graph_frame_sizes=(1, 5), max_waiting_streams=1)
+        session.decode([ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1])])
+        assert session.decode([ChunkRequest("c", codes["c"][:, :1])])["c"].queued  # both slots taken
+        if one_call:  # 12 frames each in pieces of 5, 5, 2; a and b end, c takes a freed slot
+            torch.cuda._sleep(1_000_000_000)  # about half a second of device time queued ahead
+            got = session.decode([ChunkRequest(r, codes[r][:, 1:], True) for r in "ab"])
+            assert session.stats()["steps_by_path"] == {"graph": 5, "eager": 0}  # 1 before, 3 pieces, c's 1
+            out = {r: got[r].audio for r in "abc"}
+        else:
+            out = {r: [] for r in "abc"}
+            for a, b in ((1, 6), (6, 11), (11, 13)):
+                got = session.decode([ChunkRequest(r, codes[r][:, a:b], b == 13) for r in "ab"])
+                for r, res in got.items():
+                    out[r].append(res.audio)
+            out = {r: torch.cat(parts, -1) for r, parts in out.items()}
+        assert set(session.live_requests) == {"c"} and session.free_slots == 1
+        session.close()
+        return out
+
+    separate, together = run(False), run(True)
+    for r in "abc":
+        assert (
+            together[r].shape
+            == separate[r].shape
+            == (dec.config.number_channels, (12 if r != "c" else 1) * dec.config.samples_per_frame)
+        )
+        assert torch.equal(together[r], separate[r]), f"{r}: steps of one call differ from one step per call"
 
 
 @pytest.mark.cuda

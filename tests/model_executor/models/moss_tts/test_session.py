@@ -599,8 +599,9 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     (trace,) = traces
     assert trace.chunks == 2 and trace.steps == 2 == sum(s.stats()["steps_by_path"].values()) - before
     assert not trace.failed
-    phases = [trace.plan_ms, trace.stage_ms, trace.run_ms, trace.to_host_ms, trace.finish_ms]
+    phases = [trace.plan_ms, trace.stage_ms, trace.run_ms, trace.to_host_ms, trace.finish_ms, trace.wait_ms]
     assert min(phases) >= 0 and trace.stage_ms > 0 and trace.run_ms > 0 and trace.to_host_ms > 0
+    assert trace.wait_ms == 0.0  # a CPU session never waits for a device
     assert sum(phases) == pytest.approx(trace.total_ms, rel=1e-9, abs=1e-9)
     # One count per collection (the collector calls back at its start and its stop); automatic ones may add.
     assert len(collected) == 2 and trace.gc_collections >= 2
@@ -622,7 +623,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     s.decode([ChunkRequest("b", _codes(ring_decoder, 0, 3), True), ChunkRequest("", _codes(ring_decoder, 1, 4))])
     empty = traces[-1]
     assert empty.steps == 0 and empty.chunks == 2 and empty.plan_ms == pytest.approx(empty.total_ms, rel=1e-9)
-    assert empty.stage_ms == empty.run_ms == empty.to_host_ms == empty.finish_ms == 0.0
+    assert empty.stage_ms == empty.run_ms == empty.to_host_ms == empty.finish_ms == empty.wait_ms == 0.0
 
     # A call whose step raises is recorded as failed; the session goes on decoding and tracing.
     def broken(codes, lengths, slot_ids, valid):

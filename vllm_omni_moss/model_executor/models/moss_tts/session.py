@@ -116,14 +116,17 @@ class CallTrace:
             count, admission, ending streams, preempting streams of a paged pool (their state copied to
             the host), and cutting the ready chunks into steps (the whole call when no step runs).
         stage_ms: each step's ``prepare_step`` and the gathering and copies of its codes, slot ids and
-            lengths (``_stage_inputs``).
+            lengths (``_stage_inputs``); on CUDA, when an earlier step of the call has not started on the
+            device yet, the wait for its input copies (the next step reuses their page-locked buffer).
         run_ms: the steps themselves as the host sees them: with CUDA graphs the graph's input copies,
             the replay's launch and the output's copy on the device (the GPU may still be running when
             they return); an eager step's launches, and on CUDA the waits inside it.
-        to_host_ms: each step's audio rows to the host, including the wait for the GPU to finish the
-            step and the copies on CUDA.
-        finish_ms: after the last step: joining a stream's pieces, ending streams, admitting and decoding
-            nothing more, result objects, copies of still-buffered chunks.
+        to_host_ms: each step's audio rows to the host: on CUDA allocating the page-locked rows and
+            queueing their copies behind the step (the host does not wait for them here).
+        finish_ms: after the last step: ending streams, admitting and decoding nothing more, result
+            objects, copies of still-buffered chunks, and (after ``wait_ms``) joining a stream's pieces.
+        wait_ms: on CUDA, the call's one wait for the device, after its host work: the GPU time of its
+            steps and audio copies that the host work above did not hide.
         total_ms: the whole call.
         gc_ms: Python garbage collections that started and ended while the call ran (time already inside
             the phases above).
@@ -138,6 +141,7 @@ class CallTrace:
     run_ms: float = 0.0
     to_host_ms: float = 0.0
     finish_ms: float = 0.0
+    wait_ms: float = 0.0
     total_ms: float = 0.0
     gc_ms: float = 0.0
     gc_collections: int = 0
@@ -373,6 +377,10 @@ class CodecStreamSession:
         # largest graph step, so no step pays for pinning memory; without graphs the input buffer grows to
         # the largest step taken (docs/memory.md).
         self._pinned_inputs: torch.Tensor | None = None
+        # Recorded after each step's input copies from that buffer (CUDA only): it may be overwritten
+        # once the device has read it. Audio copies queued and not yet awaited: _await_host_copies.
+        self._inputs_read = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copies_pending = False
         if self.runner is not None:
             rows, frames = self.graph_batch_sizes[-1], self.graph_frame_sizes[-1]
             self._input_buffer((self.n_vq * frames + 2) * rows)
@@ -589,6 +597,7 @@ class CodecStreamSession:
                 self._trace.failed = True
             raise
         finally:
+            self._await_host_copies()  # after a failure too: no copy into a returned row outlives the call
             trace, self._trace, self._gc_started = self._trace, None, None
             if trace is not None:
                 now = time.perf_counter()
@@ -624,15 +633,27 @@ class CodecStreamSession:
         finally:
             # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
             self._own_buffered_chunks({id(req.codes) for req in accepted})
+        # Result objects are made while the device may still run the last step; only the audio of a stream
+        # decoded in several pieces is joined after the wait (its rows must hold their samples by then).
+        joined: dict[str, tuple[list[torch.Tensor], str | None]] = {}
         for rid, parts in audio.items():
-            wav = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
             refused = results.get(rid)  # this call's chunk refused, the buffered ones decoded
             error = None if refused is None else refused.error
-            results[rid] = ChunkResult(wav, self.sample_rate, wav.shape[-1] // self.samples_per_frame, error)
+            if len(parts) == 1:
+                results[rid] = self._result(parts[0], error)
+            else:
+                joined[rid] = (parts, error)
+                results[rid] = None  # keeps the key's place; filled below
         for rid in ids:
             if rid not in results:
                 results[rid] = self._empty(queued=rid in self._waiting)
+        self._await_host_copies()
+        for rid, (parts, error) in joined.items():
+            results[rid] = self._result(torch.cat(parts, dim=-1), error)
         return results
+
+    def _result(self, wav: torch.Tensor, error: str | None) -> ChunkResult:
+        return ChunkResult(wav, self.sample_rate, wav.shape[-1] // self.samples_per_frame, error)
 
     # ------------------------------------------------------------------ intake
     def _chunk_error(self, req: ChunkRequest) -> str | None:
@@ -732,15 +753,17 @@ class CodecStreamSession:
     # ------------------------------------------------------------------ steps
     def _decode_ready(self) -> dict[str, list[torch.Tensor]]:
         """Decode every live stream's buffered chunks; end finished streams. Admits waiting
-        streams whenever slots are free (also those freed by this call's terminal chunks)."""
+        streams whenever slots are free (also those freed by this call's terminal chunks). Returns
+        each stream's audio rows in order; on CUDA their copies may still be running
+        (:meth:`_await_host_copies`)."""
         audio: dict[str, list[torch.Tensor]] = {}
         while True:
             self._admit_waiting()
             ready = self._fit_state([s for s in self._live.values() if s.chunks])
             ending = [s for s in self._live.values() if s.finished]
             if ready:
-                for rid, wav in self._decode_streams(ready).items():
-                    audio.setdefault(rid, []).append(wav)
+                for rid, rows in self._decode_streams(ready).items():
+                    audio.setdefault(rid, []).extend(rows)
             self._end(ending)
             if not (ending and self._waiting):
                 return audio
@@ -785,13 +808,14 @@ class CodecStreamSession:
         """Most rows in one step: the largest graph bucket (None: unbounded, no buckets)."""
         return self.graph_batch_sizes[-1] if self.graph_batch_sizes else None
 
-    def _decode_streams(self, streams: list[_Stream]) -> dict[str, torch.Tensor]:
+    def _decode_streams(self, streams: list[_Stream]) -> dict[str, list[torch.Tensor]]:
         """Decode the buffered chunks of ``streams`` in as few steps as the graphs allow.
 
         Each stream's chunks keep their boundaries (a stream that waited in the queue is
         decoded chunk by chunk, as if it had never waited); a chunk longer than
         :attr:`max_piece_frames` is cut into pieces. Step ``i`` decodes every stream's
-        ``i``-th piece, split into steps of at most :attr:`max_step_rows` rows.
+        ``i``-th piece, split into steps of at most :attr:`max_step_rows` rows. Returns each
+        stream's audio rows, one per piece.
         """
         limit = self.max_piece_frames
         pieces: dict[str, list[torch.Tensor]] = {}
@@ -811,7 +835,7 @@ class CodecStreamSession:
                 for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces, done)):
                     parts[s.request_id].append(wav)
                     s.frames_decoded += piece.shape[1]
-        return {rid: p[0] if len(p) == 1 else torch.cat(p, dim=-1) for rid, p in parts.items()}
+        return parts
 
     def _step_frames(self, longest: int) -> int:
         # The same padding with or without captured graphs, so CPU runs take the steps a GPU does.
@@ -819,7 +843,7 @@ class CodecStreamSession:
 
     def _step(self, slots: list[int], pieces: list[torch.Tensor], done: list[int]) -> list[torch.Tensor]:
         """One pool step (``done``: frames each slot has decoded before it); returns each row's
-        ``(channels, own_T * spf)`` float32 CPU audio."""
+        ``(channels, own_T * spf)`` float32 CPU audio (on CUDA still being copied: :meth:`_to_host`)."""
         self._lap("plan_ms")
         own = [p.shape[1] for p in pieces]
         B, T = len(pieces), self._step_frames(max(own))
@@ -845,9 +869,12 @@ class CodecStreamSession:
         return rows
 
     def _input_buffer(self, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the session's pinned int64 input buffer (grown when too small).
-        Its contents are the caller's until the step ends: every step's host-to-device copies are ordered
-        before the step's device-to-host copy, which the step awaits, so the next step may overwrite it."""
+        """The first ``numel`` elements of the session's pinned int64 input buffer (grown when too small),
+        free to overwrite: it first waits until the device has read the previous step's inputs from it
+        (that step's host-to-device copies, marked by ``_inputs_read``; a step of the same call may not
+        have started yet, since the call waits for the device only once, at its end)."""
+        if self._inputs_read is not None:
+            self._inputs_read.synchronize()
         if self._pinned_inputs is None or self._pinned_inputs.numel() < numel:
             self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=True)
         return self._pinned_inputs[:numel]
@@ -869,15 +896,18 @@ class CodecStreamSession:
         else:
             staged = torch.empty(2 * B, dtype=torch.long)
         meta = staged[codes_numel:].view(2, B)
-        meta[0] = torch.tensor(slots, dtype=torch.long)
-        meta[1] = torch.tensor(own, dtype=torch.long)
+        meta.copy_(torch.tensor([slots, own], dtype=torch.long))
         if stage_codes:
             codes = staged[:codes_numel].view(self.n_vq, B, T)
         else:
             codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        uniform = len({(p.dtype, p.device) for p in pieces}) == 1
+        kinds = {(p.dtype, p.device) for p in pieces}
+        uniform = len(kinds) == 1
         if uniform and all(n == T for n in own):
-            codes.copy_(torch.stack(pieces, dim=1))
+            if kinds == {(codes.dtype, codes.device)}:
+                torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
+            else:
+                codes.copy_(torch.stack(pieces, dim=1))
         elif uniform:
             padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
             codes.zero_()
@@ -892,7 +922,10 @@ class CodecStreamSession:
         # guard on): the copies below always make new tensors.
         slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
         lengths = meta[1].to(self.device, non_blocking=pinned, copy=True)
-        return codes.to(self.device, non_blocking=pinned), slot_ids, lengths
+        codes = codes.to(self.device, non_blocking=pinned)
+        if pinned:
+            self._inputs_read.record(torch.cuda.current_stream(self.device))
+        return codes, slot_ids, lengths
 
     def _count_clamped(self, codes: torch.Tensor) -> None:
         """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
@@ -917,10 +950,11 @@ class CodecStreamSession:
         """Each row's ``(channels, own * spf)`` float32 audio on the host, a tensor of its own.
 
         On CUDA each row is copied from the device straight into a page-locked tensor of its own from
-        torch's caching host allocator, and the copies are awaited once; when the caller drops a row its
-        block returns to that cache for a later step. (One copy into a shared buffer followed by a host
-        copy per row cost 13 ms at 128 rows of 15 frames on the H200's host, these copies 1.9 ms:
-        benchmarks/RESULTS.md.)"""
+        torch's caching host allocator; when the caller drops a row its block returns to that cache for
+        a later step. The copies are queued behind the step and not awaited here: the call awaits all of
+        them once, after its host work (:meth:`_await_host_copies`), so that work runs while the device
+        does. (One copy into a shared buffer followed by a host copy per row cost 13 ms at 128 rows of 15
+        frames on the H200's host, these copies 1.9 ms: benchmarks/RESULTS.md.)"""
         spf = self.samples_per_frame
         if not out.is_cuda:
             host = out.float()
@@ -928,8 +962,18 @@ class CodecStreamSession:
         rows = [self._audio_row(n) for n in own]
         for b, (row, n) in enumerate(zip(rows, own)):
             row.copy_(out[b, :, : n * spf], non_blocking=True)
-        torch.cuda.current_stream(out.device).synchronize()
+        self._copies_pending = True
         return rows
+
+    def _await_host_copies(self) -> None:
+        """Wait once for the device to finish this call's steps and audio copies (no-op when none are
+        queued). Traced as ``finish_ms`` up to here and ``wait_ms`` for the wait."""
+        if not self._copies_pending:
+            return
+        self._lap("finish_ms")
+        torch.cuda.current_stream(self.device).synchronize()
+        self._copies_pending = False
+        self._lap("wait_ms")
 
     def _empty(self, *, error: str | None = None, queued: bool = False) -> ChunkResult:
         return ChunkResult(torch.zeros(self.channels, 0, dtype=torch.float32), self.sample_rate, 0, error, queued)

@@ -347,7 +347,7 @@ class DecoderStatePool(ABC):
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"slot id {bad} cannot be reset; resettable slot ids are 0..{limit - 1}")
-        ids = ids.to(self.device)
+        ids = self._ids_to_device(ids)
         self._clear_rings(ids)
         self._reset_offsets(ids)
 
@@ -595,6 +595,15 @@ class DecoderStatePool(ABC):
         if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
         return t.long()
+
+    def _ids_to_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host int64 ``ids`` on the pool's device. To CUDA they travel through page-locked memory
+        without a wait, so a reset or a page allocation never waits for steps still running (the
+        session awaits a call's steps once, at its end); the copy is ordered before the work that
+        reads the ids."""
+        if self.device.type == "cuda" and ids.device.type == "cpu":
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
 
     def _validate(self, codes, lengths, slot_ids, valid_rows) -> None:
         self.decoder.validate_codes(codes)
@@ -1137,7 +1146,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
                 pages += taken
             if rows:
                 # One host-to-device copy for the group's new table entries.
-                entries = torch.tensor([rows, cols, pages], dtype=torch.long).to(self.device)
+                entries = self._ids_to_device(torch.tensor([rows, cols, pages], dtype=torch.long))
                 self.page_tables[g].index_put_((entries[0], entries[1]), entries[2])
 
     def _extra_by_slot(self, targets: dict[int, int]) -> list[dict[int, int]]:
@@ -1282,7 +1291,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
                 freed += self._host_tables[g][slot]
                 self._host_tables[g][slot] = []
             if freed:  # the group's rings (L, 2, pages, H, page, Dh): pages are dim 2
-                self._group_rings[g].index_fill_(2, torch.tensor(freed, device=self.device), 0)
+                self._group_rings[g].index_fill_(2, self._ids_to_device(torch.tensor(freed, dtype=torch.long)), 0)
                 self._free_pages[g].extend(reversed(freed))
             self.page_tables[g].index_fill_(0, ids, 0)
 
