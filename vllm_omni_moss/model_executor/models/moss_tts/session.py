@@ -779,6 +779,8 @@ class CodecStreamSession:
         """Preempt the youngest live streams until the pool holds the context every ready stream is about
         to reach (only a paged pool can run short). A preempted stream's state goes to host memory
         (``save_slot``) and it waits, ahead of new streams, to resume exactly; its chunks stay buffered."""
+        if self.pool.room_for_all(0, 0):  # every leased slot could fill its rings (unpaged pools: always)
+            return ready
         while ready and self.pool.pages_short(
             {s.slot: s.buffered_frames for s in ready}, {s.slot: s.frames_decoded for s in ready}
         ):
