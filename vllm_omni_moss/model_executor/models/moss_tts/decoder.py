@@ -215,8 +215,8 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 
 #: Token rows of one FFN pass: larger steps run the FFN in slices of this many rows, so its widest
 #: activation (rows x dim_feedforward) stays at most 65536 x 3072 bf16 = 384 MiB for the v2 codec. A
-#: B128/T15 step (61,440 rows in the last group) runs each FFN in one pass: slices of 16,384 rows cost
-#: 144 more kernels a step (benchmarks/RESULTS.md, Run AG).
+#: B128/T15 step (61,440 rows in the last group) runs each FFN in one pass: with slices of 16,384 rows
+#: it launched 1,356 kernels instead of 1,128, at the same kernel time (benchmarks/RESULTS.md, Run AH).
 FFN_ROW_CHUNK = 65536
 
 
