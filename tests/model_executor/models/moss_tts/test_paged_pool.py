@@ -126,6 +126,25 @@ def test_release_zeroes_only_the_released_slots_pages(ring_decoder):
         assert torch.equal(ring[:, kept[g]], old[:, kept[g]]) and bool(ring[:, kept[g]].any()), layer
 
 
+class _DeviceOnlyIds(torch.Tensor):
+    """Ids as they sit on a CUDA device: reading them back would wait for every queued step."""
+
+    def tolist(self):
+        raise AssertionError("the pool read slot ids back from the device")
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_release_never_reads_ids_back_from_the_device(paged, ring_decoder, monkeypatch):
+    # A reset works from the host's copy of the ids (the session waits for the device once per call).
+    compact, pool = _pools(ring_decoder)
+    pool = pool if paged else compact
+    _step(pool, random_codes(ring_decoder, 2, 7, seed=6), [7, 5], [0, 1])
+    to_device = pool._ids_to_device
+    monkeypatch.setattr(pool, "_ids_to_device", lambda ids: to_device(ids).as_subclass(_DeviceOnlyIds))
+    pool.release([1, 0])
+    assert all(not ring.any() for ring in pool.rings)
+
+
 def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
     pool = PagedDecoderStatePool(ring_decoder, page_fraction=0.2)  # one slot's worth of pages per group
     pool.initialize(CAPACITY)

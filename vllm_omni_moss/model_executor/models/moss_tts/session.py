@@ -133,7 +133,9 @@ class CallTrace:
         gc_collections: those collections.
         chunks: requests in the call.
         steps: pool steps the call completed.
-        failed: the call raised; the time of the step that raised counts in the phase open when it did.
+        failed: the call raised (after its argument checks, which record nothing); the time from the
+            last closed phase to the failure counts in ``finish_ms`` (``plan_ms`` when no step had
+            completed), and on CUDA the wait for the copies of the steps that did in ``wait_ms``.
     """
 
     plan_ms: float = 0.0
@@ -433,9 +435,10 @@ class CodecStreamSession:
 
     @property
     def clamped_codes(self) -> int:
-        """Codes clamped into ``[0, codebook_size - 1]`` since construction, counted by the step that
-        decodes them (a chunk refused, or dropped while it waits, counts nothing). Reading it waits for
-        the device when chunks arrived on it (their counts stay on the device until read)."""
+        """Codes clamped into ``[0, codebook_size - 1]`` since construction, counted when a step gathers
+        them (a chunk refused, or dropped while it waits, counts nothing; one whose step raises counts
+        again if it is sent again). Reading it waits for the device when chunks arrived on it (their
+        counts stay on the device until read)."""
         c = self._counters
         if c.clamped_on_device is not None:
             c.clamped_codes += int(c.clamped_on_device)

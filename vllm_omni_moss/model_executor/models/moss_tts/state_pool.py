@@ -347,11 +347,13 @@ class DecoderStatePool(ABC):
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"slot id {bad} cannot be reset; resettable slot ids are 0..{limit - 1}")
+        host_ids = ids.tolist()
         ids = self._ids_to_device(ids)
-        self._clear_rings(ids)
+        self._clear_rings(ids, host_ids)
         self._reset_offsets(ids)
 
-    def _clear_rings(self, ids: torch.Tensor) -> None:
+    def _clear_rings(self, ids: torch.Tensor, host_ids: list[int]) -> None:
+        # ``ids`` on the pool's device, ``host_ids`` the same ids on the host (never read back from the device).
         for group in self._group_rings:  # (L, 2, S, H, C, Dh): slots are dim 2
             group.index_fill_(2, ids, 0)
 
@@ -600,9 +602,14 @@ class DecoderStatePool(ABC):
         """Host int64 ``ids`` on the pool's device. To CUDA they travel through page-locked memory
         without a wait, so a reset or a page allocation never waits for steps still running (the
         session awaits a call's steps once, at its end); the copy is ordered before the work that
-        reads the ids."""
+        reads the ids. If page-locked memory cannot be had, the copy waits instead (a reset then
+        still happens: the caller has already forgotten the streams it releases)."""
         if self.device.type == "cuda" and ids.device.type == "cpu":
-            return ids.pin_memory().to(self.device, non_blocking=True)
+            try:
+                pinned = ids.pin_memory()
+            except RuntimeError:
+                return ids.to(self.device)
+            return pinned.to(self.device, non_blocking=True)
         return ids.to(self.device)
 
     def _validate(self, codes, lengths, slot_ids, valid_rows) -> None:
@@ -1284,10 +1291,10 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             )
         super().restore_slot(slot, state)
 
-    def _clear_rings(self, ids: torch.Tensor) -> None:
+    def _clear_rings(self, ids: torch.Tensor, host_ids: list[int]) -> None:
         for g in range(len(self._group_layers)):
             freed = []
-            for slot in ids.tolist():
+            for slot in host_ids:
                 freed += self._host_tables[g][slot]
                 self._host_tables[g][slot] = []
             if freed:  # the group's rings (L, 2, pages, H, page, Dh): pages are dim 2
