@@ -104,7 +104,7 @@ def main(argv=None) -> int:
             group_ms, group_flops = 0.0, 0
             for gemm in group:
                 ms = time_gemm(gemm, args.seed)
-                tflops = 2 * gemm.rows * gemm.k * gemm.n / ms / 1e9
+                tflops = gemm.flops / gemm.calls / ms / 1e9  # one launch
                 records.append(dict(asdict(gemm), batch=batch, frames=frames, ms=ms, tflops=tflops))
                 group_ms += ms * gemm.calls
                 group_flops += gemm.flops

@@ -112,11 +112,11 @@ class CallTrace:
     The phases follow each other and add up to ``total_ms``:
 
     Attributes:
-        plan_ms: work before and between steps: request checks, routing chunks to streams, the clamp
-            count, admission, ending streams, preempting streams of a paged pool (their state copied to
-            the host), and cutting the ready chunks into steps (the whole call when no step runs).
-        stage_ms: each step's ``prepare_step`` and the gathering and copies of its codes, slot ids and
-            lengths (``_stage_inputs``); on CUDA, when an earlier step of the call has not started on the
+        plan_ms: work before and between steps: request checks, routing chunks to streams, admission,
+            ending streams, preempting streams of a paged pool (their state copied to the host), and
+            cutting the ready chunks into steps (the whole call when no step runs).
+        stage_ms: each step's ``prepare_step`` and the gathering, clamp count, clamp and copies of its
+            codes, slot ids and lengths (``_stage_inputs``); on CUDA, when an earlier step of the call has not started on the
             device yet, the wait for its input copies (the next step reuses their page-locked buffer).
         run_ms: the steps themselves as the host sees them: with CUDA graphs the graph's input copies,
             the replay's launch and the output's copy on the device (the GPU may still be running when
