@@ -43,6 +43,7 @@ from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache
+from .ops.rope import rope as rope_op
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 
 __all__ = [
@@ -240,13 +241,14 @@ class CompactRingAttention:
 class CompactTritonRingAttention:
     """Compact pool, ``"triton"`` backend: rings read in place, chunk tokens written once.
 
-    Per layer: :func:`~.ops.ring_attention.ring_attention_write`, i.e. attention over the slot's
-    ring and the chunk, then the write of each row's last ``min(valid tokens, C)`` tokens (on CUDA
-    inside the attention kernel for rows of at most 32 tokens). Queries and keys are rotated by RoPE as they are loaded,
-    with the roundings of :func:`apply_rope`, so the stored keys are bitwise the reference path's
-    (when the projections and the rings differ in dtype, :func:`apply_rope` runs first instead). Needs no
-    :class:`~.step_metadata.RingMetadata`: the offsets and RoPE tables of each group are built
-    once here, at construction.
+    Per layer: :func:`~.ops.rope.rope` rotates queries and keys in one pass (bitwise
+    :func:`apply_rope`, so the stored keys are the reference path's), then
+    :func:`~.ops.ring_attention.ring_attention_write` runs attention over the slot's ring and the
+    chunk and writes each row's last ``min(valid tokens, C)`` tokens (on CUDA inside the attention
+    kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but a
+    rotated key tile measured 15x slower on the H200 than the pass and a kernel reading ready keys
+    (``benchmarks/RESULTS.md``, Run AI). Needs no :class:`~.step_metadata.RingMetadata`: the
+    offsets and RoPE tables of each group are built once here, at construction.
 
     Args:
         config: the codec.
@@ -280,18 +282,13 @@ class CompactTritonRingAttention:
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         offsets, cos, sin = self.tables[group.first_layer]
         ring, written = self.rings[layer], group.num_written
-        if qkv.dtype == ring.dtype:
-            # The kernels rotate queries and keys as they load them (no separate RoPE pass).
-            q, keys, values = qkv[0], qkv[1], qkv[2]
-            rope = (cos, sin)
-        else:
-            # Rotation rounds to the projection dtype first, then the ring dtype: as the reference path.
-            qk = apply_rope(qkv[:2], cos, sin)
-            q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
-            rope = (None, None)
+        # Rotation rounds to the projection dtype first, then keys and values go to the ring dtype (a
+        # no-op when they match): as the reference path.
+        qk = rope_op(qkv[:2], cos, sin)
+        q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
         table = self.page_tables.get(group.first_layer)
         out = ring_ops.ring_attention_write(
-            q, keys, values, ring, self.slots, offsets, written, self.semantics, *rope, page_table=table
+            q, keys, values, ring, self.slots, offsets, written, self.semantics, page_table=table
         )
         return out.transpose(1, 2)
 

@@ -8,6 +8,9 @@
   reading the pool's rings in place, and the write of each row's last ``min(tokens, C)`` tokens;
   both can rotate queries and keys by RoPE as they load them. ``ring_attention_write`` is the two
   in turn as one op (the attention kernel stores the chunk itself for rows of at most 32 tokens).
+* :mod:`.rope` - ``rope``: RoPE of a layer's queries and keys as one pass, bitwise
+  ``step_metadata.apply_rope``; the triton backend runs it before the attention kernel, which then
+  reads ready keys.
 * :mod:`.residual_norm` - ``residual_layer_norm``: LayerScale, residual add and the next LayerNorm
   of a decoder layer in one pass (CUDA; CPU decodes with its reference).
 * :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32

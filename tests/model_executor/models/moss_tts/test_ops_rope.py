@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests for ``moss_tts.ops.rope``: RoPE of a step's queries and keys as one pass.
+
+The reference is ``step_metadata.apply_rope`` (what the sdpa backend and the CPU run). The Triton kernel
+runs on CPU in Triton's interpreter in the ``TRITON_INTERPRET=1`` child of
+``test_triton_interpreter_subprocess`` (float32 and float16: the interpreter's bfloat16 rounding is not the
+GPU's); on CUDA every dtype must equal the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moss_codecs import assert_interpreted_tests_pass
+
+from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops import rope as ops
+from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, rope_tables
+
+INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
+cpu = pytest.mark.cpu
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
+)
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+interpreted_here = pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")
+
+
+def _qkv(rows, tokens, heads, head_dim, dtype, device="cpu", seed=0):
+    """``(3, B, H, T, Dh)`` as a decoder layer sees it: a view of the ``(B, T, 3, H, Dh)`` projection."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, tokens, 3, heads, head_dim, generator=gen, device=device).to(dtype)
+    return x.permute(2, 0, 3, 1, 4)
+
+
+def _tables(rows, tokens, head_dim, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    offsets = torch.randint(0, 5000, (rows,), generator=gen, device=device)
+    return rope_tables(offsets, tokens, head_dim, 10000.0)
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_result_is_apply_rope_in_a_contiguous_tensor(dtype):
+    qkv = _qkv(3, 7, 2, 16, dtype)
+    cos, sin = _tables(3, 7, 16)
+    out = ops.rope(qkv[:2], cos, sin)
+    assert out.shape == (2, 3, 2, 7, 16) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, apply_rope(qkv[:2], cos, sin))
+
+
+@cpu
+@pytest.mark.parametrize(
+    "args,error,message",
+    [
+        (([1.0], None, None), TypeError, "`x` must be a torch.Tensor, got list"),
+        ((torch.zeros(2, 1, 1, 3, 4, dtype=torch.int32), None, None), ValueError, "`x` must have one of the dtypes"),
+        ((torch.zeros(1, 3, 4), None, None), ValueError, r"`x` must have shape \(P, B, H, T, Dh\)"),
+        ((torch.zeros(2, 1, 1, 3, 5), None, None), ValueError, "RoPE needs an even head dim, got Dh = 5"),
+        (
+            (torch.zeros(2, 2, 1, 3, 4), torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2)),
+            ValueError,
+            r"`cos` must have shape \(B, 1, T, Dh/2\) = \(2, 1, 3, 2\), got \(1, 1, 3, 2\)",
+        ),
+        (
+            (torch.zeros(2, 1, 1, 3, 4), torch.zeros(1, 1, 3, 2, dtype=torch.float64), torch.zeros(1, 1, 3, 2)),
+            ValueError,
+            "`cos` must have dtype torch.float32, got torch.float64",
+        ),
+        (
+            (torch.zeros(2, 1, 1, 3, 4), torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 2, 3).transpose(2, 3)),
+            ValueError,
+            "`cos` and `sin` must have the same strides",
+        ),
+    ],
+)
+def test_rejects_bad_inputs(args, error, message):
+    x, cos, sin = args
+    if cos is None and isinstance(x, torch.Tensor) and x.dim() == 5:
+        cos = sin = torch.zeros(x.shape[1], 1, x.shape[3], x.shape[4] // 2)
+    elif cos is None:
+        cos = sin = torch.zeros(1, 1, 3, 2)
+    with pytest.raises(error, match=f"rope: {message}"):
+        ops.rope(x, cos, sin)
+
+
+@cpu
+def test_traces_fullgraph_with_the_fake_impl():
+    def rotate(qkv, cos, sin):
+        return ops.rope(qkv[:2], cos, sin).sum((-1, -2))
+
+    compiled = torch.compile(rotate, fullgraph=True, dynamic=True, backend="aot_eager")
+    for tokens in (3, 9):
+        qkv = _qkv(2, tokens, 2, 8, torch.float32, seed=tokens)
+        cos, sin = _tables(2, tokens, 8, seed=tokens)
+        assert torch.equal(compiled(qkv, cos, sin), rotate(qkv, cos, sin))
+
+
+@cpu
+@pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
+def test_triton_interpreter_subprocess():
+    assert_interpreted_tests_pass(__file__, timeout=600)
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 37, 2, 16), (2, 5, 3, 64), (1, 1, 1, 2), (2, 70, 2, 6)])
+def test_kernel_interpreted_is_bitwise_apply_rope(dtype, shape):
+    # Token counts below, at and above one program's 32, a head dim that is not a power of two, and
+    # queries and keys together, keys alone, and a view whose pairs are not whole words.
+    rows, tokens, heads, head_dim = shape
+    qkv = _qkv(rows, tokens, heads, head_dim, dtype, seed=tokens)
+    cos, sin = _tables(rows, tokens, head_dim, seed=tokens)
+    expected = apply_rope(qkv[:2], cos, sin)
+    assert torch.equal(ops.rope(qkv[:2], cos, sin), expected)
+    assert torch.equal(ops.rope(qkv[1:2], cos, sin), expected[1:2])
+    shifted = torch.cat((qkv.new_zeros(3, rows, heads, tokens, 1), qkv), dim=-1)[..., 1:]  # odd storage offset
+    assert shifted.storage_offset() % 2 == 1
+    assert torch.equal(ops.rope(shifted[:2], cos, sin), expected)
+
+
+@cpu
+@needs_interpreter
+def test_kernel_interpreted_empty_input_launches_nothing():
+    qkv = _qkv(2, 0, 2, 8, torch.float32)
+    cos, sin = _tables(2, 0, 8)
+    assert ops.rope(qkv[:2], cos, sin).shape == (2, 2, 2, 0, 8)
+
+
+@pytest.mark.cuda
+@no_cuda
+@interpreted_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(128, 480, 12, 64), (128, 15, 20, 64), (3, 37, 2, 16)])
+def test_cuda_is_bitwise_apply_rope(dtype, shape):
+    rows, tokens, heads, head_dim = shape
+    qkv = _qkv(rows, tokens, heads, head_dim, dtype, device="cuda", seed=tokens)
+    cos, sin = _tables(rows, tokens, head_dim, device="cuda", seed=tokens)
+    expected = apply_rope(qkv[:2], cos, sin)
+    assert torch.equal(ops.rope(qkv[:2], cos, sin), expected)
+    assert torch.equal(ops.rope(qkv[1:2], cos, sin), expected[1:2])
+
+
+@pytest.mark.cuda
+@no_cuda
+@interpreted_here
+def test_cuda_graph_replay_recomputes():
+    qkv = _qkv(4, 30, 3, 64, torch.bfloat16, device="cuda", seed=1)
+    cos, sin = _tables(4, 30, 64, device="cuda", seed=1)
+    source = qkv.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.rope(source[:2], cos, sin)
+    source.copy_(_qkv(4, 30, 3, 64, torch.bfloat16, device="cuda", seed=2))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, apply_rope(source[:2], cos, sin))

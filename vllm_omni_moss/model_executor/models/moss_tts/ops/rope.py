@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""RoPE of a step's queries and keys as one memory-bound pass, before the ring attention kernel reads them.
+
+The codec rotates queries and keys by GPT-J interleaved pairs (docs/codec_architecture.md, "One layer";
+``step_metadata.apply_rope`` is the reference formula). The ring attention kernels of ``ring_attention.py``
+can rotate as they load (their ``cos``/``sin`` arguments), but on the H200 with Triton 3.6 that variant of
+the kernel compiles to 131 KB of shared memory per program (65 KB without rotation: one program per SM
+instead of two) and 255 registers with spills, and at a v2 B128/T15 step's last group it took 4.35 ms per
+layer against 0.28 ms on rotated inputs (``benchmarks/RESULTS.md``, Run AI). This pass rotates once, so the
+attention kernel reads ready keys.
+
+Each pair ``(x[2i], x[2i+1])`` is loaded and stored as one word (int32 for 16-bit dtypes, int64 for float32;
+the low half holds ``x[2i]``), so accesses stay contiguous. :func:`rope` keeps the reference's roundings
+bitwise: the pair is widened to float32, ``x[2i] cos_i - x[2i+1] sin_i`` and ``x[2i] sin_i + x[2i+1] cos_i``
+round each product and sum on their own (the kernel is launched with ``enable_fp_fusion=False``), then each
+result is rounded once to the input dtype.
+
+Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
+Triton interpreter is active at import, then the kernel runs interpreted (bfloat16 excepted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..step_metadata import apply_rope
+from .commit import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
+
+__all__ = ["ROPE_DTYPES", "rope", "rope_reference"]
+
+#: Dtypes of the tensors the kernel rotates (16-bit projections under autocast, float32 otherwise).
+ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Tokens per program: one (row, token tile, plane, head) per program.
+_BLOCK_T = 32
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """PyTorch oracle for :func:`rope`: ``step_metadata.apply_rope`` into a new contiguous tensor."""
+    return apply_rope(x, cos, sin).contiguous()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rope_kernel(
+        w_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, num_heads, num_tokens, half,
+        w_stride_p, w_stride_b, w_stride_h, w_stride_t, rope_stride_b, rope_stride_t, rope_stride_d,
+        DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+    ):  # fmt: skip
+        # Program (row, tile, plane x head): tokens [tile * BLOCK_T, + BLOCK_T) of one row, plane and head.
+        # Each pair (x[2i], x[2i+1]) is one word (int32 for 16-bit dtypes, int64 for float32; the low half
+        # holds x[2i]), so loads and stores stay contiguous and wide.
+        row = tl.program_id(0).to(tl.int64)
+        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+        plane = tl.program_id(2) // num_heads
+        head = tl.program_id(2) % num_heads
+        i = tl.arange(0, BLOCK_I)[None, :]
+        ok = (t < num_tokens) & (i < half)
+        table = row * rope_stride_b + t * rope_stride_t + i * rope_stride_d
+        cos = tl.load(cos_ptr + table, mask=ok, other=0.0)
+        sin = tl.load(sin_ptr + table, mask=ok, other=0.0)
+        src = w_ptr + plane * w_stride_p + row * w_stride_b + head * w_stride_h + t * w_stride_t + i
+        w = tl.load(src, mask=ok, other=0)
+        if DTYPE == tl.float32:
+            re = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+            im = ((w >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            re = (w & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+            im = ((w >> 16) & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+        # Each product and sum rounded to float32 on its own (enable_fp_fusion=False), as apply_rope.
+        a = re * cos - im * sin
+        b = re * sin + im * cos
+        if DTYPE == tl.float32:
+            lo = a.to(tl.uint32, bitcast=True).to(tl.int64)
+            word = lo | (b.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
+        else:
+            lo = a.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
+            word = lo | (b.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32) << 16)
+        dst = out_ptr + ((plane * num_rows + row) * num_heads + head) * num_tokens * half
+        tl.store(dst + t * half + i, word, mask=ok)
+
+
+#: Integer dtype of one (x[2i], x[2i+1]) pair, per element dtype.
+_PAIR_WORDS = {torch.float32: torch.int64, torch.bfloat16: torch.int32, torch.float16: torch.int32}
+
+
+def _launch_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if not HAS_TRITON:
+        raise RuntimeError("rope: the Triton kernel needs the `triton` package")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_planes, num_rows, num_heads, num_tokens, head_dim = x.shape
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1 or any(s % 2 for s in x.stride()[:-1]) or x.storage_offset() % 2:
+        x = x.contiguous()  # pairs must be whole words
+    words = x.view(_PAIR_WORDS[x.dtype])
+    half = head_dim // 2
+    dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
+    grid = (num_rows, triton.cdiv(num_tokens, _BLOCK_T), num_planes * num_heads)
+    with _device_guard(x):
+        _rope_kernel[grid](
+            words, cos, sin, out.view(words.dtype), num_rows, num_heads, num_tokens, half,
+            *words.stride()[:4], cos.stride(0), cos.stride(2), cos.stride(3),
+            DTYPE=dtype, BLOCK_T=_BLOCK_T, BLOCK_I=max(16, triton.next_power_of_2(half)), num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("vllm_omni_moss::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if runs_triton_kernel(x):
+        return _launch_triton(x, cos, sin)
+    return rope_reference(x, cos, sin)
+
+
+@_rope_op.register_fake
+def _rope_fake(x, cos, sin):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate planes of queries or keys by GPT-J pairs: bitwise ``step_metadata.apply_rope``.
+
+    Args:
+        x: ``(P, B, H, T, Dh)`` in any strides (``qkv[:2]`` of a decoder layer: queries and keys), dtype in
+            :data:`ROPE_DTYPES`; ``Dh`` even.
+        cos, sin: ``(B, 1, T, Dh / 2)`` float32 tables of the rows' token positions
+            (``step_metadata.rope_tables``), same strides, on ``x``'s device.
+    Returns:
+        A new contiguous ``(P, B, H, T, Dh)`` tensor in ``x``'s dtype.
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: a shape, dtype or device does not match (the message names the argument), or ``Dh``
+            is odd.
+        RuntimeError: a CUDA tensor without Triton installed.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"rope: `x` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ROPE_DTYPES:
+        raise ValueError(f"rope: `x` must have one of the dtypes {ROPE_DTYPES}, got {x.dtype}")
+    _check_tensor("rope", "x", x, "(P, B, H, T, Dh)", (None,) * 5, x.dtype, x.device)
+    _, num_rows, _, num_tokens, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"rope: RoPE needs an even head dim, got Dh = {head_dim}")
+    table = (num_rows, 1, num_tokens, head_dim // 2)
+    _check_tensor("rope", "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
+    _check_tensor("rope", "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
+    if cos.stride() != sin.stride():
+        raise ValueError(f"rope: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
+    return torch.ops.vllm_omni_moss.rope(x, cos, sin)
