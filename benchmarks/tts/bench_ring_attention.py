@@ -19,7 +19,8 @@ and prints each shape's time summed over the group's layers and the step's total
 ``--write`` times ``ring_attention_write`` (attention and ring write, the op a decoder step runs) instead of
 ``ring_attention``; every launch then stores the same chunk into the same cells, which no query of a launch
 reads under the v2 codec's "upstream" semantics. ``--prerotated`` passes no RoPE tables, so the kernels
-rotate nothing: the difference to a run with tables is what rotating queries and keys inside the kernels
+rotate nothing (as the decoder launches them since RoPE became a pass of its own, ``ops/rope.py``): the
+difference to a run with tables is what rotating queries and keys inside the kernels
 costs (``benchmarks/RESULTS.md``, Run AE).
 """
 

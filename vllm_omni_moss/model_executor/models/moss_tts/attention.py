@@ -245,9 +245,8 @@ class CompactTritonRingAttention:
     :func:`apply_rope`, so the stored keys are the reference path's), then
     :func:`~.ops.ring_attention.ring_attention_write` runs attention over the slot's ring and the
     chunk and writes each row's last ``min(valid tokens, C)`` tokens (on CUDA inside the attention
-    kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but a
-    rotated key tile measured 15x slower on the H200 than the pass and a kernel reading ready keys
-    (``benchmarks/RESULTS.md``, Run AI). Needs no :class:`~.step_metadata.RingMetadata`: the
+    kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but on some
+    H200s that kernel ran 15x slower than on rotated inputs (``benchmarks/RESULTS.md``, Run AI). Needs no :class:`~.step_metadata.RingMetadata`: the
     offsets and RoPE tables of each group are built once here, at construction.
 
     Args:

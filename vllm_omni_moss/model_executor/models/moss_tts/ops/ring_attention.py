@@ -38,8 +38,8 @@ syncs). Keys and queries arrive either already rotated, or unrotated with the ch
 (``cos``, ``sin``): the kernels then rotate them as they load them, with float32 roundings equal to
 ``step_metadata.apply_rope``'s (kernels launched with ``enable_fp_fusion=False``, so no multiply-add
 is fused); either way ring contents are bitwise those of the reference path. The decoder passes rotated
-inputs (``ops/rope.py``): on the H200, with Triton 3.6, the attention kernel rotating its key tiles ran
-15x slower than on rotated keys (``benchmarks/RESULTS.md``, Run AI).
+inputs (``ops/rope.py``): on some H200s, with Triton 3.6, this kernel rotating as it loads ran 15x slower
+than on rotated inputs (``benchmarks/RESULTS.md``, Run AI).
 
 Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
 float32 with base-2 exponentials; for 16-bit rings the probabilities are rounded to the ring dtype
