@@ -55,7 +55,11 @@ def test_result_is_apply_rope_in_a_contiguous_tensor(dtype):
     [
         (([1.0], None, None), TypeError, "`x` must be a torch.Tensor, got list"),
         ((torch.zeros(2, 1, 1, 3, 4, dtype=torch.int32), None, None), ValueError, "`x` must have one of the dtypes"),
-        ((torch.zeros(1, 3, 4), None, None), ValueError, r"`x` must have shape \(P, B, H, T, Dh\)"),
+        (
+            (torch.zeros(1, 3, 4), None, None),
+            ValueError,
+            r"`x` must have 5 dims \(P, B, H, T, Dh\), got shape \(1, 3, 4\)",
+        ),
         ((torch.zeros(2, 1, 1, 3, 5), None, None), ValueError, "RoPE needs an even head dim, got Dh = 5"),
         (
             (torch.zeros(2, 2, 1, 3, 4), torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2)),
@@ -70,7 +74,7 @@ def test_result_is_apply_rope_in_a_contiguous_tensor(dtype):
         (
             (torch.zeros(2, 1, 1, 3, 4), torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 2, 3).transpose(2, 3)),
             ValueError,
-            "`cos` and `sin` must have the same strides",
+            "`cos` and `sin` must have the same strides on their B, T and Dh/2 dims",
         ),
     ],
 )
@@ -82,6 +86,16 @@ def test_rejects_bad_inputs(args, error, message):
         cos = sin = torch.zeros(1, 1, 3, 2)
     with pytest.raises(error, match=f"rope: {message}"):
         ops.rope(x, cos, sin)
+
+
+@cpu
+def test_tables_may_differ_in_the_stride_of_their_size_one_dim():
+    # The kernel never steps along dim 1 (size 1), so its stride does not have to match.
+    qkv = _qkv(2, 5, 2, 8, torch.float32)
+    cos, sin = _tables(2, 5, 8)
+    odd = torch.empty_strided(sin.shape, (sin.stride(0), 999, sin.stride(2), sin.stride(3)))
+    odd.copy_(sin)
+    assert torch.equal(ops.rope(qkv[:2], cos, odd), apply_rope(qkv[:2], cos, sin))
 
 
 @cpu
@@ -119,6 +133,16 @@ def test_kernel_interpreted_is_bitwise_apply_rope(dtype, shape):
     shifted = torch.cat((qkv.new_zeros(3, rows, heads, tokens, 1), qkv), dim=-1)[..., 1:]  # odd storage offset
     assert shifted.storage_offset() % 2 == 1
     assert torch.equal(ops.rope(shifted[:2], cos, sin), expected)
+    # Tensors PyTorch counts as contiguous whose pairs are still not whole words: an odd storage offset,
+    # and an odd stride on a dim of size 1.
+    flat = torch.cat((qkv.new_zeros(1), qkv[:2].contiguous().view(-1)))[1:].view(2, rows, heads, tokens, head_dim)
+    assert flat.is_contiguous() and flat.storage_offset() == 1
+    assert torch.equal(ops.rope(flat, cos, sin), expected)
+    one = qkv[1:2, :1].contiguous()
+    odd = torch.empty_strided(one.shape, (one.stride(0), 7, *one.stride()[2:]), dtype=dtype)
+    odd.copy_(one)
+    assert odd.is_contiguous() and odd.stride(1) == 7
+    assert torch.equal(ops.rope(odd, cos[:1], sin[:1]), expected[1:2, :1])
 
 
 @cpu

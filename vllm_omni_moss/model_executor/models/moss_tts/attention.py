@@ -246,8 +246,9 @@ class CompactTritonRingAttention:
     :func:`~.ops.ring_attention.ring_attention_write` runs attention over the slot's ring and the
     chunk and writes each row's last ``min(valid tokens, C)`` tokens (on CUDA inside the attention
     kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but on some
-    H200s that kernel ran 15x slower than on rotated inputs (``benchmarks/RESULTS.md``, Run AI). Needs no :class:`~.step_metadata.RingMetadata`: the
-    offsets and RoPE tables of each group are built once here, at construction.
+    H200s that kernel ran 15x slower than on rotated inputs (``benchmarks/RESULTS.md``, Run AI). Needs
+    no :class:`~.step_metadata.RingMetadata`: the offsets and RoPE tables of each group are built once
+    here, at construction.
 
     Args:
         config: the codec.

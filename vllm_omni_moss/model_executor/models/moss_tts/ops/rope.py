@@ -6,16 +6,18 @@ The codec rotates queries and keys by GPT-J interleaved pairs (docs/codec_archit
 can rotate as they load (their ``cos``/``sin`` arguments). With Triton 3.6 that variant of the kernel
 compiles to 131 KB of shared memory per program (65 KB without rotation: one program per SM instead of two)
 and 255 registers with spills; on two of the four H200s leased for ``benchmarks/RESULTS.md``'s Run AI it took
-4.35 ms per layer at a v2 B128/T15 step's last group against 0.28 ms on rotated inputs (a whole step: 165
-ms against 62), while on another it took about what this pass and the kernel on rotated inputs take
-together. This pass rotates once (0.12 ms at that shape), so the attention kernel reads ready keys on every
-machine.
+4.35 ms per layer at a v2 B128/T15 step's last group against 0.28 ms on rotated inputs (8x over a step's
+attention; the graph step took 165 ms), while on another it took about what this pass and the kernel on
+rotated inputs take together (a B128/T15 step: 2.66 ms of rotation in the kernel against 3.08 ms for this
+pass). This pass rotates once, so the attention kernel reads ready keys on every machine.
 
 Each pair ``(x[2i], x[2i+1])`` is loaded and stored as one word (int32 for 16-bit dtypes, int64 for float32;
 the low half holds ``x[2i]``), so accesses stay contiguous. :func:`rope` keeps the reference's roundings
 bitwise: the pair is widened to float32, ``x[2i] cos_i - x[2i+1] sin_i`` and ``x[2i] sin_i + x[2i+1] cos_i``
 round each product and sum on their own (the kernel is launched with ``enable_fp_fusion=False``), then each
-result is rounded once to the input dtype.
+result is rounded once to the input dtype. Index arithmetic: token and row offsets are int64; the plane and
+head terms are int32 products, which the decoder's layouts keep far below 2**31 words (a head is ``Dh / 2``
+words apart, a plane ``H x Dh / 2``).
 
 Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
 Triton interpreter is active at import, then the kernel runs interpreted (bfloat16 excepted).
@@ -94,7 +96,9 @@ def _launch_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     if out.numel() == 0:
         return out
     if x.stride(-1) != 1 or any(s % 2 for s in x.stride()[:-1]) or x.storage_offset() % 2:
-        x = x.contiguous()  # pairs must be whole words
+        # Pairs must be whole words. A fresh copy, not contiguous(): a tensor PyTorch already counts as
+        # contiguous may still start at an odd offset or carry an odd stride on a dim of size 1.
+        x = x.clone(memory_format=torch.contiguous_format)
     words = x.view(_PAIR_WORDS[x.dtype])
     half = head_dim // 2
     dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
@@ -128,9 +132,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x: ``(P, B, H, T, Dh)`` in any strides (``qkv[:2]`` of a decoder layer: queries and keys), dtype in
             :data:`ROPE_DTYPES`; ``Dh`` even.
         cos, sin: ``(B, 1, T, Dh / 2)`` float32 tables of the rows' token positions
-            (``step_metadata.rope_tables``), same strides, on ``x``'s device.
+            (``step_metadata.rope_tables``), the same strides on the ``B``, ``T`` and ``Dh / 2`` dims, on
+            ``x``'s device.
     Returns:
-        A new contiguous ``(P, B, H, T, Dh)`` tensor in ``x``'s dtype.
+        A new contiguous ``(P, B, H, T, Dh)`` tensor in ``x``'s dtype. Inference only: the op has no
+        autograd formula.
     Raises:
         TypeError: an argument is not a tensor.
         ValueError: a shape, dtype or device does not match (the message names the argument), or ``Dh``
@@ -141,13 +147,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"rope: `x` must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in ROPE_DTYPES:
         raise ValueError(f"rope: `x` must have one of the dtypes {ROPE_DTYPES}, got {x.dtype}")
-    _check_tensor("rope", "x", x, "(P, B, H, T, Dh)", (None,) * 5, x.dtype, x.device)
+    if x.dim() != 5:
+        raise ValueError(f"rope: `x` must have 5 dims (P, B, H, T, Dh), got shape {tuple(x.shape)}")
     _, num_rows, _, num_tokens, head_dim = x.shape
     if head_dim % 2:
         raise ValueError(f"rope: RoPE needs an even head dim, got Dh = {head_dim}")
     table = (num_rows, 1, num_tokens, head_dim // 2)
     _check_tensor("rope", "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
     _check_tensor("rope", "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
-    if cos.stride() != sin.stride():
-        raise ValueError(f"rope: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
+    # The kernel reads both tables with cos's strides of the B, T and Dh/2 dims (dim 1 has size 1).
+    if [cos.stride(d) for d in (0, 2, 3)] != [sin.stride(d) for d in (0, 2, 3)]:
+        raise ValueError(
+            f"rope: `cos` and `sin` must have the same strides on their B, T and Dh/2 dims, got {cos.stride()} "
+            f"and {sin.stride()}"
+        )
     return torch.ops.vllm_omni_moss.rope(x, cos, sin)
