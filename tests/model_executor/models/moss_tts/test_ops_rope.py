@@ -88,6 +88,33 @@ def test_rejects_bad_inputs(args, error, message):
         ops.rope(x, cos, sin)
 
 
+def _known_answers(dtype):
+    """Tables of angle 0 then 90 degrees at every pair, and what they must give: ``(x[2i], x[2i+1])``
+    unchanged at angle 0, ``(-x[2i+1], x[2i])`` at 90 degrees (GPT-J pairs, ``apply_rope``'s convention)."""
+    x = torch.arange(1, 1 + 2 * 1 * 2 * 2 * 4, dtype=dtype).view(2, 1, 2, 2, 4)  # (P, B, H, T, Dh)
+    cos = torch.tensor([[1.0, 1.0], [0.0, 0.0]]).view(1, 1, 2, 2)
+    sin = torch.tensor([[0.0, 0.0], [1.0, 1.0]]).view(1, 1, 2, 2)
+    pairs = x.view(2, 1, 2, 2, 2, 2)
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).view_as(x)
+    expected = torch.where(torch.tensor([True, False]).view(1, 1, 1, 2, 1), x, turned)
+    return x, cos, sin, expected
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_known_answers(dtype):
+    x, cos, sin, expected = _known_answers(dtype)
+    assert torch.equal(ops.rope(x, cos, sin), expected)
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_interpreted_known_answers(dtype):
+    x, cos, sin, expected = _known_answers(dtype)
+    assert torch.equal(ops.rope(x, cos, sin), expected)
+
+
 @cpu
 def test_tables_may_differ_in_the_stride_of_their_size_one_dim():
     # The kernel never steps along dim 1 (size 1), so its stride does not have to match.

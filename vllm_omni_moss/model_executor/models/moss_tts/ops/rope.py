@@ -3,13 +3,10 @@
 
 The codec rotates queries and keys by GPT-J interleaved pairs (docs/codec_architecture.md, "One layer";
 ``step_metadata.apply_rope`` is the reference formula). The ring attention kernels of ``ring_attention.py``
-can rotate as they load (their ``cos``/``sin`` arguments). With Triton 3.6 that variant of the kernel
-compiles to 131 KB of shared memory per program (65 KB without rotation: one program per SM instead of two)
-and 255 registers with spills; on two of the four H200s leased for ``benchmarks/RESULTS.md``'s Run AI it took
-4.35 ms per layer at a v2 B128/T15 step's last group against 0.28 ms on rotated inputs (8x over a step's
-attention; the graph step took 165 ms), while on another it took about what this pass and the kernel on
-rotated inputs take together (a B128/T15 step: 2.66 ms of rotation in the kernel against 3.08 ms for this
-pass). This pass rotates once, so the attention kernel reads ready keys on every machine.
+can rotate as they load (their ``cos``/``sin`` arguments), but on some H200s that variant of the attention
+kernel ran many times slower than the same kernel on rotated inputs, while on others it was about as fast as
+this pass and the kernel together (``benchmarks/RESULTS.md``, Run AI, with the profile of the slow kernel).
+This pass rotates once, so the attention kernel reads ready keys on every machine.
 
 Each pair ``(x[2i], x[2i+1])`` is loaded and stored as one word (int32 for 16-bit dtypes, int64 for float32;
 the low half holds ``x[2i]``), so accesses stay contiguous. :func:`rope` keeps the reference's roundings
