@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint, save_random_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import _transformer as config_transformer
 from vllm_omni_moss.model_executor.models.moss_tts.config import parse_config
+from vllm_omni_moss.model_executor.models.moss_tts.ops.commit import HAS_TRITON, cpu_uses_triton_interpreter
 
 
 def _transformer(i: int, o: int) -> dict:
@@ -72,6 +74,22 @@ def assert_interpreted_tests_pass(test_file: str, timeout: float) -> None:
     # A silently skipped kernel test would pass vacuously.
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, report
+
+
+def interpreter_subprocess_test(test_file: str, timeout: float):
+    """The test that runs ``test_file``'s interpreted tests in a ``TRITON_INTERPRET=1`` child
+    (:func:`assert_interpreted_tests_pass`); assign it to ``test_triton_interpreter_subprocess`` in that
+    file. Skipped without Triton, and in a process that interprets already (the tests then run there)."""
+
+    @pytest.mark.cpu
+    @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+    @pytest.mark.skipif(
+        cpu_uses_triton_interpreter(), reason="this process interprets already; the tests below run directly"
+    )
+    def test_triton_interpreter_subprocess():
+        assert_interpreted_tests_pass(test_file, timeout=timeout)
+
+    return test_triton_interpreter_subprocess
 
 
 def build_decoder(raw: dict, tmp_path, *, version: str | None = None, seed: int = 17, device: str = "cpu"):

@@ -14,7 +14,7 @@ With triton 3.9 the interpreter runs the kernels on CPU tensors as they are (no 
 
 import pytest
 import torch
-from moss_codecs import assert_interpreted_tests_pass
+from moss_codecs import interpreter_subprocess_test
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as kernels
 
@@ -285,11 +285,7 @@ def test_commit_offsets_rejects_bad_inputs(name, bad):
 # ----------------------------------------------------------------------------------------------------
 
 
-@cpu
-@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
-def test_triton_interpreter_subprocess():
-    assert_interpreted_tests_pass(__file__, timeout=300)
+test_triton_interpreter_subprocess = interpreter_subprocess_test(__file__, timeout=300)
 
 
 @cpu

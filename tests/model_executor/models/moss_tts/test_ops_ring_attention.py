@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moss_codecs import assert_interpreted_tests_pass, build_decoder, random_codes
+from moss_codecs import build_decoder, interpreter_subprocess_test, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
@@ -364,11 +364,7 @@ def test_ops_trace_fullgraph_with_fake_impls():
 # ----------------------------------------------------------------------------------------------------
 
 
-@cpu
-@pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
-def test_triton_interpreter_subprocess():
-    assert_interpreted_tests_pass(__file__, timeout=900)
+test_triton_interpreter_subprocess = interpreter_subprocess_test(__file__, timeout=900)
 
 
 @cpu

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moss_codecs import assert_interpreted_tests_pass
+from moss_codecs import interpreter_subprocess_test
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import rope as ops
@@ -137,11 +137,7 @@ def test_traces_fullgraph_with_the_fake_impl():
         assert torch.equal(compiled(qkv, cos, sin), rotate(qkv, cos, sin))
 
 
-@cpu
-@pytest.mark.skipif(not commit_ops.HAS_TRITON, reason="triton not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this process interprets already; the tests below run directly")
-def test_triton_interpreter_subprocess():
-    assert_interpreted_tests_pass(__file__, timeout=600)
+test_triton_interpreter_subprocess = interpreter_subprocess_test(__file__, timeout=600)
 
 
 @cpu
