@@ -85,6 +85,7 @@ print(count, len(layers))
     [
         ("_ring_attention_kernel", "ring attention (ours)"),
         ("_ring_write_kernel", "ring write / commit (ours)"),
+        ("_rope_kernel", "rope pass (ours)"),
         ("nvjet_tst_128x64_64x8_2x1_v_bz_coopA_TNN", "gemm"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
         ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "sdpa / upstream attention"),
