@@ -8,7 +8,9 @@ keeps the request bookkeeping a pool does not know about; the pool owns the slot
 * **Streams.** A request holds one pool slot from its first chunk with codes to its
   terminal chunk (``finished=True``) or an abort (:meth:`on_requests_finished`). A
   chunk for a request id that is not live starts a fresh stream; a zero-frame chunk
-  of an id that is not live decodes nothing.
+  of an id that is not live decodes nothing. While a stream that got its terminal
+  chunk still waits for a slot, a chunk with codes under its id gets an error (it
+  neither joins the ended stream nor drops it).
 * **One step per batch.** Every ready chunk is decoded in the same pool step: the
   step's ``T`` is the smallest graph frame size ``>=`` the longest chunk, shorter
   chunks are padded to it and marked by their length (padding frames change no state,
@@ -696,6 +698,15 @@ class CodecStreamSession:
             else:
                 stream.slot = self.pool.acquire()
                 self._live[rid] = stream
+        elif stream.finished and frames and stream.slot is None:
+            # The id's last stream got its terminal chunk while waiting for a slot (only a waiting stream
+            # outlives the call of its terminal chunk): a new stream cannot start under the id yet, and the
+            # chunk must not join the ended one.
+            return (
+                f"request {rid!r}: the stream that last used this id has ended but still waits for a slot "
+                f"({stream.buffered_frames} frames queued); a new stream may use the id once that one's audio "
+                f"has been returned"
+            )
         elif stream.slot is None and frames and stream.saved is None:
             # A preempted stream (saved state) was live: its chunks are always kept, whatever the bounds.
             error = self._waiting.refusal(frames, new_stream=False, capacity=self.state_capacity)
