@@ -730,6 +730,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--give-up-ms must exceed --slo-ms (a run is only stopped once it has missed the SLO)")
     if args.preset != "auto" and args.preset not in PRESETS:
         p.error(f"--preset must be auto or one of {sorted(PRESETS)}")
+    # Checked here, before any arm runs and writes results: the pools would refuse them only when built.
+    if not 0.0 < args.page_fraction <= 1.0:
+        p.error(f"--page-fraction must be in (0, 1], got {args.page_fraction}")
+    for name in ("state_budget_gib", "expected_stream_seconds"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if not (math.isfinite(args.slo_ms) and args.slo_ms > 0):
+        p.error(f"--slo-ms must be a positive number, got {args.slo_ms}")
     return args
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -673,3 +674,26 @@ def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatc
     assert kwargs["page_fraction"] is None
     details = result["details"]["v2-paged"]["4"]
     assert not details["stopped_early"] and details["finished_requests"] == 4
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--page-fraction", "0"], r"--page-fraction must be in \(0, 1\], got 0.0"),
+        (["--page-fraction", "nan"], r"--page-fraction must be in \(0, 1\], got nan"),
+        (["--page-fraction", "1.5"], r"--page-fraction must be in \(0, 1\], got 1.5"),
+        (["--state-budget-gib", "nan"], "--state-budget-gib must be a positive number, got nan"),
+        (["--state-budget-gib", "-1"], "--state-budget-gib must be a positive number, got -1.0"),
+        (["--expected-stream-seconds", "0"], "--expected-stream-seconds must be a positive number, got 0.0"),
+        (["--slo-ms", "nan"], "--slo-ms must be a positive number, got nan"),
+    ],
+)
+def test_main_job_refuses_bad_settings_before_any_arm_runs(argv, message, tmp_path, capsys):
+    # A usage error (exit 2) naming the value, and nothing written: the pools would refuse these values only
+    # when an arm builds them, after the arms before it had run and written their results.
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        _load("bench_codec_stage").main([*argv, "--device", "cpu", "--out", str(out)])
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
