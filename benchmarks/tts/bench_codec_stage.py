@@ -726,6 +726,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.requests_per_stream < 1 or args.n_vq < 1:
         p.error("--requests-per-stream and --n-vq must be >= 1")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     if args.give_up_ms <= args.slo_ms:
         p.error("--give-up-ms must exceed --slo-ms (a run is only stopped once it has missed the SLO)")
     if args.preset != "auto" and args.preset not in PRESETS:
@@ -783,6 +785,12 @@ def _run_header(args, device, chunk_sizes: list[int], concurrencies: list[int], 
         "frame_rate": FRAME_RATE,
         "slo": {"codec_latency_p99_ms": args.slo_ms},
         "give_up_ms": args.give_up_ms,
+        # Settings that change what our arms run or how they are timed.
+        "state_budget_gib": args.state_budget_gib,
+        "expected_stream_seconds": args.expected_stream_seconds,
+        "page_fraction": args.page_fraction,
+        "time_replays": args.time_replays,
+        "trace_calls": args.trace_calls,
         "skipped": skipped,
     }
 
@@ -800,6 +808,11 @@ _SAME_RUN_KEYS = (
     "length_model",
     "slo",
     "give_up_ms",
+    "state_budget_gib",
+    "expected_stream_seconds",
+    "page_fraction",
+    "time_replays",
+    "trace_calls",
 )
 
 
@@ -867,15 +880,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = preset_config(args.preset)
     if args.n_vq > cfg.num_quantizers:
         raise SystemExit(f"--n-vq {args.n_vq} > the codec's {cfg.num_quantizers} codebooks")
-    concurrencies = common.parse_int_list(
-        DEFAULT_CONCURRENCY[device.type] if args.concurrency == "auto" else args.concurrency
-    )
-    chunk_sizes = [int(v) for v in args.chunks.split(",") if v.strip()]
+    try:
+        concurrencies = common.parse_int_list(
+            DEFAULT_CONCURRENCY[device.type] if args.concurrency == "auto" else args.concurrency
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--concurrency {args.concurrency!r}: {exc}") from None
+    try:
+        chunk_sizes = [int(v) for v in args.chunks.split(",") if v.strip()]
+    except ValueError:
+        chunk_sizes = []
     if not chunk_sizes or min(chunk_sizes) < 1:
         raise SystemExit(f"--chunks must be positive frame counts, got {args.chunks!r}")
-    arms, skipped = _select_arms(args, cfg, device)
+    try:
+        arms, skipped = _select_arms(args, cfg, device)
+    except ValueError as exc:
+        raise SystemExit(f"--arms {args.arms!r}: {exc}") from None
     for arm, reason in skipped.items():
         print(f"skipped arm {arm}: {reason}")
+    if not arms:
+        raise SystemExit(f"no arm left to run ({'; '.join(f'{a}: {r}' for a, r in skipped.items())})")
 
     result: dict[str, Any] = {
         "run": _run_header(args, device, chunk_sizes, concurrencies, skipped, command),

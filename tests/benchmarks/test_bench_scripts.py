@@ -648,6 +648,14 @@ def test_stage_append_merges_a_split_sweep(tmp_path):
 
     with pytest.raises(SystemExit, match="requests_per_stream 1 != 2"):
         bench.main([*base[:4], "--requests-per-stream", "2", "--quiet", "--out", str(tmp_path), "--append"])
+    # Settings of our arms' state and timing must agree too (they change what a run measures).
+    for extra, message in (
+        (["--state-budget-gib", "0.001"], "state_budget_gib None != 0.001"),
+        (["--page-fraction", "0.5"], "page_fraction 1.0 != 0.5"),
+        (["--trace-calls"], "trace_calls False != True"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            bench.main([*base, "--concurrency", "4", *extra, "--append"])
     (tmp_path / "results.md").unlink()
     assert bench.main(["--out", str(tmp_path), "--report-only"]) == merged
     assert "| legacy | 3 | 3 |" in (tmp_path / "results.md").read_text()
@@ -696,4 +704,23 @@ def test_main_job_refuses_bad_settings_before_any_arm_runs(argv, message, tmp_pa
         _load("bench_codec_stage").main([*argv, "--device", "cpu", "--out", str(out)])
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--concurrency", "0"], "--concurrency '0': "),
+        (["--concurrency", "abc"], "--concurrency 'abc': "),
+        (["--chunks", "1.5"], "--chunks must be positive frame counts, got '1.5'"),
+        (["--arms", "bogus"], "--arms 'bogus': "),
+        (["--arms", "v2-paged", "--preset", "tiny-v1"], "no arm left to run (v2-paged: preset 'tiny-v1' is a v1 codec"),
+    ],
+)
+def test_main_job_names_a_bad_list_argument_without_a_traceback(argv, message, tmp_path):
+    # A message naming the argument (exit status 1, as SystemExit(str) gives), nothing written.
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        _load("bench_codec_stage").main(["--device", "cpu", *argv, "--out", str(out)])
+    assert str(exc.value.code).startswith(message)
     assert not out.exists()
