@@ -15,7 +15,11 @@ import torch
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint, save_random_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import _transformer as config_transformer
 from vllm_omni_moss.model_executor.models.moss_tts.config import parse_config
-from vllm_omni_moss.model_executor.models.moss_tts.ops.commit import HAS_TRITON, cpu_uses_triton_interpreter
+from vllm_omni_moss.model_executor.models.moss_tts.ops.commit import (
+    HAS_TRITON,
+    TRITON_INTERPRET_AT_IMPORT,
+    cpu_uses_triton_interpreter,
+)
 
 
 def _transformer(i: int, o: int) -> dict:
@@ -90,6 +94,22 @@ def interpreter_subprocess_test(test_file: str, timeout: float):
         assert_interpreted_tests_pass(test_file, timeout=timeout)
 
     return test_triton_interpreter_subprocess
+
+
+#: Marks a test of an ops file that the ``TRITON_INTERPRET=1`` child of :func:`interpreter_subprocess_test`
+#: runs (selected by "interpreted" in its name); a process that does not interpret skips it.
+needs_interpreter = pytest.mark.skipif(
+    not cpu_uses_triton_interpreter(),
+    reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess",
+)
+
+
+def cuda_kernel_test(fn):
+    """Mark ``fn`` as a test of compiled kernels on CUDA (marker ``cuda``): skipped without CUDA, and where
+    ``TRITON_INTERPRET=1`` was set at import (the "CUDA" kernels would be interpreted, testing nothing real)."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
+    fn = pytest.mark.skipif(TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")(fn)
+    return pytest.mark.cuda(fn)
 
 
 def build_decoder(raw: dict, tmp_path, *, version: str | None = None, seed: int = 17, device: str = "cpu"):

@@ -14,23 +14,12 @@ With triton 3.9 the interpreter runs the kernels on CPU tensors as they are (no 
 
 import pytest
 import torch
-from moss_codecs import interpreter_subprocess_test
+from moss_codecs import cuda_kernel_test as cuda
+from moss_codecs import interpreter_subprocess_test, needs_interpreter
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as kernels
 
-INTERPRETED = kernels.cpu_uses_triton_interpreter()
-
 cpu = pytest.mark.cpu
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
-)
-
-
-def cuda(fn):
-    # Under TRITON_INTERPRET=1 the "CUDA" kernels would be interpreted, which tests nothing real.
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
-    fn = pytest.mark.skipif(kernels.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")(fn)
-    return pytest.mark.cuda(fn)
 
 
 # ----------------------------------------------------------------------------------------------------

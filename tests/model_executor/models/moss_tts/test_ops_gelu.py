@@ -12,18 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from moss_codecs import interpreter_subprocess_test
+from moss_codecs import cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import gelu as ops
 
 INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
 cpu = pytest.mark.cpu
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
-)
-no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-interpreted_here = pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")
 
 
 def _draw(shape, dtype, device="cpu", seed=0):
@@ -131,9 +126,7 @@ def _exact_gelu(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.erf(x / 2**0.5))
 
 
-@pytest.mark.cuda
-@no_cuda
-@interpreted_here
+@cuda_kernel_test
 def test_cuda_every_bfloat16_value_is_as_exact_as_pytorch():
     """Every finite bfloat16 input: the kernel's GELU rounds to the correctly rounded exact value at
     least as often as ``aten.gelu_`` does, and from x = -3 up (where ``1 + erf`` does not cancel) it is
@@ -150,9 +143,7 @@ def test_cuda_every_bfloat16_value_is_as_exact_as_pytorch():
     assert (steps[above] <= 1).all(), f"{int((steps[above] > 1).sum())} values from x = -3 up off by > 1 step"
 
 
-@pytest.mark.cuda
-@no_cuda
-@interpreted_here
+@cuda_kernel_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(16384, 3072), (1920, 5120), (3, 1001)])
 def test_cuda_within_float32_erf_error_of_the_exact_gelu(dtype, shape):
@@ -172,9 +163,7 @@ def test_cuda_within_float32_erf_error_of_the_exact_gelu(dtype, shape):
     assert y.view(-1)[2].item() == (0.5 * x.view(-1)[2]).item()
 
 
-@pytest.mark.cuda
-@no_cuda
-@interpreted_here
+@cuda_kernel_test
 def test_cuda_graph_replay_recomputes():
     x = _draw((64, 3072), torch.bfloat16, device="cuda", seed=2)
     buffer = x.clone()

@@ -11,16 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from moss_codecs import interpreter_subprocess_test
+from moss_codecs import cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import residual_norm as ops
 
 INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
 cpu = pytest.mark.cpu
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
-)
 
 
 def _case(shape, width, dtype, device="cpu", seed=0):
@@ -131,9 +128,7 @@ def test_kernel_interpreted_float32(width, scaled):
     assert (h - expected_h).abs().max().item() <= 2e-6 * expected_h.abs().max().item()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")
+@cuda_kernel_test
 @pytest.mark.parametrize("width", [768, 1280])
 def test_cuda_bfloat16_one_rounding_residual_and_norm(width):
     x, update, scale, weight, bias = _case((64, 480), width, torch.bfloat16, device="cuda", seed=width)

@@ -22,7 +22,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moss_codecs import build_decoder, interpreter_subprocess_test, random_codes
+from moss_codecs import build_decoder, interpreter_subprocess_test, needs_interpreter, random_codes
+from moss_codecs import cuda_kernel_test as cuda
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
@@ -34,16 +35,6 @@ INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
 SEMANTICS = ("upstream", "exact")
 
 cpu = pytest.mark.cpu
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
-)
-
-
-def cuda(fn):
-    # Under TRITON_INTERPRET=1 the "CUDA" kernels would be interpreted, which tests nothing real.
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
-    fn = pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")(fn)
-    return pytest.mark.cuda(fn)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moss_codecs import interpreter_subprocess_test
+from moss_codecs import cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
 
-from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import rope as ops
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, rope_tables
 
-INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
 cpu = pytest.mark.cpu
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_subprocess"
-)
-no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-interpreted_here = pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here")
 
 
 def _qkv(rows, tokens, heads, head_dim, dtype, device="cpu", seed=0):
@@ -176,9 +169,7 @@ def test_kernel_interpreted_empty_input_launches_nothing():
     assert ops.rope(qkv[:2], cos, sin).shape == (2, 2, 2, 0, 8)
 
 
-@pytest.mark.cuda
-@no_cuda
-@interpreted_here
+@cuda_kernel_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(128, 480, 12, 64), (128, 15, 20, 64), (3, 37, 2, 16)])
 def test_cuda_is_bitwise_apply_rope(dtype, shape):
@@ -190,9 +181,7 @@ def test_cuda_is_bitwise_apply_rope(dtype, shape):
     assert torch.equal(ops.rope(qkv[1:2], cos, sin), expected[1:2])
 
 
-@pytest.mark.cuda
-@no_cuda
-@interpreted_here
+@cuda_kernel_test
 def test_cuda_graph_replay_recomputes():
     qkv = _qkv(4, 30, 3, 64, torch.bfloat16, device="cuda", seed=1)
     cos, sin = _tables(4, 30, 64, device="cuda", seed=1)
