@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batch buckets of the codec's CUDA graphs: one ladder for the stage, the session and the benchmarks.
+
+A step of ``B`` rows replays the graph of the smallest bucket ``>= B``; its ``bucket - B`` extra rows are
+padding rows (they read the null slot and write nothing) and cost what real rows cost. The ladder bounds
+that waste: powers of two up to :data:`DENSE_UP_TO` rows (where a step's time is dominated by its fixed
+cost, not its rows), then buckets that grow by at most :data:`GROWTH`, so that a batch of more than
+``DENSE_UP_TO`` rows never replays a graph of more than ``GROWTH`` times its rows. The last bucket is the
+slot count, so that every batch the pool can hold is one replay.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["DENSE_UP_TO", "GROWTH", "batch_buckets", "bucket_for"]
+
+#: Buckets up to this many rows are the powers of two.
+DENSE_UP_TO = 64
+#: Above :data:`DENSE_UP_TO`, a bucket holds at most this many times the rows of the smallest batch it serves.
+GROWTH = 1.25
+#: Buckets above :data:`DENSE_UP_TO` are multiples of this many rows (the slot count excepted).
+_MULTIPLE = 8
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """The ladder of batch buckets for a pool of ``max_rows`` slots, ascending, ending at ``max_rows``.
+
+    Every ``B`` in ``1..max_rows`` has a bucket ``b >= B`` with ``b <= 2 B`` for ``B <= 64`` and
+    ``b <= 1.25 B`` above (``max_rows = 2048`` gives 24 buckets).
+
+    Raises:
+        ValueError: ``max_rows`` is not an integer >= 1.
+    """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+    buckets = [1 << i for i in range(DENSE_UP_TO.bit_length()) if 1 << i < max_rows]
+    while buckets and buckets[-1] >= DENSE_UP_TO and math.floor(GROWTH * (buckets[-1] + 1)) < max_rows:
+        # The next bucket serves every batch from the last bucket + 1 up: at most GROWTH x that smallest one.
+        nxt = math.floor(GROWTH * (buckets[-1] + 1)) // _MULTIPLE * _MULTIPLE
+        buckets.append(max(nxt, buckets[-1] + 1))
+    return buckets + [max_rows]
+
+
+def bucket_for(buckets: list[int], rows: int) -> int | None:
+    """The smallest bucket of ``buckets`` (ascending) holding ``rows`` rows, or None when none does."""
+    return next((b for b in buckets if b >= rows), None)
