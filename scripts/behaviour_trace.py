@@ -70,8 +70,8 @@ def _decoder(preset: str) -> CodecDecoder:
 
 
 def _state_arrays(prefix: str, pool, out: dict[str, np.ndarray]) -> None:
-    """Every leased slot's logical state and the pool's raw persistent tensors."""
-    for slot in sorted(pool.leased_slots):
+    """Every live slot's logical state and the pool's raw persistent tensors."""
+    for slot in range(pool.state_capacity):
         state = pool.slot_state(slot)
         out[f"{prefix}/slot{slot}/offsets"] = state["layer_offsets"].numpy()
         for layer, ring in enumerate(state["rings"]):
