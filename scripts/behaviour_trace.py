@@ -19,7 +19,9 @@ The trace runs on the CPU, with random weights (``vllm_omni_moss.testing.weights
   restored into another slot, then one more step;
 
 and records every chunk's audio, the session's counters, every slot's rings and offsets (``slot_state``)
-and the raw persistent tensors (``pool.rings`` and ``pool.offset_tensors()``).
+and the raw persistent tensors (``pool.rings`` and ``pool.offset_tensors()``; for paged rings, where the
+physical page of a cell is the allocator's choice, the free page counts, the null pages and the frame
+counters instead).
 
 The ``triton`` backends (compact and paged pools) need the ``triton`` package and run in its interpreter,
 which must be switched on before Triton is imported: the script sets ``TRITON_INTERPRET=1`` itself.
@@ -76,6 +78,14 @@ def _state_arrays(prefix: str, pool, out: dict[str, np.ndarray]) -> None:
         out[f"{prefix}/slot{slot}/offsets"] = state["layer_offsets"].numpy()
         for layer, ring in enumerate(state["rings"]):
             out[f"{prefix}/slot{slot}/ring{layer}"] = ring.float().numpy()
+    if hasattr(pool, "free_page_counts"):
+        # Paged rings: which physical page holds a cell is the allocator's choice, not behaviour; the pages
+        # still free and the null page (page 0, read by padding rows) are.
+        out[f"{prefix}/free_pages"] = np.array(pool.free_page_counts())
+        for i, t in enumerate(pool.rings):
+            out[f"{prefix}/null_page{i}"] = t[:, 0].float().numpy()
+        out[f"{prefix}/frames_decoded"] = pool.frames_decoded.numpy()
+        return
     for i, t in enumerate(pool.rings):
         out[f"{prefix}/raw_ring{i}"] = t.float().numpy()
     for i, t in enumerate(pool.offset_tensors()):
