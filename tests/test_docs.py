@@ -67,7 +67,7 @@ def test_memory_numbers_match_the_v2_geometry():
     text = _text("memory.md")
     for i, g in enumerate(cfg.groups):
         per_layer = g.ring_bytes(2) // g.num_layers
-        row = f"| {i} | {g.num_layers} | {g.num_heads} | {g.context} | {per_layer:,} | {g.ring_bytes(2):,} |"
+        row = f"| {i} | {g.num_layers} | {g.num_heads} | {g.ring_capacity} | {per_layer:,} | {g.ring_bytes(2):,} |"
         assert row in text
     slot = cfg.state_bytes_per_slot(2)
     assert f"**{slot:,} bytes = {slot / 2**20:.2f} MiB per v2 slot in bf16**" in text
@@ -93,15 +93,15 @@ def test_architecture_table_matches_the_v2_preset():
     rate = cfg.frame_rate
     for i, g in enumerate(cfg.groups):
         tokens_per_s = rate * g.tokens_per_frame
-        duration = g.context / tokens_per_s
+        duration = g.ring_capacity / tokens_per_s
         row = (
             f"| {i} | `decoder.{g.index}` | {g.input_dim} -> {g.d_model} -> {g.output_dim} | {g.num_layers} | "
-            f"{g.num_heads} x {g.head_dim} | {g.dim_feedforward} | {tokens_per_s:g} | {duration:g} s | {g.context} | "
+            f"{g.num_heads} x {g.head_dim} | {g.dim_feedforward} | {tokens_per_s:g} | {duration:g} s | {g.ring_capacity} | "
             f"{g.tokens_per_frame} | x{g.upsample} |"
         )
         assert row in text
     assert cfg.num_layers == 92 and cfg.samples_per_frame == 3840 and "**3840 samples per channel**" in text
-    assert [g.context for g in preset_config("v1").groups] == [125, 250, 500, 1000]
+    assert [g.ring_capacity for g in preset_config("v1").groups] == [125, 250, 500, 1000]
     assert "rings of 125, 250, 500 and 1000 tokens" in text
 
 

@@ -149,7 +149,7 @@ def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
     if kind == "v2-paged":
         # Steps address slots 0..B-1 directly: give each the pages of a full ring (any context longer
         # than the longest window) so that no step needs a page and the tables are what they will be.
-        longest = max(-(-g.context // g.tokens_per_frame) for g in decoder.config.groups)
+        longest = max(-(-g.ring_capacity // g.tokens_per_frame) for g in decoder.config.groups)
         slots = [pool.acquire() for _ in range(max_batch)]  # 0..B-1, the ids the steps address
         pool.prepare_step(slots, [longest] * max_batch)
     return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)

@@ -60,7 +60,7 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
     """One group shape: the default configuration and every point of ``grid`` that applies, timed and
     compared (``write``: time ``ring_attention_write``; ``rope``: pass the group's RoPE tables)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    heads, capacity, head_dim = group.num_heads, group.context, group.head_dim
+    heads, capacity, head_dim = group.num_heads, group.ring_capacity, group.head_dim
     num_tokens = frames * group.tokens_per_frame
 
     def randn(*shape):

@@ -16,7 +16,7 @@ def test_v2_preset_geometry():
     cfg = preset_config("v2")
     assert (cfg.version, cfg.sampling_rate, cfg.number_channels, cfg.samples_per_frame) == ("v2", 48000, 2, 3840)
     assert cfg.frame_rate == 12.5 and cfg.num_layers == 92
-    assert [g.context for g in cfg.groups] == [125, 250, 400, 400, 400, 400]
+    assert [g.ring_capacity for g in cfg.groups] == [125, 250, 400, 400, 400, 400]
     assert [g.tokens_per_frame for g in cfg.groups] == [1, 2, 4, 8, 16, 32]
     assert [(g.d_model, g.num_heads, g.num_layers) for g in cfg.groups] == [(1280, 20, 32)] + [(768, 12, 12)] * 5
     assert cfg.state_bytes_per_slot(2) == 88_678_400
@@ -25,7 +25,7 @@ def test_v2_preset_geometry():
 def test_v1_preset_geometry():
     cfg = preset_config("v1")
     assert (cfg.version, cfg.sampling_rate, cfg.number_channels, cfg.samples_per_frame) == ("v1", 24000, 1, 1920)
-    assert [g.context for g in cfg.groups] == [125, 250, 500, 1000]  # global 10 s context
+    assert [g.ring_capacity for g in cfg.groups] == [125, 250, 500, 1000]  # global 10 s context
     assert [g.input_proj for g in cfg.groups] == [True, True, True, True]
     assert [g.output_proj for g in cfg.groups] == [False, False, False, True]  # identity where dims match
 
@@ -116,7 +116,7 @@ def test_group_bookkeeping_of_tiny_v2():
     cfg = preset_config("tiny-v2")
     assert [g.index for g in cfg.groups] == [0, 2, 4, 6, 8, 10]
     assert [g.upsample for g in cfg.groups] == [2, 2, 2, 2, 2, 240]
-    assert [g.context for g in cfg.groups] == [10, 20, 32, 32, 32, 40]
+    assert [g.ring_capacity for g in cfg.groups] == [10, 20, 32, 32, 32, 40]
     assert [(g.input_dim, g.output_dim) for g in cfg.groups] == [(24, 64), (32, 32)] + [(16, 32)] * 3 + [(16, 240)]
     assert cfg.group_first_layers == (0, 2, 3, 4, 5, 6) and cfg.num_layers == 7
     assert cfg.channel_interleave and cfg.interleave_factor == 2

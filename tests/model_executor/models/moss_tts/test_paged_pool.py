@@ -82,7 +82,7 @@ def test_paged_pool_equals_the_compact_pool_step_by_step(ring_decoder):
             frames[1] = 0
         for s in range(CAPACITY):
             _assert_same_state(compact, pool, s)
-            want = [min(-(-frames[s] * g.tokens_per_frame // 5), g.context // 5) for g in ring_decoder.config.groups]
+            want = [min(-(-frames[s] * g.tokens_per_frame // 5), g.ring_capacity // 5) for g in ring_decoder.config.groups]
             assert _held_pages(pool, s) == want, (step, s)
     for table in pool.page_tables:
         assert table.shape[0] == pool.num_slots
@@ -97,7 +97,7 @@ def test_release_zeroes_and_frees_pages_and_save_restore_is_exact(ring_decoder):
         _step(p, codes, [7, 3], [0, 2])
     saved = pool.save_slot(0)
     pool.release([0, 2])
-    assert pool.free_page_counts() == full == [CAPACITY * g.context // 5 for g in ring_decoder.config.groups]
+    assert pool.free_page_counts() == full == [CAPACITY * g.ring_capacity // 5 for g in ring_decoder.config.groups]
     assert all(bool((ring == 0).all()) for ring in pool.rings)
     slot = pool.acquire()
     assert slot == 2  # LIFO
@@ -210,7 +210,7 @@ def test_a_session_on_a_paged_pool_decodes_as_on_a_compact_pool(ring_decoder):
         a, b = (s.decode(batch) for s in sessions)
         for r in "ab":
             assert torch.equal(a[r].audio, b[r].audio), (call, r)
-    assert sessions[1].pool.free_page_counts() == [2 * g.context // 5 for g in ring_decoder.config.groups]
+    assert sessions[1].pool.free_page_counts() == [2 * g.ring_capacity // 5 for g in ring_decoder.config.groups]
 
 
 def _solo(decoder, codes, schedule):

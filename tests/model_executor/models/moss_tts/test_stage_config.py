@@ -110,7 +110,7 @@ def test_state_budget_picks_the_paged_pool_with_the_pages_it_pays_for(tmp_path, 
     assert pool.kind == "paged"
     groups = stage._codec.config.groups
     page_bytes = [2 * g.num_heads * pool.page_size * g.head_dim * 4 * g.num_layers for g in groups]  # fp32 rings
-    per_ring = [g.context // pool.page_size for g in groups]
+    per_ring = [g.ring_capacity // pool.page_size for g in groups]
     fraction = (budget - sum(page_bytes)) / (8 * sum(n * b for n, b in zip(per_ring, page_bytes)))
     assert 0 < fraction < 1 and pool.page_fraction == pytest.approx(fraction)
     want = [int(fraction * 8 * n) + 1 for n in per_ring]

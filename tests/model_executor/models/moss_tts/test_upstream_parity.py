@@ -67,7 +67,7 @@ def test_real_v2_widths_one_layer_per_group_match_upstream(tmp_path):
         if spec["module_type"] == "Transformer":
             spec["num_layers"] = 1
     upstream, ours = _pair(raw, "v2", tmp_path)
-    assert [g.context for g in ours.config.groups] == [125, 250, 400, 400, 400, 400]
+    assert [g.ring_capacity for g in ours.config.groups] == [125, 250, 400, 400, 400, 400]
     codes = _codes(ours, 1, 20, seed=4)
     _close(ours.decode(codes), upstream.decode(codes))
     # 130 frames outlast the 125-frame ring of the first group; 15-frame chunks put

@@ -66,7 +66,7 @@ __all__ = [
 #: native SDPA (the parity oracle); ``"triton"`` reads rings in place (``ops/ring_attention.py``).
 ATTENTION_BACKENDS = ("sdpa", "triton")
 
-#: Queries per block in offline attention: bounds the mask to ``block x (block + context)``.
+#: Queries per block in offline attention: bounds the mask to ``block x (block + window)``.
 OFFLINE_QUERY_BLOCK = 4096
 
 
@@ -194,15 +194,15 @@ def ring_attention_reference(
 
 
 class OfflineAttention:
-    """Whole-sequence attention: positions ``0..N-1``, exact window ``0 <= q - k < context``.
+    """Whole-sequence attention: positions ``0..N-1``, exact window ``0 <= q - k < window``.
 
     Queries are processed in blocks of :data:`OFFLINE_QUERY_BLOCK` against only the keys
-    they can reach, so mask memory is ``O(block * (block + context))`` whatever the length.
+    they can reach, so mask memory is ``O(block * (block + window))`` whatever the length.
     """
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         spec, n = group.spec, group.num_tokens
-        ctx = spec.context
+        ctx = spec.window
         zero = torch.zeros(qkv.shape[1], dtype=torch.long, device=qkv.device)
         q, k = apply_rope(qkv[:2], *rope_tables(zero, n, spec.head_dim, spec.max_period))
         v = qkv[2]

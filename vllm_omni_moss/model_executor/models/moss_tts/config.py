@@ -52,7 +52,9 @@ class GroupSpec:
             is ``decoder.{index}.``).
         input_dim / output_dim: channels entering / leaving the group.
         d_model, num_heads, num_layers, dim_feedforward: transformer shape.
-        context: attention window and ring capacity in tokens of this group.
+        ring_capacity: cells of each ring of this group, in tokens: the last ``ring_capacity`` tokens
+            a stream wrote. MOSS codecs size each ring to the attention window (:attr:`window`):
+            ``causal_transformer_context_duration`` seconds of this group's tokens (docs/ring_semantics.md).
         tokens_per_frame: tokens of this group per code frame (product of the
             upsampling factors applied before it).
         upsample: factor of the ``PatchedPretransform`` that follows (1 if none).
@@ -70,7 +72,7 @@ class GroupSpec:
     num_heads: int
     num_layers: int
     dim_feedforward: int
-    context: int
+    ring_capacity: int
     tokens_per_frame: int
     upsample: int
     layer_scale: float | None
@@ -82,9 +84,14 @@ class GroupSpec:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def window(self) -> int:
+        """Positions a query attends, in tokens (``0 <= q - p < window``): the ring capacity."""
+        return self.ring_capacity
+
     def ring_bytes(self, element_size: int) -> int:
         """Bytes of one slot's K+V ring for all layers of the group."""
-        return 2 * self.num_layers * self.num_heads * self.context * self.head_dim * element_size
+        return 2 * self.num_layers * self.num_heads * self.ring_capacity * self.head_dim * element_size
 
 
 @dataclass(frozen=True)
@@ -393,7 +400,7 @@ def _parse_transformer(
         num_heads=heads,
         num_layers=_int_field(spec, "num_layers", f"{f}.num_layers"),
         dim_feedforward=_int_field(spec, "dim_feedforward", f"{f}.dim_feedforward"),
-        context=context,
+        ring_capacity=context,
         tokens_per_frame=tokens_per_frame,
         upsample=1,
         layer_scale=layer_scale,

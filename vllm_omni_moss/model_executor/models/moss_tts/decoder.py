@@ -373,7 +373,7 @@ class FixedWidthState:
                         2,
                         batch_size,
                         spec.num_heads,
-                        spec.context,
+                        spec.ring_capacity,
                         spec.head_dim,
                         device=decoder.device,
                         dtype=decoder.state_dtype,

@@ -113,7 +113,7 @@ def _check_count(count) -> None:
 def ring_geometry(config) -> tuple[tuple[int, int, int, int, int], ...]:
     """Per resolution group ``(layers, heads, context, head_dim, tokens_per_frame)``: what a slot's state
     depends on besides the ring dtype (two codecs with equal geometry have interchangeable slot states)."""
-    return tuple((g.num_layers, g.num_heads, g.context, g.head_dim, g.tokens_per_frame) for g in config.groups)
+    return tuple((g.num_layers, g.num_heads, g.ring_capacity, g.head_dim, g.tokens_per_frame) for g in config.groups)
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ class DecoderStatePool(ABC):
         # One zeroed ring (2, S, H, C, Dh) per attention layer, a view of its group's (L, 2, S, H, C, Dh)
         # tensor: clearing a slot then takes one fill per group instead of one per layer (_clear_rings).
         return self._group_ring_views(
-            [(2, self.num_slots, s.num_heads, s.context, s.head_dim) for s in self.config.groups]
+            [(2, self.num_slots, s.num_heads, s.ring_capacity, s.head_dim) for s in self.config.groups]
         )
 
     def _group_ring_views(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -483,7 +483,7 @@ class DecoderStatePool(ABC):
 
     def _ring_cells(self) -> list[int]:
         # Ring capacity C of each attention layer.
-        return [spec.context for spec in self.config.groups for _ in range(spec.num_layers)]
+        return [spec.ring_capacity for spec in self.config.groups for _ in range(spec.num_layers)]
 
     @abstractmethod
     def offset_tensors(self) -> list[torch.Tensor]:
@@ -577,7 +577,7 @@ class DecoderStatePool(ABC):
         for layer, (spec, offset, saved) in enumerate(
             zip(heads, self._layer_offsets_in(offsets).tolist(), state.cells)
         ):
-            shape = (2, spec.num_heads, min(offset, spec.context), spec.head_dim)
+            shape = (2, spec.num_heads, min(offset, spec.ring_capacity), spec.head_dim)
             if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != shape or saved.dtype != self.dtype:
                 got = (tuple(getattr(saved, "shape", ())), getattr(saved, "dtype", None))
                 raise ValueError(
@@ -969,7 +969,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             raise ValueError(
                 f"the paged pool needs attention_backend 'triton' (its ops read pages), got {self.attention_backend!r}"
             )
-        windows = [spec.context for spec in self.config.groups]
+        windows = [spec.ring_capacity for spec in self.config.groups]
         self.page_size = math.gcd(*windows) if page_size is None else page_size
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
@@ -1004,7 +1004,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
 
     # ----------------------------------------------------------------- memory
     def _pages_per_ring(self, spec) -> int:
-        return spec.context // self.page_size
+        return spec.ring_capacity // self.page_size
 
     def _page_bytes(self, spec) -> int:
         """Bytes of one page of group ``spec`` over all its layers (keys and values)."""
@@ -1050,7 +1050,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         out = []
         for spec in self.config.groups:
             n = self._pages_per_ring(spec)
-            filling = min(frames, -(-spec.context // spec.tokens_per_frame))  # frames until the ring is full
+            filling = min(frames, -(-spec.ring_capacity // spec.tokens_per_frame))  # frames until the ring is full
             held = sum(self._pages_needed(spec, f) for f in range(1, filling + 1))
             out.append((held + (frames - filling) * n) / frames)
         return out

@@ -75,7 +75,7 @@ class RingMetadata:
             distinct and a repeated entry writes the same value, so the write is
             deterministic whatever order the device scatters in.
         mask: ``(B, 1, T, K)`` bool, True where query ``t`` may attend key ``k``:
-            ``0 <= q - p_k < context`` and key ``k`` holds a valid token; ``K = C``
+            ``0 <= q - p_k < window`` and key ``k`` holds a valid token; ``K = C``
             (``upstream``) or ``C + T`` (``exact``).
         cos / sin: ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions.
     """
@@ -145,7 +145,7 @@ def build_ring_metadata(
     """Build the step metadata of one group (or one layer, for the legacy pool).
 
     Args:
-        spec: the resolution group (``context`` = ring capacity ``C`` = attention window,
+        spec: the resolution group (``ring_capacity`` ``C``, equal to the attention ``window``,
             ``head_dim``, ``max_period``).
         semantics: ``"upstream"`` or ``"exact"`` (module docstring).
         offsets: ``(B,)`` int64 pre-step token offsets of the execution rows.
@@ -159,7 +159,7 @@ def build_ring_metadata(
     if semantics not in RING_SEMANTICS:
         raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
     device = offsets.device
-    T, C = num_tokens, spec.context
+    T, C = num_tokens, spec.ring_capacity
     start = offsets.view(-1, 1)
     next_offsets = offsets + num_written
     # The later position owns a cell: a row writes its last min(num_written, C) valid tokens.
@@ -176,7 +176,7 @@ def build_ring_metadata(
         current = torch.where(query < next_offsets.view(-1, 1), query, -1)
         positions = torch.cat((cached, current), dim=1)
     rel = query.unsqueeze(-1) - positions.unsqueeze(1)  # (B, T, K)
-    mask = (positions.unsqueeze(1) >= 0) & (rel >= 0) & (rel < spec.context)
+    mask = (positions.unsqueeze(1) >= 0) & (rel >= 0) & (rel < spec.window)
     cos, sin = rope_tables(offsets, T, spec.head_dim, spec.max_period)
     return RingMetadata(
         offsets=offsets,
