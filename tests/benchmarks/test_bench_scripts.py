@@ -426,7 +426,7 @@ def test_stage_state_budget_buys_slots_or_pages():
     # The paged arm's pool pays its null pages from the budget (what the bench computed itself before).
     arm = bench.OurArm(decoder, 4, "v2-paged", False, [1, 15], 12, paged_budget=paged)
     pool = arm.session.pool
-    null, full = pool._null_bytes(), pool._stream_bytes()
+    null, full = pool.budget.null_bytes(), pool.budget.stream_bytes()
     assert pool.page_fraction == pytest.approx((int(budget) - null) / (4 * full))
     arm = bench.OurArm(
         decoder, 2, "v2-paged", False, [1, 15], 12, paged_budget=bench.state_budget(args, "v2-paged", decoder, 2)[2]

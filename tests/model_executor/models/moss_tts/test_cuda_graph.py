@@ -203,7 +203,7 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
         codes = torch.randint(0, K, (n_vq, len(names), 1), generator=gen)
         got = session.decode([ChunkRequest(r, codes[:, i]) for i, r in enumerate(names)])
         live = [session.live_requests[r] for r in names]
-        assert live == ["abc".index(r) for r in names]  # fresh session: a, b, c lease 0, 1, 2
+        assert live == ["abc".index(r) for r in names]  # fresh session: a, b, c acquire 0, 1, 2
         ref, _ = reference.decode_streaming_batch(*_padded(reference, codes.cuda(), live, bucket))
         for i, r in enumerate(names):
             assert torch.equal(got[r].audio, ref[i].float().cpu()), f"{r}: graph path differs from eager"

@@ -56,7 +56,7 @@ def _assert_same_state(compact, pool, slot, paged_slot=None):
 
 
 def _held_pages(pool, slot):
-    return [len(tables[slot]) for tables in pool._host_tables]
+    return [len(tables[slot]) for tables in pool.store.host_tables]
 
 
 def test_paged_pool_equals_the_compact_pool_step_by_step(ring_decoder):
@@ -109,7 +109,7 @@ def test_release_zeroes_and_frees_pages_and_save_restore_is_exact(ring_decoder):
         compact.restore_slot(1, saved)
 
 
-def test_release_zeroes_only_the_released_slots_pages(ring_decoder):
+def test_release_zeroes_only_the_reslots_in_use_pages(ring_decoder):
     # Freed pages are filled group by group (one fill per resolution group): the other slot's pages keep
     # their bytes in every layer, and the freed pages return to their group's free list.
     _, pool = _pools(ring_decoder)
@@ -121,7 +121,7 @@ def test_release_zeroes_only_the_released_slots_pages(ring_decoder):
     pool.release([0])
     assert pool.free_page_counts() == [f - len(k) for f, k in zip(full, kept)]
     for layer, (ring, old) in enumerate(zip(pool.rings, before)):
-        g = pool._group_of(layer)
+        g = pool.store.group_of(layer)
         assert not ring[:, freed[g]].any(), layer
         assert torch.equal(ring[:, kept[g]], old[:, kept[g]]) and bool(ring[:, kept[g]].any()), layer
 
@@ -251,7 +251,7 @@ def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
 
 
 def _random_steps(decoder, pools, steps, seed, device="cpu"):
-    """Random steps on every pool of ``pools`` (same slots leased in each); yields each step's audio."""
+    """Random steps on every pool of ``pools`` (same slots acquired in each); yields each step's audio."""
     rng = random.Random(seed)
     for step in range(steps):
         B = rng.randint(1, CAPACITY)
@@ -405,7 +405,7 @@ def test_new_streams_wait_while_live_streams_need_the_pages(ring_decoder, caplog
     assert "request 'b' ended while waiting for a slot; its 3 buffered frames are dropped undecoded" in caplog.text
 
 
-def test_paged_restore_and_page_calls_check_leases_and_pages_first(ring_decoder):
+def test_paged_restore_and_page_calls_check_slots_in_use_and_pages_first(ring_decoder):
     pool = PagedDecoderStatePool(ring_decoder, page_fraction=0.5)  # 1 and 3 pages: one full stream and a bit
     pool.initialize(2)
     x, y = pool.acquire(), pool.acquire()
@@ -418,13 +418,13 @@ def test_paged_restore_and_page_calls_check_leases_and_pages_first(ring_decoder)
     after = pool.slot_state(y)
     assert torch.equal(after["layer_offsets"], before[0]["layer_offsets"]) and pool.free_page_counts() == before[1]
     pool.release([y])
-    with pytest.raises(ValueError, match=r"restore_slot: slot 1 is not a leased slot"):
+    with pytest.raises(ValueError, match=r"restore_slot: slot 1 is not in use"):
         pool.restore_slot(y, saved)
     for bad in (y, 2, -1, 99):
-        with pytest.raises(ValueError, match=rf"prepare_step: slot {bad} is not a leased slot"):
+        with pytest.raises(ValueError, match=rf"prepare_step: slot {bad} is not in use"):
             pool.prepare_step([bad], [1])
-    with pytest.raises(ValueError, match=r"pages_short: slot 7 is not a leased slot"):
-        pool.pages_short({7: 3})
+    with pytest.raises(ValueError, match=r"reserve: slot 7 is not in use"):
+        pool.reserve({7: 3})
 
 
 def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):

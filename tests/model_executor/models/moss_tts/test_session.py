@@ -159,7 +159,7 @@ def test_slots_are_lifo(ring_decoder):
     assert s.live_requests == {"a": 0, "b": 1, "c": 2}
     s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 7), True)])
     s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 8))])
-    assert s.live_requests["d"] == 1  # the slot released last is leased first
+    assert s.live_requests["d"] == 1  # the slot released last is acquired first
     s.on_requests_finished(["a"])
     s.on_requests_finished(["c"])
     s.decode([ChunkRequest("e", _codes(ring_decoder, 1, 9)), ChunkRequest("f", _codes(ring_decoder, 1, 10))])
@@ -594,16 +594,16 @@ def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
 def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     import gc
 
-    from vllm_omni_moss.model_executor.models.moss_tts import session as session_module
+    from vllm_omni_moss.model_executor.models.moss_tts.serving import tracing as tracing_module
 
     s = CodecStreamSession(ring_decoder, 4, graph_frame_sizes=[2], max_step_frames=2)
     assert s.call_traces is None  # off by default: nothing recorded
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
     traces = s.enable_call_traces(max_calls=3)
-    assert s.call_traces is traces and s in session_module._TRACING_SESSIONS
-    assert gc.callbacks.count(session_module._gc_hook) == 1
+    assert s.call_traces is traces and s._tracer in tracing_module._TRACING
+    assert gc.callbacks.count(tracing_module._gc_hook) == 1
     s.enable_call_traces(max_calls=3)  # enabling again: a new, empty history, still one hook
-    assert gc.callbacks.count(session_module._gc_hook) == 1
+    assert gc.callbacks.count(tracing_module._gc_hook) == 1
     traces = s.call_traces
 
     # A garbage collection inside the pool step is counted and lands in the run phase; a collection's stop
@@ -617,7 +617,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
 
     monkeypatch.setattr(s.pool, "decode_streaming_batch", step_with_gc)
     before = sum(s.stats()["steps_by_path"].values())
-    session_module._gc_hook("start", {})  # outside any call: ignored
+    tracing_module._gc_hook("start", {})  # outside any call: ignored
     # Chunks of 3 frames are cut into pieces of 2 and 1: two steps in one call.
     s.decode([ChunkRequest("a", _codes(ring_decoder, 3, 1)), ChunkRequest("b", _codes(ring_decoder, 3, 2))])
     (trace,) = traces
@@ -632,7 +632,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert 0 < trace.gc_ms <= trace.run_ms
 
     def stray_stop(codes, lengths, slot_ids, valid):
-        session_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
+        tracing_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
         return real(codes, lengths, slot_ids, valid)
 
     monkeypatch.setattr(s.pool, "decode_streaming_batch", stray_stop)
@@ -656,7 +656,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     monkeypatch.setattr(s.pool, "decode_streaming_batch", broken)
     with pytest.raises(RuntimeError, match="the device fell over"):
         s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
-    assert traces[-1].failed and traces[-1].steps == 0 and s._trace is None
+    assert traces[-1].failed and traces[-1].steps == 0 and s._tracer.trace is None
     monkeypatch.setattr(s.pool, "decode_streaming_batch", real)
     s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 7))])
     assert not traces[-1].failed and traces[-1].steps == 1
@@ -671,11 +671,11 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert len(traces) == 3
 
     s.disable_call_traces()
-    assert s.call_traces is None and s not in session_module._TRACING_SESSIONS
+    assert s.call_traces is None and s._tracer not in tracing_module._TRACING
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 30))])  # still decodes, records nothing
     s.enable_call_traces(None)
     s.close()  # close stops tracing too; a closed session cannot trace again
-    assert s.call_traces is None and s not in session_module._TRACING_SESSIONS
+    assert s.call_traces is None and s._tracer not in tracing_module._TRACING
     with pytest.raises(RuntimeError, match="closed"):
         s.enable_call_traces()
 

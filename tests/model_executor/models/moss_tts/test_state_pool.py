@@ -517,19 +517,19 @@ def test_a_valid_rows_length_outside_the_step_is_refused(length, ring_decoder):
 def test_acquire_is_lifo_and_release_resets(kind, ring_decoder):
     pool = _pool_for(ring_decoder, kind)
     assert [pool.acquire() for _ in range(3)] == [0, 1, 2] and pool.free_slot_count == 0
-    with pytest.raises(RuntimeError, match="no free decoder state slot: all 3 live slots are leased"):
+    with pytest.raises(RuntimeError, match="no free decoder state slot: all 3 live slots are in use"):
         pool.acquire()
     _run(pool, random_codes(ring_decoder, 1, 2, seed=3), [2], [1])
     pool.release([1])
     state = pool.slot_state(1)
     assert int(state["layer_offsets"].abs().sum()) == 0 and all(not r.any() for r in state["rings"])
     pool.release([0])
-    assert pool.acquire() == 0 and pool.acquire() == 1  # the slot released last is leased first
-    assert pool.leased_slots == {0, 1, 2}
+    assert pool.acquire() == 0 and pool.acquire() == 1  # the slot released last is acquired first
+    assert pool.slots_in_use == {0, 1, 2}
 
 
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
-def test_release_clears_only_the_released_slots_in_every_layer(kind, ring_decoder):
+def test_release_clears_only_the_reslots_in_use_in_every_layer(kind, ring_decoder):
     # Each layer's ring is a view of its resolution group's tensor and release fills slots group by group:
     # the released slots read zero in every layer, the others keep their bytes, and each ring still lives
     # at its own address (the graphs and the attention ops read rings by address).
@@ -552,7 +552,7 @@ def test_release_clears_only_the_released_slots_in_every_layer(kind, ring_decode
     [
         ([3], r"slot id 3 is not a live slot id \(0..2\)"),
         ([-1], r"slot id -1 is not a live slot id \(0..2\)"),
-        ([1], r"slot 1 is not leased \(released twice\?\)"),
+        ([1], r"slot 1 is not in use \(released twice\?\)"),
         ([0, 0], r"slot ids released twice in one call: \[0\]"),
     ],
 )
@@ -561,7 +561,7 @@ def test_release_refuses_unknown_and_double_releases(ids, message, ring_decoder)
     pool.acquire()
     with pytest.raises(ValueError, match=message):
         pool.release(ids)
-    assert pool.leased_slots == {0}
+    assert pool.slots_in_use == {0}
 
 
 def test_padding_policy(ring_decoder):

@@ -32,6 +32,7 @@ A pool picks its backend once, at construction (:data:`ATTENTION_BACKENDS`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
-from .ops.commit import commit_cache
+from .ops.commit import commit_cache, commit_offsets
 from .ops.rope import rope as rope_op
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 
@@ -59,6 +60,7 @@ __all__ = [
     "apply_rope",
     "check_attention_backend",
     "default_attention_backend",
+    "plan_builder",
     "ring_attention_reference",
 ]
 
@@ -344,3 +346,63 @@ class FixedWidthAttention:
         out = ring_attention_reference(self.semantics, self.rings[layer], meta, qkv)
         offsets.copy_(meta.next_offsets)
         return out
+
+
+# --------------------------------------------------------------------------- plan builders
+#
+# A pool's step plan, chosen once per pool from (pool kind, attention backend): each builder reads the pool's
+# rings and offsets and returns the StepPlan of one step over routed ``slots`` (B,), ``lengths`` (B,) int64
+# valid frames (0 for invalid rows) and ``num_frames`` = T.
+
+
+def _legacy_plan(pool, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+    offsets = pool.offsets
+    attention = LegacyRingAttention(
+        pool.rings, offsets.offset_table, offsets.layer_rows, offsets.group_rows, pool.ring_semantics, slots
+    )
+    return StepPlan(group_steps(pool.config, num_frames, lengths), attention)
+
+
+def _compact_finish(pool, start, lengths, slots):
+    # Rows that decoded nothing keep their counter and never write (the null slot included).
+    return functools.partial(commit_offsets, start + lengths, pool.frames_decoded, slots, lengths > 0)
+
+
+def _compact_sdpa_plan(pool, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+    # Ring metadata (cells, sources, masks) once per group; gathered rows, masked commits.
+    start = pool.frames_decoded.index_select(0, slots)
+    groups = group_steps(pool.config, num_frames, lengths, pool.ring_semantics, start)
+    attention = CompactRingAttention(pool.rings, pool.ring_semantics, slots)
+    return StepPlan(groups, attention, _compact_finish(pool, start, lengths, slots))
+
+
+def _compact_triton_plan(pool, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+    # No ring metadata: the kernels derive positions from offsets and valid token counts.
+    start = pool.frames_decoded.index_select(0, slots)
+    groups = group_steps(pool.config, num_frames, lengths)
+    tables = pool.store.tables_by_first_layer() if pool.kind == "paged" else None
+    attention = CompactTritonRingAttention(
+        pool.config, pool.rings, pool.ring_semantics, slots, start, num_frames, page_tables=tables
+    )
+    return StepPlan(groups, attention, _compact_finish(pool, start, lengths, slots))
+
+
+_PLAN_BUILDERS = {
+    ("legacy", "sdpa"): _legacy_plan,
+    ("compact", "sdpa"): _compact_sdpa_plan,
+    ("compact", "triton"): _compact_triton_plan,
+    ("paged", "triton"): _compact_triton_plan,
+}
+
+
+def plan_builder(kind: str, backend: str) -> Callable:
+    """The step-plan builder of a pool of ``kind`` with attention ``backend``: ``(pool, slots, lengths,
+    num_frames) -> StepPlan``.
+
+    Raises:
+        ValueError: a combination no pool runs (the state spec refuses it first).
+    """
+    try:
+        return _PLAN_BUILDERS[(kind, backend)]
+    except KeyError:
+        raise ValueError(f"no {kind!r} pool runs attention backend {backend!r}") from None

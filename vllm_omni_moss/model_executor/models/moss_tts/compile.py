@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .state_pool import CompactDecoderStatePool, DecoderStatePool, LegacyDecoderStatePool
+from .state import CompactDecoderStatePool, DecoderStatePool, LegacyDecoderStatePool
 
 __all__ = [
     "DYNAMIC_ARG_DIMS",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state_pool import DecoderStatePool
+from .state import DecoderStatePool
 
 __all__ = ["StreamingGraphRunner"]
 
@@ -192,7 +192,7 @@ class StreamingGraphRunner:
         Args:
             codes: ``(n_vq, B, T)`` int64 on the pool's CUDA device.
             lengths: ``(B,)`` int64 valid frames per row, ``0..T``.
-            slot_ids: ``(B,)`` int64 distinct leased slots.
+            slot_ids: ``(B,)`` int64 distinct slots in use.
         Returns:
             ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``;
             samples beyond a row's length are zero), or None when no graph fits, the inputs

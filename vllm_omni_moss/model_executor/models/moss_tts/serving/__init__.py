@@ -1,0 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving many streams over one pool: the session facade and the parts it is made of.
+
+* :mod:`.session` - :class:`CodecStreamSession`, the facade the stage and the benchmarks use.
+* :mod:`.scheduler` - streams, admission, waiting, preemption (one question to the pool: ``reserve``).
+* :mod:`.step_runner` - cut chunks into steps, stage inputs, dispatch (graph or eager), copy audio back.
+* :mod:`.requests`, :mod:`.streams`, :mod:`.counters`, :mod:`.tracing` - what those parts exchange.
+"""
+
+from .requests import ChunkRequest, ChunkResult
+from .session import CodecStreamSession
+from .tracing import CallTrace
+
+__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]

@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The counters a session reports (``CodecStreamSession.stats``), shared by its scheduler and step runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SessionCounters"]
+
+
+@dataclass
+class SessionCounters:
+    """Counts since the session was built.
+
+    Attributes:
+        steps_graph / steps_eager: pool steps by path.
+        decoded_frames: real frames decoded; padded_frames: padding frames of real rows in steps.
+        admitted_from_queue: streams that got a slot after waiting; queue_wait_s_max: the longest wait (s).
+        preemptions: streams whose state was saved to the host to free pages.
+        request_errors: chunks refused.
+        clamped_codes: codes clamped into the codebook, counted so far on the host.
+        clamped_on_device: counts of steps whose codes were on the device, not read yet (a lazy sum).
+    """
+
+    steps_graph: int = 0
+    steps_eager: int = 0
+    decoded_frames: int = 0
+    padded_frames: int = 0
+    admitted_from_queue: int = 0
+    preemptions: int = 0
+    queue_wait_s_max: float = 0.0
+    request_errors: int = 0
+    clamped_codes: int = 0
+    clamped_on_device: torch.Tensor | None = None

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a session takes and gives back: one chunk per request id in, one result per request id out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CODE_DTYPES", "ChunkRequest", "ChunkResult", "chunk_error", "result_key"]
+
+#: Integer dtypes a chunk's codes may have (they are gathered into int64 when a step stages them).
+CODE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """One request's chunk in a Stage-1 batch.
+
+    Attributes:
+        request_id: stream key (the engine's request id).
+        codes: ``(n_vq, T)`` integer codes, codebook-major, on any device. ``T`` may be 0 (a meta-only
+            payload; with ``finished`` it ends the stream). Values outside the codebook are clamped.
+        finished: True for the stream's terminal chunk.
+    """
+
+    request_id: str
+    codes: torch.Tensor
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """What one ``CodecStreamSession.decode`` call produced for one request.
+
+    Attributes:
+        audio: ``(channels, frames * samples_per_frame)`` float32 on CPU (``(channels, 0)`` when nothing was
+            decoded).
+        sample_rate: samples per second per channel.
+        frames: code frames decoded for this request in this call.
+        error: why this request's chunk in this call was refused (nothing of its stream changed by it), or
+            None. A refused chunk of a stream whose earlier, buffered chunks were decoded in the same call
+            comes back with that audio and the error together.
+        queued: True while the stream waits for a slot (its chunk is buffered).
+    """
+
+    audio: torch.Tensor
+    sample_rate: int
+    frames: int
+    error: str | None = None
+    queued: bool = False
+
+
+def result_key(request_id) -> object:
+    """The key of a request's result: its id, or the id's ``repr`` when the id cannot key a dict."""
+    try:
+        hash(request_id)
+    except TypeError:
+        return repr(request_id)
+    return request_id
+
+
+def chunk_error(req: ChunkRequest, n_vq: int) -> str | None:
+    """Why ``req`` cannot be taken by a session of ``n_vq`` codebooks per frame (checked before anything
+    changes), or None."""
+    rid, c = req.request_id, req.codes
+    if not isinstance(rid, str) or not rid:
+        # Ids are matched against on_requests_finished's strings: anything else would leak a slot.
+        return f"request_id must be a non-empty str, got {rid!r}"
+    if not isinstance(req.finished, bool):
+        return f"request {rid!r}: finished must be a bool, got {req.finished!r}"
+    if isinstance(c, torch.Tensor) and (c.layout != torch.strided or c.is_nested):
+        layout = "nested" if c.is_nested else c.layout
+        return f"request {rid!r}: codes must be a dense (strided) tensor, got a {layout} tensor"
+    if not isinstance(c, torch.Tensor) or c.dim() != 2 or c.shape[0] != n_vq:
+        shape = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
+        return f"request {rid!r}: codes must have shape ({n_vq}, T), got {shape}"
+    if c.dtype not in CODE_DTYPES:
+        return f"request {rid!r}: codes must be signed integers (or uint8), got {c.dtype}"
+    if c.device.type == "meta":
+        return f"request {rid!r}: codes are on the meta device"
+    return None

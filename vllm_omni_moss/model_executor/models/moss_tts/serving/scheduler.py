@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler: which streams are live, which wait, who is admitted, who is preempted.
+
+A stream holds one pool slot from its first chunk with codes to its terminal chunk or an abort. New streams
+beyond the free slots wait in a FIFO :class:`~.streams.AdmissionQueue`; their chunks are buffered in order
+and decoded once a slot frees. The scheduler asks the pool one question, :meth:`reserve` (can these slots
+hold this much context? a paged pool allocates the pages, or nothing): before admitting a stream (the live
+streams' buffered and incoming chunks first, then the newcomer's) and before a step (every ready stream's
+buffered chunks). When the ready streams do not fit, it preempts the youngest live stream (its state saved to
+host memory; it waits ahead of new streams and resumes exactly) and asks again. Unpaged pools always answer
+yes, so nothing is ever preempted there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .counters import SessionCounters
+from .requests import ChunkRequest
+from .streams import AdmissionQueue, Stream
+
+__all__ = ["Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Streams of one session over one pool.
+
+    Args:
+        pool: the initialised pool.
+        capacity: live streams at most (for messages).
+        max_waiting_streams / max_waiting_frames: the admission queue's bounds.
+        counters: the session's counters.
+    """
+
+    def __init__(self, pool, capacity: int, max_waiting_streams: int, max_waiting_frames: int, counters):
+        self.pool, self.capacity = pool, capacity
+        self.live: dict[str, Stream] = {}
+        self.waiting = AdmissionQueue(max_waiting_streams, max_waiting_frames)
+        self.counters: SessionCounters = counters
+        self.incoming: dict[str, int] = {}  # during a call: frames of the batch not yet buffered, per id
+        self._live_reserved = False  # during a call: the live streams' pending chunks hold their pages
+
+    def begin(self, accepted: list[ChunkRequest]) -> None:
+        """Start a call whose valid chunks are ``accepted``: admission accounts for their frames."""
+        self.incoming = {}
+        for req in accepted:
+            self.incoming[req.request_id] = self.incoming.get(req.request_id, 0) + req.codes.shape[1]
+        self._live_reserved = False
+
+    # ------------------------------------------------------------------ admission
+    def _reserve_live(self) -> bool:
+        # Once per call: every live stream's buffered and incoming frames get their state first, so that
+        # admitting a newcomer never makes a live stream run short (a paged pool would then preempt).
+        if not self._live_reserved:
+            targets = {}
+            for rid, s in self.live.items():
+                pending = s.buffered_frames + self.incoming.get(rid, 0)
+                if pending:
+                    targets[s.slot] = s.frames_decoded + pending
+            self._live_reserved = self.pool.reserve(targets)
+        return self._live_reserved
+
+    def _admit(self, stream: Stream, chunk_frames: int) -> bool:
+        """Give ``stream`` (not live) a slot holding its decoded frames plus ``chunk_frames`` more, restoring
+        a preempted stream's state into it; False (nothing changed) when no slot or state is free."""
+        if not self.pool.free_slot_count or not self._reserve_live():
+            return False
+        slot = self.pool.acquire()
+        if not self.pool.reserve({slot: stream.frames_decoded + chunk_frames}):
+            self.pool.release([slot])  # the slot is back on top of the free list, as it was
+            return False
+        stream.slot = slot
+        if stream.saved is not None:  # a preempted stream resumes exactly where it stopped
+            self.pool.restore_slot(slot, stream.saved)
+            stream.saved = None
+        self.live[stream.request_id] = stream
+        return True
+
+    def admit_waiting(self) -> None:
+        """Admit waiting streams, oldest first, while they fit."""
+        while self.waiting:
+            oldest = self.waiting.peek_oldest()
+            # All it has buffered and brings in this batch: what the step that follows needs state for.
+            pending = oldest.buffered_frames + self.incoming.get(oldest.request_id, 0)
+            if not self._admit(oldest, pending):
+                return
+            stream = self.waiting.pop_oldest()
+            waited = time.monotonic() - stream.waiting_since
+            stream.waiting_since = None
+            self.counters.admitted_from_queue += 1
+            self.counters.queue_wait_s_max = max(self.counters.queue_wait_s_max, waited)
+            logger.info(
+                "MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited
+            )
+
+    def accept(self, req: ChunkRequest) -> str | None:
+        """Route one valid chunk to its live or waiting stream, or start one. Returns an error or None."""
+        rid, frames = req.request_id, req.codes.shape[1]
+        self.incoming.pop(rid, None)
+        stream = self.live.get(rid) or self.waiting.get(rid)
+        if stream is None:
+            if frames == 0:
+                return None  # nothing to decode and no stream to end
+            stream = Stream(rid)
+            if self.waiting or not self._admit(stream, frames):
+                error = self.waiting.refusal(frames, new_stream=True, capacity=self.capacity)
+                if error is not None:
+                    return error
+                self.waiting.push(stream)
+                logger.info("MOSS codec: stream %r waits for a slot (%d waiting)", rid, len(self.waiting))
+        elif stream.finished and frames and stream.slot is None:
+            # The id's last stream got its terminal chunk while waiting for a slot (only a waiting stream
+            # outlives the call of its terminal chunk): a new stream cannot start under the id yet, and the chunk
+            # must not join the ended one.
+            return (
+                f"request {rid!r}: the stream that last used this id has ended but still waits for a slot "
+                f"({stream.buffered_frames} frames queued); a new stream may use the id once that one's audio "
+                f"has been returned"
+            )
+        elif stream.slot is None and frames and stream.saved is None:
+            # A preempted stream (saved state) was live: its chunks are always kept, whatever the bounds.
+            error = self.waiting.refusal(frames, new_stream=False, capacity=self.capacity)
+            if error is not None:
+                self.waiting.drop(rid)
+                return f"{error}; the waiting stream's buffered chunks were dropped"
+        if frames:
+            # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel in
+            # one pinned copy and every step clamps its codes once (the step runner); no per-chunk op here.
+            stream.chunks.append(req.codes)
+        stream.finished = stream.finished or req.finished
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def ready(self) -> list[Stream]:
+        """The live streams with buffered chunks, their state reserved: preempts the youngest live streams
+        until the pool holds the context every ready stream is about to reach (only a paged pool can run
+        short). A preempted stream's state goes to host memory and it waits, ahead of new streams, to resume
+        exactly; its chunks stay buffered. Streams that only wait to end give their state back first."""
+        ready = [s for s in self.live.values() if s.chunks]
+        while ready and not self.pool.reserve({s.slot: s.frames_decoded + s.buffered_frames for s in ready}):
+            done = [s for s in self.live.values() if s.finished and not s.chunks]
+            if done:
+                self.end(done)
+                continue
+            victim = next(reversed(self.live.values()))  # the youngest: admitted last
+            self._preempt(victim)
+            ready = [s for s in ready if s is not victim]
+        return ready
+
+    def _preempt(self, victim: Stream) -> None:
+        victim.saved = self.pool.save_slot(victim.slot)
+        self.pool.release([victim.slot])
+        victim.slot = None
+        del self.live[victim.request_id]
+        self.waiting.push_front(victim)
+        self.counters.preemptions += 1
+        logger.info("MOSS codec: stream %r preempted to free decoder state pages", victim.request_id)
+
+    def finished_live(self) -> list[Stream]:
+        return [s for s in self.live.values() if s.finished]
+
+    def end(self, streams: list[Stream]) -> None:
+        """Remove finished live ``streams`` and release their slots."""
+        for stream in streams:
+            del self.live[stream.request_id]
+        if streams:
+            self.pool.release([s.slot for s in streams])
+
+    # ------------------------------------------------------------------ lifecycle
+    def finish_requests(self, request_ids) -> None:
+        """Abort, disconnect or completion: release every slot these ids hold and drop their buffered chunks.
+        Ids that are neither live nor waiting are ignored."""
+        released = []
+        try:
+            for rid in request_ids:
+                rid = str(rid)
+                waiting = self.waiting.get(rid)
+                if waiting is not None and waiting.buffered_frames:
+                    logger.error(
+                        "MOSS codec: request %r ended while waiting for %s; its %d buffered frames are dropped "
+                        "undecoded",
+                        rid,
+                        "decoder state pages (preempted)" if waiting.saved is not None else "a slot",
+                        waiting.buffered_frames,
+                    )
+                self.waiting.drop(rid)
+                stream = self.live.pop(rid, None)
+                if stream is not None:
+                    released.append(stream.slot)
+        finally:
+            # An iterable that fails part-way still frees the slots of the streams it ended.
+            if released:
+                self.pool.release(released)
+
+    def own_buffered_chunks(self, borrowed: set[int]) -> None:
+        """Copy the chunks of this call (``borrowed``: their tensors' ids) that are still buffered as it returns
+        (streams that wait, or were preempted), so that the caller may reuse its tensors."""
+        streams = list(self.live.values()) + [self.waiting.get(rid) for rid in self.waiting.request_ids]
+        for stream in streams:
+            if any(id(c) in borrowed for c in stream.chunks):
+                stream.chunks = [c.clone() if id(c) in borrowed else c for c in stream.chunks]
+
+    def clear(self) -> None:
+        self.live.clear()
+        self.waiting.clear()

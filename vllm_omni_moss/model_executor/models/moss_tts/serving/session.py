@@ -1,0 +1,374 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Streaming session: many request streams multiplexed onto one decoder state pool.
+
+The Stage-1 codec receives, per engine step, one chunk of codes per request (docs/serving.md).
+:class:`CodecStreamSession` is a thin facade over three parts: the pool (:mod:`..state`), the
+:class:`~.scheduler.Scheduler` (streams, admission, waiting, preemption) and the
+:class:`~.step_runner.StepRunner` (cut, stage, dispatch, copy back).
+
+* **Streams.** A request holds one pool slot from its first chunk with codes to its terminal chunk
+  (``finished=True``) or an abort (:meth:`on_requests_finished`). A chunk for a request id that is not live
+  starts a fresh stream; a zero-frame chunk of an id that is not live decodes nothing. While a stream that got
+  its terminal chunk still waits for a slot, a chunk with codes under its id gets an error (it neither joins
+  the ended stream nor drops it).
+* **One step per batch.** Every ready chunk is decoded in the same pool step: the step's ``T`` is the smallest
+  graph frame size ``>=`` the longest chunk, shorter chunks are padded to it and marked by their length
+  (padding frames change no state, so tails are exact), and on CUDA the step replays one captured graph.
+  Chunks longer than the largest graph frame size (or ``max_step_frames`` without graph frame sizes) are cut
+  into pieces decoded in consecutive steps together with the other rows' pieces. Batches larger than the
+  largest graph bucket are split into steps of that size. Steps are planned the same way on every device;
+  only CUDA replays graphs.
+* **Admission.** New streams beyond the free slots wait in a FIFO queue: their chunks are buffered in order
+  and decoded once a slot frees (in the :meth:`decode` call that frees it, or a later one); their audio is
+  returned by that call, under their request id, even when the request is not in that call's batch. The
+  queue is bounded by ``max_waiting_streams`` streams and ``max_waiting_frames`` buffered frames; past either
+  bound the request alone gets an error and its buffered chunks are dropped. Live streams always decode.
+* **Errors.** A request whose chunk is malformed (codes that are not an integer ``(n_vq, T)`` tensor, an empty
+  id) gets a :class:`ChunkResult` with ``error`` set and nothing of its stream changes; the other requests of
+  the batch decode normally. A batch holding the same request id twice is refused whole (``ValueError``)
+  before anything changes. Codes outside ``[0, codebook_size)`` are clamped and counted.
+
+The session imports nothing from vLLM; it runs wherever the pool runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from ..state import DecoderStatePool, build_pool
+from ..state.spec import StateSpec, check_count
+from .counters import SessionCounters
+from .requests import ChunkRequest, ChunkResult, chunk_error, result_key
+from .scheduler import Scheduler
+from .step_runner import StepRunner
+from .tracing import CallTrace, CallTracer
+
+__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]
+
+
+class CodecStreamSession:
+    """Request-level streaming on top of a :class:`~..state.DecoderStatePool`.
+
+    Args:
+        decoder: the codec weights (any device; the pool lives on the same device).
+        state_capacity: live streams at most (Stage 1's ``max_num_seqs``).
+        pool_kind: ``"compact"`` / ``"legacy"`` / ``"paged"``; default: compact for v2 codecs, legacy for v1.
+        state_dtype: ring dtype; default ``decoder.state_dtype``.
+        attention_backend: the pool's attention backend, ``"sdpa"`` or ``"triton"``; default: the pool's.
+        ring_semantics: the pool's ring semantics, ``"upstream"`` or ``"exact"``; default: upstream's for the
+            codec version.
+        graph_batch_sizes: CUDA-graph batch buckets (e.g. ``graph_ladder.batch_buckets(state_capacity)``);
+            sizes outside ``1..state_capacity`` are ignored.
+        graph_frame_sizes: CUDA-graph frame sizes, e.g. the chunk schedule's sizes.
+        max_step_frames: longest piece decoded in one step when no graph serves the step.
+        compile: ``False`` (eager), ``True`` (:func:`~..compile.compile_decode`), or a factory
+            ``pool -> callable`` with the signature of ``pool.decode_streaming_tensors`` (the stage passes
+            vLLM's compiled adapter). The callable is used for graph capture; eager steps use it only for
+            ``True`` (a factory's callable may skip guards; eager steps then take the validated step).
+        n_vq: codebooks per frame in every chunk; default: all of the codec's.
+        max_waiting_streams: new streams that may wait for a slot.
+        max_waiting_frames: code frames that waiting streams may buffer in total.
+        page_fraction: state pages of a ``"paged"`` pool, as a fraction of full rings for every slot
+            (:class:`~..state.PagedDecoderStatePool`); below 1 the session admits streams while pages last and
+            preempts the youngest live stream when a step runs short.
+        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages a ``"paged"`` pool may hold
+            (picks the paged pool when ``pool_kind`` is None); ``state_capacity`` then caps live streams and the
+            budget decides how many of them fit (``docs/memory.md``, "Paged rings").
+        expected_stream_frames: with ``state_budget_bytes``, split the budget by the groups' fill over a
+            stream of this many frames (:class:`~..state.PagedDecoderStatePool`).
+
+    Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty.
+
+    Raises:
+        ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, or an
+            unknown ``pool_kind``, ``attention_backend`` or ``ring_semantics`` (or ``"triton"`` for the legacy
+            pool); a ``page_fraction`` or ``state_budget_bytes`` refused by the paged pool, e.g. a budget too
+            small for one stream (the message names the minimum).
+        RuntimeError: ``attention_backend="triton"`` without the ``triton`` package.
+    """
+
+    def __init__(
+        self,
+        decoder,
+        state_capacity: int,
+        *,
+        pool_kind: str | None = None,
+        state_dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
+        ring_semantics: str | None = None,
+        graph_batch_sizes: Iterable[int] = (),
+        graph_frame_sizes: Iterable[int] = (),
+        max_step_frames: int = 100,
+        compile: bool | Callable[[DecoderStatePool], Callable] = False,
+        n_vq: int | None = None,
+        max_waiting_streams: int = 64,
+        max_waiting_frames: int = 4096,
+        page_fraction: float | None = None,
+        state_budget_bytes: int | None = None,
+        expected_stream_frames: int | None = None,
+    ):
+        self._check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq)
+        cfg = decoder.config
+        self.decoder, self.state_capacity, self.device = decoder, state_capacity, decoder.device
+        self.n_vq = cfg.num_quantizers if n_vq is None else int(n_vq)
+        self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
+        self.samples_per_frame = int(cfg.samples_per_frame)
+        self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes if 0 < int(b) <= state_capacity})
+        self.graph_frame_sizes = sorted({int(t) for t in graph_frame_sizes if int(t) > 0})
+        spec = StateSpec.from_options(
+            decoder, pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction,
+            state_budget_bytes, expected_stream_frames,
+        )  # fmt: skip
+        self.pool = build_pool(decoder, spec)
+        use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
+        self.pool.initialize(
+            state_capacity, self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
+        )
+        self._counters = SessionCounters()
+        self._tracer = CallTracer()
+        self._steps = StepRunner(
+            self.pool, self.n_vq, self.graph_batch_sizes, self.graph_frame_sizes, max_step_frames, compile,
+            self._counters, self._tracer,
+        )  # fmt: skip
+        self._scheduler = Scheduler(self.pool, state_capacity, max_waiting_streams, max_waiting_frames, self._counters)
+        self._closed = False
+
+    @staticmethod
+    def _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq):
+        if isinstance(state_capacity, bool) or not isinstance(state_capacity, int) or state_capacity < 1:
+            raise ValueError(f"state_capacity must be an integer >= 1, got {state_capacity!r}")
+        check_count(max_step_frames, "max_step_frames", 1)
+        check_count(max_waiting_streams, "max_waiting_streams", 0)
+        check_count(max_waiting_frames, "max_waiting_frames", 0)
+        quantizers = decoder.config.num_quantizers
+        if n_vq is not None and not 1 <= int(n_vq) <= quantizers:
+            raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {n_vq!r}")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def runner(self):
+        """The CUDA-graph runner (``cuda_graph.StreamingGraphRunner``), or None without graphs."""
+        return self._steps.graphs
+
+    @property
+    def max_step_frames(self) -> int:
+        return self._steps.max_step_frames
+
+    @property
+    def max_piece_frames(self) -> int:
+        """Most frames of one chunk decoded in one step (:attr:`~.step_runner.StepRunner.max_piece_frames`)."""
+        return self._steps.max_piece_frames
+
+    @property
+    def max_step_rows(self) -> int | None:
+        """Most rows in one step: the largest graph bucket (None: unbounded, no buckets)."""
+        return self._steps.max_step_rows
+
+    @property
+    def live_requests(self) -> dict[str, int]:
+        """Copy of the live streams: request id -> its slot."""
+        return {rid: s.slot for rid, s in self._scheduler.live.items()}
+
+    @property
+    def waiting_requests(self) -> list[str]:
+        """Request ids waiting for a slot, oldest first."""
+        return self._scheduler.waiting.request_ids
+
+    @property
+    def free_slots(self) -> int:
+        """Slots that can still be acquired."""
+        return self.pool.free_slot_count
+
+    @property
+    def clamped_codes(self) -> int:
+        """Codes clamped into ``[0, codebook_size - 1]`` since construction, counted when a step gathers them (a
+        chunk refused, or dropped while it waits, counts nothing; one whose step raises counts again if it is
+        sent again). Reading it waits for the device when chunks arrived on it (their counts stay on the device
+        until read)."""
+        return self._steps.clamped_codes
+
+    @property
+    def call_traces(self) -> deque[CallTrace] | None:
+        """Traces of the last calls (:meth:`enable_call_traces`); None while tracing is off."""
+        return self._tracer.traces
+
+    def stats(self) -> dict[str, object]:
+        """Counters since construction: steps by path (``graph``/``eager``), decoded and padded frames (padding
+        frames of rows in steps), the admission queue (streams and frames waiting now, streams admitted after
+        waiting, the longest wait in seconds), streams preempted for state memory (paged pools), clamped codes
+        and refused requests."""
+        c, waiting = self._counters, self._scheduler.waiting
+        return {
+            "steps_by_path": {"graph": c.steps_graph, "eager": c.steps_eager},
+            "decoded_frames": c.decoded_frames,
+            "padded_frames": c.padded_frames,
+            "waiting_streams": len(waiting),
+            "waiting_frames": waiting.buffered_frames,
+            "admitted_from_queue": c.admitted_from_queue,
+            "preemptions": c.preemptions,
+            "queue_wait_s_max": c.queue_wait_s_max,
+            "clamped_codes": self.clamped_codes,
+            "request_errors": c.request_errors,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_requests_finished(self, request_ids: Iterable[str]) -> None:
+        """Abort, disconnect or completion: release every slot these ids hold and drop their buffered chunks.
+        Ids that are not live or waiting are ignored.
+
+        Raises:
+            TypeError: ``request_ids`` is a single ``str`` (or bytes), not a collection of ids.
+        """
+        if isinstance(request_ids, (str, bytes)):
+            raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
+        if not self._closed:
+            self._scheduler.finish_requests(request_ids)
+
+    def enable_call_traces(self, max_calls: int | None = 4096) -> deque[CallTrace]:
+        """Record a :class:`CallTrace` of every later :meth:`decode` call in :attr:`call_traces` (the last
+        ``max_calls``; None keeps all), for latency diagnosis. Costs a few clock reads a step, and a look at the
+        tracing sessions on every garbage collection (one hook in ``gc.callbacks``, installed once per process;
+        it holds no session alive). Enabling again starts a new, empty :attr:`call_traces`. Returns
+        :attr:`call_traces`.
+
+        Raises:
+            ValueError: ``max_calls`` is not None or an integer in ``1..sys.maxsize``.
+            RuntimeError: the session is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this CodecStreamSession is closed")
+        return self._tracer.enable(max_calls)
+
+    def disable_call_traces(self) -> None:
+        """Stop recording call traces; :attr:`call_traces` becomes None. Idempotent."""
+        self._tracer.disable()
+
+    def close(self) -> None:
+        """Drop graphs and pool state. Idempotent; :meth:`decode` raises afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self.disable_call_traces()
+        self._steps.close()
+        self.pool.close()
+        self._scheduler.clear()
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, requests: Sequence[ChunkRequest]) -> dict[str, ChunkResult]:
+        """Decode one Stage-1 batch.
+
+        Args:
+            requests: at most one chunk per request id.
+        Returns:
+            A :class:`ChunkResult` for every request id in ``requests`` (with ``error`` set for a refused chunk,
+            ``queued`` while the stream waits), plus one for every waiting stream that got a slot and was decoded
+            in this call. A request whose id is not a string gets its error under that id (its ``repr`` if it
+            cannot key a dict). With :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
+        Raises:
+            TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
+            ValueError: a request id appears twice. Nothing is modified.
+            RuntimeError: the session is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this CodecStreamSession is closed")
+        tracing = self._tracer.traces is not None  # decided once per call
+        started = time.perf_counter() if tracing else 0.0
+        requests, ids = _checked(requests)
+        if tracing:  # the batch's checks above count as planning
+            self._tracer.begin(len(requests), started)
+        try:
+            return self._decode_batch(requests, ids)
+        except BaseException:
+            self._tracer.fail()
+            raise
+        finally:
+            self._steps.await_host_copies()  # after a failure too: no copy into a returned row outlives the call
+            self._tracer.end()
+
+    def _decode_batch(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
+        # decode() past its argument checks (which change nothing).
+        results: dict[str, ChunkResult] = {}
+        accepted = []
+        for req, key in zip(requests, ids):
+            error = chunk_error(req, self.n_vq)
+            if error is None:
+                accepted.append(req)
+            else:
+                self._counters.request_errors += 1
+                results[key] = self._empty(error=error)
+        scheduler = self._scheduler
+        scheduler.begin(accepted)
+        scheduler.admit_waiting()  # slots freed since the last call go to waiting streams first
+        try:
+            for req in accepted:
+                error = scheduler.accept(req)
+                if error is not None:
+                    self._counters.request_errors += 1
+                    results[req.request_id] = self._empty(error=error)
+            audio = self._decode_ready()
+        finally:
+            # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
+            scheduler.own_buffered_chunks({id(req.codes) for req in accepted})
+        return self._results(results, audio, ids)
+
+    def _decode_ready(self) -> dict[str, list[torch.Tensor]]:
+        """Decode every live stream's buffered chunks; end finished streams. Admits waiting streams whenever
+        slots are free (also those freed by this call's terminal chunks). Returns each stream's audio rows in
+        order; on CUDA their copies may still be running."""
+        scheduler, audio = self._scheduler, {}
+        while True:
+            scheduler.admit_waiting()
+            ready = scheduler.ready()
+            ending = scheduler.finished_live()
+            if ready:
+                for rid, rows in self._steps.decode_streams(ready).items():
+                    audio.setdefault(rid, []).extend(rows)
+            scheduler.end(ending)
+            if not (ending and scheduler.waiting):
+                return audio
+
+    def _results(self, results, audio, ids) -> dict[str, ChunkResult]:
+        # Result objects are made while the device may still run the last step; only the audio of a stream
+        # decoded in several pieces is joined after the wait (its rows must hold their samples by then).
+        joined: dict[str, tuple[list[torch.Tensor], str | None]] = {}
+        for rid, parts in audio.items():
+            refused = results.get(rid)  # this call's chunk refused, the buffered ones decoded
+            error = None if refused is None else refused.error
+            if len(parts) == 1:
+                results[rid] = self._result(parts[0], error)
+            else:
+                joined[rid] = (parts, error)
+                results[rid] = None  # keeps the key's place; filled below
+        for rid in ids:
+            if rid not in results:
+                results[rid] = self._empty(queued=rid in self._scheduler.waiting)
+        self._steps.await_host_copies()
+        for rid, (parts, error) in joined.items():
+            results[rid] = self._result(torch.cat(parts, dim=-1), error)
+        return results
+
+    def _result(self, wav: torch.Tensor, error: str | None) -> ChunkResult:
+        return ChunkResult(wav, self.sample_rate, wav.shape[-1] // self.samples_per_frame, error)
+
+    def _empty(self, *, error: str | None = None, queued: bool = False) -> ChunkResult:
+        return ChunkResult(torch.zeros(self.channels, 0, dtype=torch.float32), self.sample_rate, 0, error, queued)
+
+
+def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
+    if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
+        raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
+    requests = list(requests)
+    for req in requests:
+        if not isinstance(req, ChunkRequest):
+            raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
+    ids = [result_key(req.request_id) for req in requests]
+    named = [rid for rid in ids if isinstance(rid, str)]
+    dupes = sorted(rid for rid, n in Counter(named).items() if n > 1)
+    if dupes:
+        raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
+    return requests, ids

@@ -1,0 +1,286 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step runner: ready streams' chunks -> pool steps -> each stream's audio rows on the host.
+
+It cuts chunks into pieces of at most :attr:`StepRunner.max_piece_frames` frames, groups the ``i``-th piece
+of every stream into steps of at most :attr:`StepRunner.max_step_rows` rows, stages each step's inputs
+(through one page-locked buffer on CUDA), dispatches the step (a CUDA-graph replay when one fits, else the
+eager step) and queues each row's audio to the host. Streams and slots are the scheduler's; the runner only
+reads a stream's slot and chunks and advances its frames decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .counters import SessionCounters
+from .streams import Stream
+from .tracing import CallTracer
+
+__all__ = ["StepRunner"]
+
+
+class StepRunner:
+    """Steps of one pool.
+
+    Args:
+        pool: an initialised pool.
+        n_vq: codebooks per frame in every chunk.
+        graph_batch_sizes: sorted CUDA-graph batch buckets (the graph ladder); empty: no graphs, no row bound.
+        graph_frame_sizes: sorted CUDA-graph frame sizes; every step pads to the smallest one that holds its
+            longest piece, on every device (CPU runs take the steps a GPU does).
+        max_step_frames: longest piece when no graph frame sizes are given.
+        compile: ``False``, ``True`` (:func:`~..compile.compile_decode`) or a factory ``pool -> callable``
+            (as ``CodecStreamSession``).
+        counters: the session's counters; tracer: the session's call tracer.
+    """
+
+    def __init__(
+        self,
+        pool,
+        n_vq: int,
+        graph_batch_sizes: list[int],
+        graph_frame_sizes: list[int],
+        max_step_frames: int,
+        compile: bool | Callable,
+        counters: SessionCounters,
+        tracer: CallTracer,
+    ):
+        cfg = pool.config
+        self.pool, self.n_vq, self.device = pool, n_vq, pool.device
+        self.codebook_size, self.channels = int(cfg.codebook_size), int(cfg.number_channels)
+        self.samples_per_frame = int(cfg.samples_per_frame)
+        self.graph_batch_sizes, self.graph_frame_sizes = graph_batch_sizes, graph_frame_sizes
+        self.max_step_frames = max_step_frames
+        self.counters, self.tracer = counters, tracer
+        self._compiled = self._compiled_step(compile)
+        self._eager_step = self._compiled if compile is True else None
+        use_graphs = self.device.type == "cuda" and bool(graph_batch_sizes) and bool(graph_frame_sizes)
+        self.graphs = self._capture_graphs() if use_graphs else None
+        # A page-locked host buffer of a step's inputs (int64), reused by every step, and page-locked audio rows
+        # from torch's caching host allocator (_to_host). With graphs both are prepared here for the largest
+        # graph step, so no step pays for pinning memory; without graphs the input buffer grows to the largest
+        # step taken (docs/memory.md).
+        self._pinned_inputs: torch.Tensor | None = None
+        # Recorded after each step's input copies from that buffer (CUDA only): it may be overwritten once the
+        # device has read it. Audio copies queued and not yet awaited: await_host_copies.
+        self._inputs_read = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copies_pending = False
+        if self.graphs is not None:
+            rows, frames = graph_batch_sizes[-1], graph_frame_sizes[-1]
+            self._input_buffer((n_vq * frames + 2) * rows)
+            # Pin one burst's audio rows once and free them: the caching host allocator keeps the blocks.
+            warm = [self._audio_row(frames) for _ in range(rows)]
+            del warm
+
+    def _compiled_step(self, compile) -> Callable | None:
+        if compile is True:
+            from ..compile import compile_decode
+
+            return compile_decode(self.pool)
+        return compile(self.pool) if callable(compile) else None
+
+    def _capture_graphs(self):
+        from ..cuda_graph import StreamingGraphRunner
+
+        runner = StreamingGraphRunner(
+            self.pool, self.graph_batch_sizes, self.graph_frame_sizes, self.n_vq, callable=self._compiled
+        )
+        runner.capture()
+        return runner if runner.graphs else None
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self._compiled = self._eager_step = None
+
+    @property
+    def max_piece_frames(self) -> int:
+        """Most frames of one chunk decoded in one step: the largest graph frame size, or ``max_step_frames``
+        when no graph frame sizes are configured."""
+        return self.graph_frame_sizes[-1] if self.graph_frame_sizes else self.max_step_frames
+
+    @property
+    def max_step_rows(self) -> int | None:
+        """Most rows in one step: the largest graph bucket (None: unbounded, no buckets)."""
+        return self.graph_batch_sizes[-1] if self.graph_batch_sizes else None
+
+    # ------------------------------------------------------------------ cut and dispatch
+    def decode_streams(self, streams: list[Stream]) -> dict[str, list[torch.Tensor]]:
+        """Decode the buffered chunks of ``streams`` (slots in use, pages reserved) in as few steps as the
+        graphs allow.
+
+        Each stream's chunks keep their boundaries (a stream that waited is decoded chunk by chunk, as if it
+        had never waited); a chunk longer than :attr:`max_piece_frames` is cut into pieces. Step ``i`` decodes
+        every stream's ``i``-th piece, split into steps of at most :attr:`max_step_rows` rows. Returns each
+        stream's audio rows, one per piece (on CUDA their copies may still run: :meth:`await_host_copies`).
+        """
+        limit = self.max_piece_frames
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for s in streams:
+            pieces[s.request_id] = [
+                c if c.shape[1] <= limit else c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)
+            ]
+            s.chunks = []
+        max_rows = self.max_step_rows or len(streams)
+        parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
+        for i in range(max(len(p) for p in pieces.values())):
+            rows = [s for s in streams if len(pieces[s.request_id]) > i]
+            for first in range(0, len(rows), max_rows):
+                batch = rows[first : first + max_rows]
+                step_pieces = [pieces[s.request_id][i] for s in batch]
+                for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces)):
+                    parts[s.request_id].append(wav)
+                    s.frames_decoded += piece.shape[1]
+        return parts
+
+    def _step_frames(self, longest: int) -> int:
+        # The same padding with or without captured graphs, so CPU runs take the steps a GPU does.
+        return next((t for t in self.graph_frame_sizes if t >= longest), longest)
+
+    def _step(self, slots: list[int], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One pool step; returns each row's ``(channels, own_T * spf)`` float32 CPU audio (on CUDA still being
+        copied: :meth:`_to_host`)."""
+        self.tracer.lap("plan_ms")
+        own = [p.shape[1] for p in pieces]
+        B, T = len(pieces), self._step_frames(max(own))
+        codes, slot_ids, lengths = self._stage_inputs(pieces, own, slots, T)
+        self.tracer.lap("stage_ms")
+        out = self.graphs.decode(codes, lengths, slot_ids) if self.graphs is not None else None
+        c = self.counters
+        if out is not None:
+            c.steps_graph += 1
+        else:
+            c.steps_eager += 1
+            valid = torch.ones(B, dtype=torch.bool, device=self.device)
+            step = self._eager_step or self.pool.decode_streaming_batch
+            out, _ = step(codes, lengths, slot_ids, valid)
+        self.tracer.lap("run_ms")
+        served = out.shape[-1] // self.samples_per_frame
+        c.decoded_frames += sum(own)
+        c.padded_frames += B * served - sum(own)
+        rows = self._to_host(out, own)
+        self.tracer.lap("to_host_ms")
+        if self.tracer.trace is not None:
+            self.tracer.trace.steps += 1
+        return rows
+
+    # ------------------------------------------------------------------ inputs
+    def _input_buffer(self, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the pinned int64 input buffer (grown when too small), free to
+        overwrite: it first waits until the device has read the previous step's inputs from it (that step's
+        host-to-device copies, marked by ``_inputs_read``; a step of the same call may not have started yet,
+        since the call waits for the device only once, at its end)."""
+        if self._inputs_read is not None:
+            self._inputs_read.synchronize()
+        if self._pinned_inputs is None or self._pinned_inputs.numel() < numel:
+            self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=True)
+        return self._pinned_inputs[:numel]
+
+    def _gather(self, codes: torch.Tensor, pieces: list[torch.Tensor], own: list[int], T: int) -> None:
+        # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
+        # row by row; zero past each row's length.
+        kinds = {(p.dtype, p.device) for p in pieces}
+        uniform = len(kinds) == 1
+        if uniform and all(n == T for n in own):
+            if kinds == {(codes.dtype, codes.device)}:
+                torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
+            else:
+                codes.copy_(torch.stack(pieces, dim=1))
+        elif uniform:
+            padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
+            codes.zero_()
+            codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
+        else:
+            codes.zero_()
+            for b, p in enumerate(pieces):
+                codes[:, b, : own[b]] = p
+
+    def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
+        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
+        device, codes clamped into ``[0, codebook_size)`` and zero past each row's length. On CUDA, codes from
+        the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot ids and
+        lengths always travel through it."""
+        B = len(pieces)
+        pinned = self.device.type == "cuda"
+        # Codes from the host (as Stage 0 sends them) to a CUDA pool are gathered in the pinned buffer; anything
+        # else is gathered on the pool's device directly.
+        stage_codes = pinned and all(p.device.type == "cpu" for p in pieces)
+        codes_numel = self.n_vq * B * T if stage_codes else 0
+        staged = self._input_buffer(codes_numel + 2 * B) if pinned else torch.empty(2 * B, dtype=torch.long)
+        meta = staged[codes_numel:].view(2, B)
+        meta.copy_(torch.tensor([slots, own], dtype=torch.long))
+        if stage_codes:
+            codes = staged[:codes_numel].view(self.n_vq, B, T)
+        else:
+            codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
+        self._gather(codes, pieces, own, T)
+        self._count_clamped(codes)
+        codes.clamp_(0, self.codebook_size - 1)
+        # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
+        # on): the copies below always make new tensors.
+        slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
+        lengths = meta[1].to(self.device, non_blocking=pinned, copy=True)
+        codes = codes.to(self.device, non_blocking=pinned)
+        if pinned:
+            self._inputs_read.record(torch.cuda.current_stream(self.device))
+        return codes, slot_ids, lengths
+
+    def _count_clamped(self, codes: torch.Tensor) -> None:
+        """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
+        (padding is 0, in range). Host codes (as Stage 0 sends them) take one min/max pass and a count only
+        when one is out of range; device codes are counted on the device without a sync (read lazily by
+        :attr:`clamped_codes`). Stage 0 pads with ``codebook_size``; upstream clamps every chunk."""
+        hi = self.codebook_size - 1
+        c = self.counters
+        if codes.is_cuda:
+            outside = ((codes < 0) | (codes > hi)).sum()
+            c.clamped_on_device = outside if c.clamped_on_device is None else c.clamped_on_device + outside
+            return
+        low, high = torch.aminmax(codes)
+        if int(low) < 0 or int(high) > hi:
+            c.clamped_codes += int(((codes < 0) | (codes > hi)).sum())
+
+    @property
+    def clamped_codes(self) -> int:
+        """Codes clamped so far (reading it waits for the device when counts are still on it)."""
+        c = self.counters
+        if c.clamped_on_device is not None:
+            c.clamped_codes += int(c.clamped_on_device)
+            c.clamped_on_device = None
+        return c.clamped_codes
+
+    # ------------------------------------------------------------------ audio
+    def _audio_row(self, frames: int) -> torch.Tensor:
+        """An empty ``(channels, frames * spf)`` float32 tensor in page-locked host memory."""
+        return torch.empty((self.channels, frames * self.samples_per_frame), dtype=torch.float32, pin_memory=True)
+
+    def _to_host(self, out: torch.Tensor, own: list[int]) -> list[torch.Tensor]:
+        """Each row's ``(channels, own * spf)`` float32 audio on the host, a tensor of its own.
+
+        On CUDA each row is copied from the device straight into a page-locked tensor of its own from torch's
+        caching host allocator; when the caller drops a row its block returns to that cache for a later step.
+        The copies are queued behind the step and not awaited here: the call awaits all of them once, after
+        its host work (:meth:`await_host_copies`), so that work runs while the device does (one copy into a
+        shared buffer followed by a host copy per row costs more: benchmarks/RESULTS.md)."""
+        spf = self.samples_per_frame
+        if not out.is_cuda:
+            host = out.float()
+            return [host[b, :, : n * spf].clone() for b, n in enumerate(own)]
+        rows = [self._audio_row(n) for n in own]
+        for b, (row, n) in enumerate(zip(rows, own)):
+            row.copy_(out[b, :, : n * spf], non_blocking=True)
+        self._copies_pending = True
+        return rows
+
+    def await_host_copies(self) -> None:
+        """Wait once for the device to finish this call's steps and audio copies (no-op when none are
+        queued). Traced as ``finish_ms`` up to here and ``wait_ms`` for the wait."""
+        if not self._copies_pending:
+            return
+        self.tracer.lap("finish_ms")
+        torch.cuda.current_stream(self.device).synchronize()
+        self._copies_pending = False
+        self.tracer.lap("wait_ms")

@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A request's stream as the scheduler keeps it, and the admission queue of streams waiting for a slot."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["AdmissionQueue", "Stream"]
+
+
+@dataclass
+class Stream:
+    """One request's stream.
+
+    Attributes:
+        request_id: the engine's request id.
+        slot: the pool slot it holds, None while it waits.
+        chunks: ``(n_vq, T)`` integer codes as the caller sent them (any code dtype, on the caller's device),
+            clamped when a step stages them; the session's own copies once a decode call returns with them
+            still buffered.
+        finished: its terminal chunk arrived.
+        waiting_since: ``time.monotonic()`` when it started to wait, None while live.
+        saved: the state of a preempted stream, restored when it gets a slot back.
+        frames_decoded: frames of its own decoded so far (the host's count).
+    """
+
+    request_id: str
+    slot: int | None = None
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    finished: bool = False
+    waiting_since: float | None = None
+    saved: object | None = None
+    frames_decoded: int = 0
+
+    @property
+    def buffered_frames(self) -> int:
+        return sum(c.shape[1] for c in self.chunks)
+
+
+class AdmissionQueue:
+    """New streams waiting for a slot, oldest first, with their buffered chunks.
+
+    Args:
+        max_streams: streams that may wait.
+        max_frames: code frames that waiting streams may buffer in total.
+    """
+
+    def __init__(self, max_streams: int, max_frames: int):
+        self.max_streams = max_streams
+        self.max_frames = max_frames
+        self._streams: OrderedDict[str, Stream] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._streams)
+
+    @property
+    def buffered_frames(self) -> int:
+        return sum(s.buffered_frames for s in self._streams.values())
+
+    def get(self, request_id: str) -> Stream | None:
+        return self._streams.get(request_id)
+
+    def refusal(self, frames: int, *, new_stream: bool, capacity: int) -> str | None:
+        """Why ``frames`` more frames (of a new stream, or of a waiting one) cannot wait, or None."""
+        if new_stream and len(self._streams) >= self.max_streams:
+            return (
+                f"all {capacity} decoder slots are busy and the admission queue is full "
+                f"({len(self._streams)} of max_waiting_streams={self.max_streams} streams waiting)"
+            )
+        buffered = self.buffered_frames + frames
+        if buffered > self.max_frames:
+            return (
+                f"all {capacity} decoder slots are busy and waiting streams would buffer "
+                f"{buffered} frames, over max_waiting_frames={self.max_frames}"
+            )
+        return None
+
+    def push(self, stream: Stream) -> None:
+        stream.waiting_since = time.monotonic()
+        self._streams[stream.request_id] = stream
+
+    def pop_oldest(self) -> Stream:
+        _, stream = self._streams.popitem(last=False)
+        return stream
+
+    def peek_oldest(self) -> Stream:
+        return next(iter(self._streams.values()))
+
+    def push_front(self, stream: Stream) -> None:
+        """Queue a preempted stream ahead of every new one (outside the queue's bounds: it was live)."""
+        stream.waiting_since = time.monotonic()
+        self._streams[stream.request_id] = stream
+        self._streams.move_to_end(stream.request_id, last=False)
+
+    def drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._streams.clear()

@@ -1,0 +1,388 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The three pool kinds, each holding only its own policy, and the one table that picks them.
+
+``LegacyDecoderStatePool`` (kind ``"legacy"``): vLLM-Omni 0.30.0's behaviour
+    (``vllm_omni/model_executor/models/moss_tts/``): ``state_capacity + scratch`` slots (one scratch slot per
+    graph padding row); per-layer attention offsets and ring end offsets plus per-group offsets in one
+    ``(R, S)`` int64 table (:class:`~.offsets.OffsetTable`); every layer gathers its offsets, rebuilds its
+    metadata, gathers the complete ring and writes the whole ring back for every row. The default for v1
+    codecs; the baseline for v2.
+
+``CompactDecoderStatePool`` (kind ``"compact"``): the default for v2 codecs. ``state_capacity + 1`` slots
+    whatever scratch is asked for; slot ``state_capacity`` is the *null slot*: never acquired, all zeros
+    forever, the target of every invalid row. Offsets are one frame counter per slot
+    (:class:`~.offsets.FrameCounters`). Ring metadata and RoPE tables are built once per group per step;
+    persistent writes touch only ring cells valid tokens wrote, only for rows that wrote (padding rows never
+    write, not even to the null slot). Attention backend ``"sdpa"`` gathers rings and runs the legacy pool's
+    reference computation (audio and live state bit-identical to it); ``"triton"`` reads rings in place
+    (``ops/ring_attention.py``): the same keys per query and bitwise the same ring contents, its own
+    arithmetic.
+
+``PagedDecoderStatePool`` (kind ``"paged"``): the compact pool with each group's rings held in pages of a
+    shared page pool (:class:`~.paged_rings.PagedRings`, sized by :class:`~.page_budget.PageBudget`): a
+    stream holds pages only for the context it has reached. Same audio and logical state as the compact pool
+    bit for bit; attention backend ``"triton"`` only.
+
+Memory arithmetic: docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .offsets import FrameCounters, OffsetTable
+from .page_budget import PageBudget
+from .paged_rings import PagedRings, PagesExhausted
+from .pool import DecoderStatePool
+from .rings import DenseRings
+from .spec import StateSpec
+
+__all__ = [
+    "POOL_CLASSES",
+    "CompactDecoderStatePool",
+    "LegacyDecoderStatePool",
+    "PagedDecoderStatePool",
+    "build_pool",
+    "make_state_pool",
+]
+
+
+def _check_padding_count(count) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"padding row count must be an integer >= 0, got {count!r}")
+
+
+class LegacyDecoderStatePool(DecoderStatePool):
+    """vLLM-Omni 0.30.0's pool: scratch slots for padding rows, per-layer offsets, whole-ring write-back.
+
+    Offsets: ``offset_table`` ``(R, S)`` int64 in upstream's row layout (docs/memory.md).
+    """
+
+    kind = "legacy"
+
+    def _make_store(self):
+        return DenseRings(self.config, self.dtype, self.device)
+
+    def _make_offsets(self):
+        return OffsetTable(self.config)
+
+    @property
+    def offset_table(self) -> torch.Tensor | None:
+        return self.offsets.offset_table
+
+    def _scratch_capacity(self, requested: int) -> int:
+        return requested
+
+    def _resettable_limit(self) -> int:
+        return self.num_slots
+
+    def scratch_slots_for(self, padding_rows: int) -> int:
+        # Padding rows write their whole ring back: each needs a scratch slot of its own.
+        _check_padding_count(padding_rows)
+        return padding_rows
+
+    def padding_slot_ids(self, count: int) -> torch.Tensor:
+        self._require_initialized()
+        _check_padding_count(count)
+        if count > self.scratch_capacity:
+            raise ValueError(f"{count} padding rows need {count} scratch slots; this pool has {self.scratch_capacity}")
+        return torch.arange(self.state_capacity, self.state_capacity + count, device=self.device)
+
+    def slots_dirtied_by_padding(self, count: int) -> list[int]:
+        return self.padding_slot_ids(count).tolist()
+
+    def check_padding(self, padding_ids: list[int]) -> None:
+        # Padding rows write their whole ring back: anywhere but a distinct scratch slot they would
+        # overwrite a live stream or race with each other.
+        for i in padding_ids:
+            if not self.state_capacity <= i < self.num_slots:
+                raise ValueError(
+                    f"padding row slot id {i} is not a scratch slot ({self.state_capacity}..{self.num_slots - 1})"
+                )
+        dupes = sorted({i for i in padding_ids if padding_ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"duplicate scratch slot ids among padding rows: {dupes}")
+
+    def route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+        return slot_ids
+
+
+class CompactDecoderStatePool(DecoderStatePool):
+    """One slot per live stream plus a read-only null slot; shared group metadata; masked commits.
+
+    Offsets: ``frames_decoded`` ``(S,)`` int64, code frames decoded per slot since reset; the token offset of
+    group ``g`` is ``frames_decoded * tokens_per_frame[g]``.
+
+    Raises:
+        ValueError: a v1 codec (whose per-layer offsets the legacy pool keeps).
+    """
+
+    kind = "compact"
+
+    def _make_store(self):
+        return DenseRings(self.config, self.dtype, self.device)
+
+    def _make_offsets(self):
+        return FrameCounters(self.config)
+
+    @property
+    def frames_decoded(self) -> torch.Tensor | None:
+        return self.offsets.frames_decoded
+
+    @property
+    def null_slot(self) -> int:
+        """Id of the null slot (``state_capacity``): all zeros, never acquired, never written."""
+        self._require_initialized()
+        return self.state_capacity
+
+    def _scratch_capacity(self, requested: int) -> int:
+        return 1  # the null slot, whatever the caller asks for
+
+    def _resettable_limit(self) -> int:
+        return self.state_capacity  # the null slot is never written, not even by reset
+
+    def scratch_slots_for(self, padding_rows: int) -> int:
+        _check_padding_count(padding_rows)
+        return 0  # every padding row reads the null slot, which always exists
+
+    def padding_slot_ids(self, count: int) -> torch.Tensor:
+        _check_padding_count(count)
+        return torch.full((count,), self.null_slot, dtype=torch.long, device=self.device)
+
+    def slots_dirtied_by_padding(self, count: int) -> list[int]:
+        _check_padding_count(count)
+        return []  # padding rows write nothing
+
+    def route(self, slot_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+        # Invalid rows read the null slot whatever id they carry (even out of range).
+        return torch.where(valid_rows, slot_ids, self.state_capacity)
+
+
+class PagedDecoderStatePool(CompactDecoderStatePool):
+    """The compact pool with each group's rings held in pages of a shared page pool.
+
+    Args:
+        decoder, dtype, ring_semantics, attention_backend: as :class:`~.pool.DecoderStatePool` (the backend
+            must be ``"triton"``, the default: its ops read pages).
+        page_size: tokens per page; must divide every group's ring capacity. Default: their greatest common
+            divisor (25 for v2: ring capacities 125, 250, 400).
+        page_fraction: pages per group as a fraction of what ``state_capacity`` full rings need (``1.0``, the
+            default: never short of pages; smaller: a scheduler must :meth:`reserve` before each step).
+        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages (the null pages included)
+            the pool may hold: each group gets the pages its share of the budget pays for (the same fraction
+            of full rings for every group, at most 1; :meth:`page_fraction_for_budget`), fixed at
+            :meth:`initialize`.
+        expected_stream_frames: with a budget, split it by the groups' fill instead: after one stream's full
+            rings, each group gets pages in proportion to what a live stream of this many frames holds on
+            average (:meth:`average_pages`; fast-filling groups get more of the budget). The mean length of
+            the live streams (length-weighted) is the natural value. :attr:`page_fraction` then reports the
+            pages' bytes as a fraction of full rings for every slot.
+
+    Raises:
+        ValueError: as :meth:`~.spec.StateSpec.resolve` and :meth:`~.spec.PagingSpec.checked`. At
+            :meth:`initialize`: a budget or fraction too small for one stream's full rings (the message
+            names the minimum).
+    """
+
+    kind = "paged"
+
+    def __init__(
+        self,
+        decoder,
+        dtype=None,
+        ring_semantics=None,
+        attention_backend=None,
+        *,
+        page_size=None,
+        page_fraction=None,
+        state_budget_bytes=None,
+        expected_stream_frames=None,
+    ):
+        paging = {
+            "page_size": page_size,
+            "page_fraction": page_fraction,
+            "state_budget_bytes": state_budget_bytes,
+            "expected_stream_frames": expected_stream_frames,
+        }
+        self._setup(decoder, StateSpec.resolve(decoder, self.kind, dtype, ring_semantics, attention_backend, paging))
+
+    def _setup(self, decoder, spec: StateSpec) -> None:
+        paging = spec.paging
+        self.page_size = paging.page_size
+        self.page_fraction = 1.0 if paging.page_fraction is None else paging.page_fraction
+        self.state_budget_bytes = paging.state_budget_bytes
+        self.expected_stream_frames = paging.expected_stream_frames
+        self.budget = PageBudget(decoder.config, spec.dtype, self.page_size)
+        super()._setup(decoder, spec)
+
+    def _make_store(self):
+        # Late binding: page-table uploads go through whatever _ids_to_device is at call time.
+        return PagedRings(self.budget, self.device, lambda ids: self._ids_to_device(ids))
+
+    def _allocate(self) -> None:
+        counts, self.page_fraction = self.budget.pages_for(self.spec.paging, self.state_capacity)
+        self.store.allocate(self.num_slots, counts)
+
+    @property
+    def page_tables(self) -> list[torch.Tensor]:
+        """Per group, ``(S, pages per ring)`` int64 page tables on the device."""
+        return self.store.page_tables
+
+    def page_fraction_for_budget(self, budget_bytes: int, state_capacity: int) -> float:
+        """:meth:`~.page_budget.PageBudget.fraction_for_budget` of this pool's geometry and dtype."""
+        return self.budget.fraction_for_budget(budget_bytes, state_capacity)
+
+    def average_pages(self, frames: int) -> list[float]:
+        """:meth:`~.page_budget.PageBudget.average_pages` of this pool's geometry."""
+        return self.budget.average_pages(frames)
+
+    def offset_tensors(self) -> list[torch.Tensor]:
+        # The page tables are persistent metadata too (graphs read them by address).
+        return super().offset_tensors() + list(self.store.page_tables)
+
+    def free_page_counts(self) -> list[int]:
+        """Free pages per group."""
+        self._require_initialized()
+        return self.store.free_counts()
+
+    def state_in_use_bytes(self) -> int:
+        """Bytes of the pages the slots hold, plus the offsets and page tables."""
+        return self.pages_in_use_bytes() + sum(t.numel() * t.element_size() for t in self.offset_tensors())
+
+    def pages_in_use_bytes(self) -> int:
+        """Bytes of the pages the slots hold (the state a compact pool would need for their contexts)."""
+        self._require_initialized()
+        return self.store.held_bytes()
+
+    def frames_of(self, slots) -> list[int]:
+        """Frames decoded by each of ``slots`` (one small device-to-host copy)."""
+        slots = [int(s) for s in slots]
+        return self.frames_decoded[torch.tensor(slots, device=self.device)].tolist() if slots else []
+
+    def reserve(self, frames_by_slot: dict[int, int]) -> bool:
+        """Give every slot in use of ``frames_by_slot`` the pages for that many frames of context: True when
+        done, False (nothing allocated) when a group lacks free pages.
+
+        Raises:
+            ValueError: a slot that is not in use.
+        """
+        self._require_initialized()
+        self.slots.in_use_ids(frames_by_slot, "reserve")
+        plan = self.store.extra_by_slot(frames_by_slot)
+        if self.store.short(plan) is not None:
+            return False
+        self.store.allocate_pages(plan)
+        return True
+
+    def _reserve_or_raise(self, targets: dict[int, int]) -> None:
+        plan = self.store.extra_by_slot(targets)
+        g = self.store.short(plan)
+        if g is not None:
+            raise PagesExhausted(
+                f"group {g} needs {sum(plan[g].values())} more pages of {self.page_size} tokens for slots "
+                f"{sorted(plan[g])}; {len(self.store.free[g])} are free"
+            )
+        self.store.allocate_pages(plan)
+
+    def prepare_step(self, slot_ids, lengths, frames=None) -> None:
+        """Allocate the pages a step writes: each slot in ``slot_ids`` (slots in use) decoding ``lengths``
+        frames (ints) gets pages for the context it will have. Without ``frames`` (the frames each slot has
+        decoded so far) it reads the slots' frame counters (one small device-to-host copy). Idempotent for
+        one step.
+
+        Raises:
+            ValueError: a slot that is not in use.
+            PagesExhausted: too few free pages in a group; nothing changes then.
+        """
+        self._require_initialized()
+        slot_ids = self.slots.in_use_ids([int(s) for s in slot_ids], "prepare_step")
+        lengths = [int(n) for n in lengths]
+        if not slot_ids:
+            return
+        frames = self.frames_of(slot_ids) if frames is None else [int(f) for f in frames]
+        self._reserve_or_raise({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
+
+    def prepare_batch(self, slot_ids, lengths, valid_rows) -> None:
+        live = valid_rows.bool().tolist()
+        self.prepare_step(
+            [s for s, ok in zip(slot_ids.tolist(), live) if ok], [n for n, ok in zip(lengths.tolist(), live) if ok]
+        )
+
+    def _restore(self, slot: int, state) -> None:
+        # The slot keeps the pages it holds (a scheduler reserves them before it restores a stream): they are
+        # zeroed with the slot's counter, then the state's context gets the pages it still lacks.
+        self.store.zero_slot(slot)
+        self.offsets.reset(self._ids_to_device(torch.tensor([slot], dtype=torch.long)))
+        self.offsets.write_column(slot, state.offsets.to(self.device))
+        self._reserve_or_raise({slot: int(state.offsets.reshape(-1)[0])})
+        self._write_cells(slot, state)
+
+    def restore_slot(self, slot: int, state) -> None:
+        """:meth:`~.pool.DecoderStatePool.restore_slot` into a slot in use, allocating the pages the state's
+        context needs.
+
+        Raises:
+            ValueError: as the base, or ``slot`` is not in use. Nothing changes then.
+            PagesExhausted: a group lacks the pages for the state's context (counting the pages ``slot`` holds
+                now, which the restore frees first). Nothing changes then.
+        """
+        from .snapshot import check_slot_state
+
+        slot = self._live_slot(slot, "restore_slot")
+        self.slots.in_use_ids([slot], "restore_slot")
+        check_slot_state(self, state)
+        frames = int(state.offsets.reshape(-1)[0])
+        free, held = self.store.free, self.store.host_tables
+        short = [
+            g
+            for g, spec in enumerate(self.config.groups)
+            if self.budget.pages_needed(spec, frames) > len(free[g]) + len(held[g][slot])
+        ]
+        if short:
+            g = short[0]
+            raise PagesExhausted(
+                f"restore_slot: the state's {frames} frames need more pages than group {g} has free "
+                f"({len(free[g])} free, {len(held[g][slot])} held by slot {slot})"
+            )
+        self._restore(slot, state)
+
+
+#: The pool class of each kind: the one place a kind string is turned into behaviour.
+POOL_CLASSES: dict[str, type[DecoderStatePool]] = {
+    "compact": CompactDecoderStatePool,
+    "legacy": LegacyDecoderStatePool,
+    "paged": PagedDecoderStatePool,
+}
+
+
+def build_pool(decoder, spec: StateSpec) -> DecoderStatePool:
+    """The pool of ``spec`` for ``decoder`` (not yet initialised)."""
+    return POOL_CLASSES[spec.kind].from_spec(decoder, spec)
+
+
+def make_state_pool(
+    decoder,
+    kind: str | None = None,
+    dtype: torch.dtype | None = None,
+    ring_semantics: str | None = None,
+    attention_backend: str | None = None,
+    page_fraction: float | None = None,
+    state_budget_bytes: int | None = None,
+    expected_stream_frames: int | None = None,
+) -> DecoderStatePool:
+    """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says
+    otherwise; a state budget without a ``kind`` picks ``"paged"``.
+
+    ``ring_semantics`` and ``attention_backend`` as in :class:`~.pool.DecoderStatePool`; ``page_fraction``,
+    ``state_budget_bytes`` and ``expected_stream_frames`` as in :class:`PagedDecoderStatePool` (kind
+    ``"paged"`` only).
+
+    Raises:
+        ValueError: a paging option for another kind, or as :meth:`~.spec.StateSpec.resolve`.
+        RuntimeError: ``"triton"`` without the ``triton`` package installed.
+    """
+    spec = StateSpec.from_options(
+        decoder, kind, dtype, ring_semantics, attention_backend, page_fraction, state_budget_bytes,
+        expected_stream_frames,
+    )  # fmt: skip
+    return build_pool(decoder, spec)
