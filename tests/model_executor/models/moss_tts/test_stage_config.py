@@ -81,7 +81,7 @@ def test_codec_dtype_that_is_not_a_listed_string_is_rejected(tmp_path, value, sh
 def test_null_codec_dtype_means_auto(tmp_path):
     from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
 
-    assert MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_dtype=None)).codec_dtype == "auto"
+    assert MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_dtype=None)).options.codec_dtype == "auto"
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
 
     from vllm_omni_moss.model_executor.models.moss_tts.compile import adapter_class_for
     from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
-    from vllm_omni_moss.model_executor.models.moss_tts.stage import _vllm_adapter_class
+    from vllm_omni_moss.model_executor.models.moss_tts.vllm_compile import vllm_adapter_class as _vllm_adapter_class
     from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
 
     bases = [
@@ -277,7 +277,7 @@ def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
     assert [_vllm_adapter_class(b) for b in bases] == built  # cached per base class
     for base, cls in zip(bases, built):
         assert issubclass(cls, base) and cls is not base
-        assert cls.__name__ == f"Vllm{base.__name__}" and cls.__module__ == STAGE
+        assert cls.__name__ == f"Vllm{base.__name__}" and cls.__module__ == STAGE.rsplit(".", 1)[0] + ".vllm_compile"
 
 
 # ----------------------------------------------------------------------------- deploy files

@@ -140,8 +140,8 @@ def test_stage_config_is_read_like_upstream(tmp_path):
 
     eager = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 12, max_num_seqs=8))
     assert eager.graph_batch_sizes == [] and eager.graph_frame_sizes == [1, 3] and eager.max_step_frames == 3
-    assert eager.state_capacity == 8 and eager.n_vq == 12 and eager.codec_path == str(tmp_path)
-    assert eager.codec_dtype == "auto"
+    assert eager.state_capacity == 8 and eager.n_vq == 12 and eager.options.codec_path == str(tmp_path)
+    assert eager.options.codec_dtype == "auto"
     graphs = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 12, max_num_seqs=8, enforce_eager=False))
     assert graphs.graph_batch_sizes == [1, 2, 4, 8]
     ids = torch.arange(5)

@@ -176,7 +176,7 @@ def test_short_terminal_payload_ends_its_stream_when_no_rest_can_follow(stage, c
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
         out = run(stage, [short], [raw_info("x", 5, n, finished=True, previous=info)], ["x"])
     assert out[0].numel() == 0
-    assert not stage._partial and not stage._session.live_requests
+    assert not stage._payloads.partial and not stage._session.live_requests
     assert stage._session.free_slots == stage.state_capacity
     assert _warnings(caplog) == [
         f"MOSS codec request x (batch row 0): the terminal payload declares {5 * n} codes but {2 * n} arrived in "

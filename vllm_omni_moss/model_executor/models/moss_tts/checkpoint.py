@@ -33,8 +33,33 @@ __all__ = [
     "random_checkpoint_bytes",
     "random_checkpoint_shapes",
     "random_official_state_dict",
+    "resolve_checkpoint_dir",
     "save_random_checkpoint",
 ]
+
+#: What :func:`resolve_checkpoint_dir` fetches of a Hugging Face repository.
+CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+
+
+def resolve_checkpoint_dir(path: str, download_dir: str | None = None) -> Path:
+    """A local checkpoint directory for ``path`` (a directory, or a Hugging Face repo id fetched into the
+    cache ``download_dir``).
+
+    Raises:
+        FileNotFoundError: not a directory and it cannot be downloaded.
+    """
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, allow_patterns=CHECKPOINT_FILES, cache_dir=download_dir))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"MOSS codec checkpoint {path!r} is not a directory and could not be fetched: {exc}"
+        ) from exc
+
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"

@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector's payload protocol: one batch row of an ``async_chunk`` step -> one chunk for the session.
+
+Each Stage-1 batch row carries a request's flat codebook-major codes and a payload dict whose ``meta`` may hold
+``stream_finished`` / ``finished``, ``req_id``, ``codec_chunk_frames`` / ``code_flat_numel`` (the chunk's
+declared size) and ``is_segment_finished`` (docs/serving_stage.md). :class:`PayloadAssembler` turns a row
+into a :class:`StreamChunk`: the chunk's ``(n_vq, T)`` codes, or nothing yet when the engine's token budget
+split the chunk across steps (its prefix is kept until the rest arrives), or an error for that row alone.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PayloadAssembler", "PayloadError", "StreamChunk", "meta_count", "meta_of", "payload_id", "same_request"]
+
+
+class PayloadError(ValueError):
+    """A malformed payload field; its message is that request's logged error."""
+
+
+def _meta_scalar(value: Any) -> Any:
+    """First element of a list/tuple/tensor payload field (the connector wraps scalars)."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else None
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1)[0].item() if value.numel() else None
+    return value
+
+
+def meta_of(info: dict) -> dict:
+    """The payload's ``meta`` dict (``{}`` when absent or null).
+
+    Raises:
+        PayloadError: ``meta`` is something other than a dict.
+    """
+    meta = info.get("meta")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise PayloadError(f"payload meta must be a dict, got {type(meta).__name__}")
+    return meta
+
+
+def meta_count(meta: dict, name: str) -> int | None:
+    """``meta[name]`` as a count >= 0 (frames or codes); None when absent or empty.
+
+    Integers and integral finite floats (a scalar, or the first element of a list / tuple / tensor) are
+    accepted.
+
+    Raises:
+        PayloadError: anything else (a string, NaN, infinity, a fraction, a negative number); the message names
+            the field and the value.
+    """
+    raw = meta.get(name)
+    value = _meta_scalar(raw)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():  # False for NaN and infinities
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise PayloadError(f"payload meta.{name} must be an integer >= 0, got {raw!r}")
+    return int(value)
+
+
+def meta_flag(meta: dict, *names: str) -> bool:
+    """The first of ``names`` present in ``meta``, as a bool (False when none is)."""
+    for name in names:
+        if name in meta:
+            return bool(_meta_scalar(meta[name]))
+    return False
+
+
+def _placeholder(meta: dict) -> bool:
+    # The connector turns a segment end without new codes into one `[0]` token
+    # (distributed/omni_connectors/transfer_adapter/chunk_transfer_adapter.py).
+    return meta_flag(meta, "is_segment_finished")
+
+
+def payload_id(info: dict, meta: dict) -> str | None:
+    """The stream id a payload names itself (``meta.req_id``, else ``request_id``), or None."""
+    for value in (meta.get("req_id"), info.get("request_id")):
+        value = _meta_scalar(value)
+        if value is not None:
+            return str(value)
+    return None
+
+
+def same_request(runner_id: str, own_id: str) -> bool:
+    """Whether the runner's request id belongs to the payload's own id: vLLM's internal id is the external one
+    plus "-" and 8 random characters (vllm/v1/engine/input_processor.py, assign_request_id); payloads carry
+    the external one."""
+    return runner_id == own_id or runner_id.startswith(own_id + "-")
+
+
+@dataclass
+class StreamChunk:
+    """One batch row of an ``async_chunk`` step, ready for the session (or not).
+
+    Attributes:
+        index: batch position.
+        key: stream key; None when the row has no usable id.
+        codes: ``(n_vq, T)`` codes; None: nothing to hand to the session this step.
+        finished: the row is its stream's terminal payload.
+        error: why the row fails (logged once for its request), or None.
+    """
+
+    index: int
+    key: str | None
+    codes: torch.Tensor | None
+    finished: bool
+    error: str | None = None
+
+
+class PayloadAssembler:
+    """Rows -> chunks for one stage, keeping the prefixes of chunks the token budget split.
+
+    Args:
+        n_vq: codebooks per frame.
+
+    Attributes:
+        partial: stream key -> the codes of a split chunk received so far (the stage's own copy).
+    """
+
+    def __init__(self, n_vq: int):
+        self.n_vq = n_vq
+        self.partial: dict[str, torch.Tensor] = {}
+
+    def row(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple[str], may_split: bool) -> StreamChunk:
+        """The chunk of batch row ``index``: flat codes ``seg`` (a view of the engine's input buffer), payload
+        ``info``, stream ``key`` (or a 1-tuple holding the row's error); ``may_split``: the step used the whole
+        token budget, so a chunk can be split across it and the next."""
+        try:
+            meta = meta_of(info)
+        except PayloadError as exc:  # no terminal flag can be read: the stream is left as it was
+            return StreamChunk(index, None if isinstance(key, tuple) else key, None, False, str(exc))
+        finished = meta_flag(meta, "stream_finished", "finished")
+        if isinstance(key, tuple):
+            return StreamChunk(index, None, None, finished, key[0])
+        codes, error = self._assemble(key, seg, meta, finished, may_split)
+        if error is not None:
+            # A terminal payload still ends its stream: a zero-frame terminal chunk.
+            codes = seg.new_zeros(self.n_vq, 0) if finished else None
+        return StreamChunk(index, key, codes, finished, error)
+
+    def _declared_numel(self, meta: dict) -> int | None:
+        """The chunk's size as its payload declares it, in codes, or None.
+
+        ``codec_chunk_frames * n_vq`` when the payload names its frame count, else ``code_flat_numel``. Frames
+        win because the connector merges each payload's ``meta`` into the previous one and a payload that omits
+        a field inherits the old value: the raw processor's terminal placeholder declares
+        ``codec_chunk_frames=0`` but omits ``code_flat_numel`` (``stage_input_processors/moss_tts.py``).
+
+        Raises:
+            PayloadError: the field it reads is not an integer >= 0 (:func:`meta_count`).
+        """
+        frames = meta_count(meta, "codec_chunk_frames")
+        if frames is not None:
+            return frames * self.n_vq
+        return meta_count(meta, "code_flat_numel")
+
+    def _assemble(self, key, seg, meta, finished, may_split) -> tuple[torch.Tensor | None, str | None]:
+        """``((n_vq, T) codes or None while a split chunk is incomplete, error or None)``.
+
+        A chunk with fewer codes than declared is buffered as split, except a terminal one in a step that did
+        not use the whole token budget (``may_split`` false): no rest can follow it, so it is refused (the
+        caller still ends the stream).
+        """
+        pending = self.partial.pop(key, None)
+        tokens = seg if pending is None else torch.cat([pending, seg])
+        try:
+            declared = self._declared_numel(meta)
+        except PayloadError as exc:
+            return None, str(exc)
+        n = tokens.numel()
+        single = n == 1 and pending is None
+        if n == 0 or (single and (declared == 0 or (self.n_vq > 1 and (finished or _placeholder(meta))))):
+            # Meta-only payload or the connector's one-token `[0]` boundary placeholder.
+            return seg.new_zeros(self.n_vq, 0), None
+        if declared is not None:
+            if declared % self.n_vq:
+                return None, f"the payload declares {declared} codes, not a multiple of n_vq={self.n_vq}"
+            if n < declared:
+                if finished and not may_split:
+                    return None, (
+                        f"the terminal payload declares {declared} codes but {n} arrived in a step that left "
+                        "token budget unused (not a split chunk); the incomplete chunk is dropped"
+                    )
+                self.partial[key] = tokens  # the token budget split the chunk: wait for the rest
+                return None, None
+            if n > declared:
+                return None, f"{n} codes exceed the {declared} the payload declares"
+        if n % self.n_vq:
+            return None, f"{n} codes are not a multiple of n_vq={self.n_vq}"
+        return tokens.reshape(self.n_vq, -1), None
+
+    def drop(self, key: str) -> None:
+        """Forget the split prefix of ``key`` (its request ended)."""
+        self.partial.pop(key, None)

@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 1's options, read once from the vLLM config it is built with: the frozen :class:`StageOptions`.
+
+Sources (docs/serving_stage.md): the stage's ``hf_config`` (``hf_overrides`` in a deploy file) for the codec
+(``n_vq``, the checkpoint, ``codec_dtype``, ``codec_attention_backend``, ``codec_ring_semantics``,
+``codec_pool_kind``, ``codec_state_budget_gib``, ``codec_expected_stream_seconds``), the scheduler config for
+the slot count (``max_num_seqs``) and the token budget, the connector's ``extra`` for the chunk schedule, and
+the model config for ``async_chunk`` and ``enforce_eager``. Every value is checked here; the stage never
+re-reads or re-validates one. Nothing here imports vLLM: the config is read by attribute.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention import ATTENTION_BACKENDS
+from .state import POOL_KINDS
+from .step_metadata import RING_SEMANTICS
+
+__all__ = ["CODEC_DTYPES", "StageOptions", "codec_dtype_for", "connector_chunk_frames"]
+
+DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
+DEFAULT_MAX_STEP_FRAMES = 100
+
+#: ``hf_overrides`` ``codec_dtype`` values: ``"auto"`` is upstream's policy (:func:`codec_dtype_for`).
+CODEC_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def codec_dtype_for(choice: str, version: str, device: torch.device | str) -> torch.dtype:
+    """Dtype of the codec's weights, decode table and state rings.
+
+    Args:
+        choice: ``"auto"``, ``"bfloat16"`` or ``"float32"`` (``hf_overrides`` ``codec_dtype``).
+        version: codec version, ``"v1"`` or ``"v2"`` (``CodecConfig.version``).
+        device: the stage device.
+    Returns:
+        For ``"auto"``, upstream's policy (``load_weights`` of vLLM-Omni 0.30.0's
+        ``modeling_moss_tts_codec.py``): v1 codecs entirely float32 (their quantizer emits float32); v2 codecs
+        bfloat16 on CUDA (decoder and decode table), float32 elsewhere. Otherwise the named dtype.
+    Raises:
+        ValueError: ``choice`` is not one of :data:`CODEC_DTYPES` (the message lists them).
+    """
+    dtype = CODEC_DTYPES[codec_dtype_choice(choice)]
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if version == "v2" and torch.device(device).type == "cuda" else torch.float32
+
+
+def codec_dtype_choice(choice: Any) -> str:
+    """``choice`` if it is a string naming a :data:`CODEC_DTYPES` entry; ValueError listing them otherwise."""
+    if not isinstance(choice, str) or choice not in CODEC_DTYPES:
+        raise ValueError(f"codec_dtype must be one of {', '.join(map(repr, CODEC_DTYPES))}; got {choice!r}")
+    return choice
+
+
+def _codebook_count(value: Any) -> int:
+    """``value`` (hf_config ``n_vq``, else ``rvq``) if it is an integer >= 1; floats and bools are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"n_vq must be an integer >= 1 (codebooks per frame); got {value!r}")
+    return int(value)
+
+
+def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
+    """The hf_config field ``name`` if set (None when absent or null); ValueError listing ``choices`` otherwise."""
+    value = getattr(hf, name, None)
+    if value is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def _hf_positive(hf: Any, name: str, unit: str) -> float | None:
+    """The hf_config field ``name`` as a finite number > 0 of ``unit`` (None when absent or null)."""
+    value = getattr(hf, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of {unit} > 0, got {value!r}")
+    return float(value)
+
+
+def _state_budget_bytes(hf: Any) -> int | None:
+    """``codec_state_budget_gib`` of the hf_config in bytes (None when absent or null)."""
+    gib = _hf_positive(hf, "codec_state_budget_gib", "GiB")
+    if gib is None:
+        return None
+    budget = int(gib * 2**30)
+    if budget < 1:
+        raise ValueError(f"codec_state_budget_gib {hf.codec_state_budget_gib!r} is less than one byte")
+    return budget
+
+
+def _positive_frames(name: str, value: Any) -> list[int]:
+    """``value`` (an int, a list of ints or a comma-separated string) as a list of frame counts >= 0."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    try:
+        frames = [int(str(v).strip()) for v in items]
+    except ValueError:
+        raise ValueError(f"connector extra {name} must hold integer frame counts, got {value!r}") from None
+    if any(f < 0 for f in frames):
+        raise ValueError(f"connector extra {name} must hold frame counts >= 0, got {value!r}")
+    return frames
+
+
+def connector_chunk_frames(extra: dict[str, Any]) -> list[int]:
+    """Every chunk size (frames) Stage 0 may send under the connector's chunk schedule.
+
+    Reads the connector ``extra`` fields vLLM-Omni 0.30.0 uses for codec chunking: ``initial_codec_chunk_frames``
+    (first chunk), ``codec_chunk_frames`` (steady chunks) and ``codec_chunk_ramp`` (a list, or a comma-separated
+    string, of per-chunk sizes for the first chunks, e.g. ``[1, 4, 15]``; see
+    ``stage_input_processors/chunk_size_utils.py``). The union is returned so that a ramp an upstream processor
+    ignores still leaves graphs for the sizes it does send. A terminal chunk may be shorter than any of them.
+
+    Returns:
+        Sorted distinct sizes ``> 0``; empty when the connector names none.
+    Raises:
+        ValueError: a field holds a non-integer or negative frame count.
+    """
+    sizes: set[int] = set()
+    for name in ("initial_codec_chunk_frames", "codec_chunk_frames", "codec_chunk_ramp"):
+        sizes.update(_positive_frames(name, extra.get(name)))
+    return sorted(s for s in sizes if s > 0)
+
+
+def _connector_extra(model_config) -> dict[str, Any]:
+    connector = getattr(model_config, "stage_connector_config", None)
+    extra = connector.get("extra", connector) if isinstance(connector, dict) else getattr(connector, "extra", None)
+    return extra if isinstance(extra, dict) else {}
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """Everything the stage reads from its config, checked (:meth:`from_vllm_config`).
+
+    Attributes:
+        n_vq: codebooks per frame (``n_vq``, else ``rvq``, default 16).
+        codec_path: the codec checkpoint (``codec_model_name_or_path`` or ``audio_tokenizer_name_or_path``).
+        codec_dtype: a :data:`CODEC_DTYPES` key (null means ``"auto"``).
+        attention_backend / ring_semantics / pool_kind: the pool's, or None for the pool's defaults.
+        state_budget_bytes: bytes of ring pages (``codec_state_budget_gib``; picks the paged pool), or None.
+        expected_stream_seconds: split that budget by the groups' fill over a stream this long, or None.
+        state_capacity: codec slots (``max_num_seqs``).
+        token_budget: tokens one engine step may schedule (vLLM's ``max_num_scheduled_tokens``, else
+            ``max_num_batched_tokens``), None without a scheduler config.
+        graph_frame_sizes: the connector's chunk sizes (:func:`connector_chunk_frames`).
+        max_step_frames: the longest step without graphs: the largest chunk size, or 100.
+        async_chunk / enforce_eager: the model config's (``enforce_eager`` defaults to true when absent).
+        graph_batch_sizes: ``compilation_config.cudagraph_capture_sizes`` up to the slot count; none under
+            ``enforce_eager``.
+    """
+
+    n_vq: int
+    codec_path: str
+    codec_dtype: str
+    attention_backend: str | None
+    ring_semantics: str | None
+    pool_kind: str | None
+    state_budget_bytes: int | None
+    expected_stream_seconds: float | None
+    state_capacity: int
+    token_budget: int | None
+    graph_frame_sizes: list[int]
+    max_step_frames: int
+    async_chunk: bool
+    enforce_eager: bool
+    graph_batch_sizes: list[int]
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> StageOptions:
+        """The options of the stage built with ``vllm_config``.
+
+        Raises:
+            ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
+                ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
+                given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
+                budget), or connector chunk sizes.
+        """
+        model_config = vllm_config.model_config
+        hf = model_config.hf_config
+        n_vq = _codebook_count(getattr(hf, "n_vq", getattr(hf, "rvq", 16)))
+        codec_path = str(
+            getattr(hf, "codec_model_name_or_path", getattr(hf, "audio_tokenizer_name_or_path", DEFAULT_CODEC))
+        )
+        dtype_choice = getattr(hf, "codec_dtype", None)
+        codec_dtype = "auto" if dtype_choice is None else codec_dtype_choice(dtype_choice)
+        backend = _hf_choice(hf, "codec_attention_backend", ATTENTION_BACKENDS)
+        semantics = _hf_choice(hf, "codec_ring_semantics", RING_SEMANTICS)
+        pool_kind = _hf_choice(hf, "codec_pool_kind", POOL_KINDS)
+        budget = _state_budget_bytes(hf)
+        seconds = _hf_positive(hf, "codec_expected_stream_seconds", "seconds")
+        if seconds is not None and budget is None:
+            raise ValueError("codec_expected_stream_seconds splits a state budget: set codec_state_budget_gib too")
+        if budget is not None and pool_kind not in (None, "paged"):
+            raise ValueError(f"codec_state_budget_gib needs the paged pool; codec_pool_kind is {pool_kind!r}")
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        capacity = max(1, int(getattr(scheduler, "max_num_seqs", 1) or 1))
+        tokens = getattr(scheduler, "max_num_scheduled_tokens", None) or getattr(
+            scheduler, "max_num_batched_tokens", None
+        )
+        frame_sizes = connector_chunk_frames(_connector_extra(model_config))
+        enforce_eager = bool(getattr(model_config, "enforce_eager", True))
+        return cls(
+            n_vq, codec_path, codec_dtype, backend, semantics, pool_kind, budget, seconds, capacity,
+            int(tokens) if tokens else None, frame_sizes, max(frame_sizes, default=DEFAULT_MAX_STEP_FRAMES),
+            bool(getattr(model_config, "async_chunk", False)), enforce_eager,
+            [] if enforce_eager else _capture_sizes(vllm_config, capacity),
+        )  # fmt: skip
+
+
+def _capture_sizes(vllm_config, capacity: int) -> list[int]:
+    sizes = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_capture_sizes", None) or []
+    return sorted({int(b) for b in sizes if 0 < int(b) <= capacity})
