@@ -30,7 +30,7 @@ their slot id) and output zeros; padding tokens are never read as keys and never
 
 Each operation comes with a Triton kernel, a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``)
 with ``register_fake``, a PyTorch reference, and a public function that validates shapes. Dispatch is
-``ops/commit.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
+``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
 unless the Triton interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs
 interpreted, except for bfloat16 rings (the interpreter's bfloat16 arithmetic is not the GPU's). Both are
 safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..step_metadata import RING_SEMANTICS, RingMetadata, apply_rope, build_ring_metadata
-from .commit import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
+from ._triton import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = [
     "RING_DTYPES",

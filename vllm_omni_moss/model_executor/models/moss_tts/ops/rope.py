@@ -16,7 +16,7 @@ result is rounded once to the input dtype. Index arithmetic: token and row offse
 head terms are int32 products, which the decoder's layouts keep far below 2**31 words (a head is ``Dh / 2``
 words apart, a plane ``H x Dh / 2``).
 
-Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
+Dispatch is ``ops/_triton.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
 Triton interpreter is active at import, then the kernel runs interpreted (bfloat16 excepted).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..step_metadata import apply_rope
-from .commit import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
+from ._triton import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["ROPE_DTYPES", "rope", "rope_reference"]
 
