@@ -46,8 +46,9 @@ before they multiply the values on 16-bit tensor cores with float32 accumulation
 kernels do; measured faster than TF32 in every v2 shape, see :func:`attention_launch_config`), and
 they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and a fixed key order per program.
 
-``ring_write``, ``ring_write_reference`` and ``RING_DTYPES`` live in ``ops/ring_write.py`` and are
-re-exported here, where callers have imported them from.
+``ring_write``, ``ring_write_reference`` and ``RING_DTYPES`` live in ``ops/ring_write.py``, the launch
+table (``attention_launch_config``, ``FUSED_WRITE_MAX_TOKENS``, ...) in ``ops/ring_attention_launch.py``;
+both are re-exported here, where callers have imported them from.
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ from ._triton import (
     tl,
     triton,
 )
+from .ring_attention_launch import (
+    FUSED_WRITE_MAX_TOKENS,
+    LAUNCH_KEYS,
+    MIN_ATTENTION_PROGRAMS,
+    _launch_config,
+    attention_launch_config,
+)
 from .ring_write import (
     RING_DTYPES,
     _check_page_table,
@@ -85,8 +93,12 @@ if HAS_TRITON:
     from .ring_write import _store_tokens
 
 __all__ = [
+    "FUSED_WRITE_MAX_TOKENS",
+    "LAUNCH_KEYS",
+    "MIN_ATTENTION_PROGRAMS",
     "RING_DTYPES",
     "attend_gathered_rows",
+    "attention_launch_config",
     "ring_attention",
     "ring_attention_reference",
     "ring_attention_write",
@@ -94,12 +106,6 @@ __all__ = [
     "ring_write",
     "ring_write_reference",
 ]
-
-#: Keys per inner iteration of the attention kernel.
-_BLOCK_KEYS = 64
-#: Largest block of queries per program for float32 rings (smaller steps use the next power of two >= T,
-#: at least 16); 16-bit rings go up to 128 (``attention_launch_config``).
-_MAX_BLOCK_QUERIES = 64
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,75 +500,6 @@ if HAS_TRITON:
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
                 UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
             )  # fmt: skip
-
-
-def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype, row_heads: int | None = None) -> dict:
-    """Launch parameters of the attention kernel for a step of ``num_tokens`` tokens per row.
-
-    Args:
-        num_tokens: ``T``, tokens per row in the step.
-        ring_dtype: the rings' dtype.
-        row_heads: ``B x H``, the step's (row, head) pairs; None counts as many.
-    Returns:
-        A dict with ``block_q`` (queries per program), ``block_k`` (keys per inner iteration),
-        ``num_warps``, ``num_stages`` (software pipelining depth of the key loops), ``pv`` (how
-        probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
-        16-bit tensor cores, ``"ieee"`` keeps float32) and ``fused_write`` (whether
-        :func:`ring_attention_write` stores the chunk from the attention kernel, one program per
-        (row, head) walking its query blocks in order, rather than with the write kernel after it).
-
-    Chosen on an H200 (``benchmarks/RESULTS.md``: "Ring attention launch sweep" for the block sizes,
-    stages and ``pv`` over the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames;
-    Run Y for the 64-query block and the fused write at 1 to 128 rows). For 16-bit rings ``"low"``
-    was the fastest in every shape (B64/T15: 10.8 -> 7.3 ms of attention a step). The best block is
-    the smallest power of two >= T up to 64 queries (16, 32, 64), and 128 above, except when a step
-    has fewer than ``MIN_ATTENTION_PROGRAMS`` programs of 128 queries (one row at T = 15): 64 then
-    doubles them. Three pipeline stages won at 30 tokens and above, two at 15. The fused write pays
-    only where a row is one small block (T <= 32 tokens: reading the chunk again and one launch are
-    a large share there); with several blocks per row, one program per (row, head) left the device
-    idler than the separate write costs. Float32 rings keep the configuration they were validated
-    with (and the same write rule).
-    """
-    if ring_dtype == torch.float32:
-        block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
-        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
-    else:
-        block_q = max(16, _next_power_of_2(num_tokens))
-        if block_q > 64:
-            few = row_heads is not None and row_heads * -(-num_tokens // 128) < MIN_ATTENTION_PROGRAMS
-            block_q = 64 if few else 128
-        num_stages = 2 if num_tokens <= 16 else 3
-        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
-    config["fused_write"] = num_tokens <= FUSED_WRITE_MAX_TOKENS
-    return config
-
-
-#: Most tokens per row for which :func:`ring_attention_write` fuses the write (``attention_launch_config``).
-FUSED_WRITE_MAX_TOKENS = 32
-#: Fewest programs of 128 queries a 16-bit step needs before it uses 128-query blocks (about two per SM
-#: of an H200's 132; ``attention_launch_config``).
-MIN_ATTENTION_PROGRAMS = 256
-#: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "fused_write")
-
-
-def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None, row_heads: int | None = None) -> dict:
-    """:func:`attention_launch_config` with ``tuning``'s entries in place of the defaults.
-
-    Raises:
-        ValueError: ``tuning`` names a key outside :data:`LAUNCH_KEYS`.
-    """
-    config = attention_launch_config(num_tokens, ring_dtype, row_heads)
-    unknown = sorted(set(tuning or ()) - set(LAUNCH_KEYS))
-    if unknown:
-        raise ValueError(f"ring_attention: unknown launch configuration keys {unknown}; expected some of {LAUNCH_KEYS}")
-    config.update(tuning or {})
-    return config
-
-
-def _next_power_of_2(n: int) -> int:
-    # triton.next_power_of_2's value, here so that attention_launch_config also answers without Triton.
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _launch_ring_attention_triton(
