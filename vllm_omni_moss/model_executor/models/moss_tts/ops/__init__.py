@@ -10,6 +10,10 @@
   of at most 32 tokens). It re-exports ``ring_write``, ``ring_write_reference`` and ``RING_DTYPES``.
 * :mod:`.ring_write` - ``ring_write``: the write of each row's last ``min(tokens, C)`` chunk tokens
   into its ring, and the argument checks both ring ops share.
+* :mod:`.ring_attention_launch` - the attention kernel's launch table (block sizes, warps, stages,
+  fused write per step shape); :mod:`.ring_reference` - ``attend_gathered_rows``, the SDPA
+  computation over gathered ring rows that the ``"sdpa"`` backend runs and the ring ops' references
+  build on (both re-exported by :mod:`.ring_attention`).
 * :mod:`.rope` - ``rope``: RoPE of a layer's queries and keys as one pass, bitwise
   ``step_metadata.apply_rope``; the triton backend runs it before the attention kernel, which then
   reads ready keys.

@@ -54,12 +54,10 @@ both are re-exported here, where callers have imported them from.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..step_metadata import RING_SEMANTICS, RingMetadata, apply_rope, build_ring_metadata
+from ..step_metadata import RING_SEMANTICS, apply_rope, build_ring_metadata
 from ._triton import (
     HAS_TRITON,
     _check_tensor,
@@ -77,13 +75,13 @@ from .ring_attention_launch import (
     _launch_config,
     attention_launch_config,
 )
+from .ring_reference import _logical_rings, _Window, attend_gathered_rows
 from .ring_write import (
     RING_DTYPES,
     _check_page_table,
     _check_rope,
     _check_step,
     _launch_ring_write_triton,
-    _logical_rings,
     ring_write,
     ring_write_reference,
 )
@@ -106,68 +104,6 @@ __all__ = [
     "ring_write",
     "ring_write_reference",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# Shared reference core (also the reference path of attention.py)
-# --------------------------------------------------------------------------------------------------
-
-
-def attend_gathered_rows(
-    semantics: str,
-    rows: torch.Tensor,
-    meta: RingMetadata,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    keep_empty_rows: bool = False,
-) -> torch.Tensor:
-    """Streaming attention over gathered ring rows with native SDPA (the reference computation).
-
-    Args:
-        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
-            (attend over ``[pre-write ring || chunk]``, then write).
-        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
-            place with this step's valid tokens. A cell several valid tokens reach holds the
-            latest of them, whatever order the device scatters in. Rows that write nothing
-            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
-        meta: the group's :class:`~..step_metadata.RingMetadata` (write cells, sources, mask).
-        q, k: ``(B, H, T, Dh)`` rotated queries and keys; v: ``(B, H, T, Dh)`` values.
-        keep_empty_rows: leave rows that write nothing unchanged (for callers that persist
-            whole rows, as the legacy pool does); costs one elementwise pass over the writes.
-    Returns:
-        ``(B, H, T, Dh)`` in the ring dtype; rows of padding queries are unspecified (may be NaN).
-    """
-    k, v = k.to(rows.dtype), v.to(rows.dtype)
-    B, H, T, Dh = k.shape
-    if semantics == "exact":
-        # Padding tokens may carry non-finite values (queries that saw no key); a masked key
-        # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
-        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
-        keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
-        values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
-    W = meta.write_cell.shape[1]
-    cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
-    source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
-    for plane, x in ((rows[0], k), (rows[1], v)):
-        written = x.gather(2, source)
-        if keep_empty_rows:
-            # All entries of an empty row name one cell: write back that cell's own value.
-            empty = (meta.num_written == 0).view(B, 1, 1, 1)
-            written = torch.where(empty, plane.gather(2, cell[:, :, :1]), written)
-        plane.scatter_(2, cell, written)
-    if semantics == "upstream":
-        keys, values = rows[0], rows[1]
-    return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
-
-
-@dataclass(frozen=True)
-class _Window:
-    # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
-    # build_ring_metadata computes them, so any base serves.
-    context: int
-    head_dim: int
-    max_period: float = 10000.0
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,10 +13,9 @@ chunk's RoPE tables; the kernel then rotates them as it loads them, bitwise ``st
 Beside the kernel, its ``torch.library.custom_op`` (``vllm_omni_moss::ring_write``) with
 ``register_fake``, the PyTorch reference and the public :func:`ring_write`, this module holds what the
 attention ops of ``ops/ring_attention.py`` share with the write: the store of a block of chunk tokens
-(``_store_tokens``, which the attention kernel's fused write runs too), the argument checks of the
-ring ops, and the gather and store-back of a paged cache's rings for the references. Dispatch is
-``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel, CPU tensors run the
-reference unless the Triton interpreter is active at import (bfloat16 excepted).
+(``_store_tokens``, which the attention kernel's fused write runs too) and the argument checks of the
+ring ops. Dispatch is ``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel, CPU
+tensors run the reference unless the Triton interpreter is active at import (bfloat16 excepted).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from ._triton import (
     tl,
     triton,
 )
+from .ring_reference import _logical_rings, _store_logical_rings
 
 if HAS_TRITON:
     from ._triton import _cell_pointers, _load_rotated
@@ -293,24 +293,6 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=N
             BLOCK_D=block_d,
             enable_fp_fusion=False,
         )
-
-
-def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
-    """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``cache`` itself when unpaged, else a
-    gathered copy of each slot's pages in logical order (``C = pages per ring x page size``)."""
-    if page_table is None:
-        return cache
-    pages = cache[:, page_table]  # (2, S, n, H, page, Dh)
-    planes, num_slots, num_pages, heads, page_size, head_dim = pages.shape
-    return pages.permute(0, 1, 3, 2, 4, 5).reshape(planes, num_slots, heads, num_pages * page_size, head_dim)
-
-
-def _store_logical_rings(cache, page_table, rings, slots) -> None:
-    # Write the logical rings of `slots` back into their pages (the inverse of _logical_rings).
-    planes, _, heads, capacity, head_dim = rings.shape
-    num_pages = page_table.shape[1]
-    pages = rings[:, slots].view(planes, len(slots), heads, num_pages, capacity // num_pages, head_dim)
-    cache[:, page_table[slots]] = pages.permute(0, 1, 3, 2, 4, 5)
 
 
 def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
