@@ -460,20 +460,34 @@ def _launch_ring_attention_triton(
     stored into the rings as :func:`ring_write` stores it (:func:`ring_attention_write`): fused into
     the attention kernel when the launch configuration's ``fused_write`` says so, else by the write
     kernel after it. ``tuning`` overrides entries of :func:`attention_launch_config` (benchmarks
-    sweep it). Returns ``(B, T, H, Dh)`` in the cache dtype. Grid ``(B, H, ceil(T / BLOCK_Q))``,
-    or ``(B, H, 1)`` with the fused write. Raises RuntimeError without Triton.
+    sweep it). Returns ``(B, T, H, Dh)`` in the cache dtype. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
     out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
     config = _launch_config(num_tokens, cache.dtype, tuning, num_rows * num_heads)
-    block_q = config["block_q"]
     fused = write and config["fused_write"]
+    _run_attention_kernel(
+        q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
+    )
+    if write and not fused:
+        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+    return out
+
+
+def _run_attention_kernel(
+    q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
+) -> None:
+    """One launch of the attention kernel, into ``out`` ``(B, T, H, Dh)``, with ``config`` (an
+    :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk. Grid
+    ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one program walks a row's blocks)."""
+    num_rows, num_heads, num_tokens, head_dim = q.shape
+    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_q = config["block_q"]
     grid = (num_rows, num_heads, 1 if fused else triton.cdiv(num_tokens, block_q))
     (cos_arg, sin_arg, *rope_strides), rope = _rope_arguments(cos, sin, q)
     with _device_guard(cache):
@@ -516,9 +530,6 @@ def _launch_ring_attention_triton(
             num_stages=config["num_stages"],
             enable_fp_fusion=False,
         )
-    if write and not fused:
-        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
-    return out
 
 
 def ring_attention_reference(
