@@ -159,7 +159,7 @@ if HAS_TRITON:
                 keys = tl.load(address, mask=load_ok, other=0.0)
                 values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
                 # Query t sees key j when j >= num_old + t - C + 1 (q - p < C); keys past the ring never.
-                # One compare per (query, key): cheaper than forming q - p (Run U of RESULTS.md).
+                # One compare per (query, key): cheaper than forming q - p (benchmarks/RESULTS.md).
                 visible = tl.where(key_ok, j, -capacity)[None, :] >= ring_lo[:, None]
                 m_i, l_i, acc = _online_softmax_block(
                     q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION

@@ -5,9 +5,9 @@ Between the two GEMMs of a decoder layer's FFN (docs/codec_architecture.md, "One
 the exact GELU, ``GELU(x) = x / 2 * (1 + erf(x / sqrt(2)))``, to the ``(rows, dim_feedforward)`` output of
 ``linear1``. It is the widest activation of a step (v2: 3072 or 5120 channels per token row) and the pass
 only streams it: one read and one write. PyTorch's in-place ``aten.gelu_`` is not memory-bound on the
-H200: 3.2 TB/s against 4.2 TB/s for an in-place multiply of the same tensor, and 4.0 TB/s for this
-kernel (``benchmarks/RESULTS.md``, Run Z); its float32 ``erf`` (libdevice ``__nv_erff``) costs more
-instructions than the bytes allow.
+H200: it streams the tensor well below the rate of an in-place multiply of the same tensor, which this
+kernel comes close to (``benchmarks/RESULTS.md``); its float32 ``erf`` (libdevice ``__nv_erff``) costs
+more instructions than the bytes allow.
 
 :func:`gelu_` computes the same formula in float32 (``x * 0.5 * (1 + erf(x * M_SQRT1_2))``, then one
 rounding to the tensor's dtype, as ``aten/src/ATen/native/cuda/ActivationGeluKernel.cu`` does) with its own

@@ -37,14 +37,15 @@ syncs). Keys and queries arrive either already rotated, or unrotated with the ch
 (``cos``, ``sin``): the kernels then rotate them as they load them, with float32 roundings equal to
 ``step_metadata.apply_rope``'s (kernels launched with ``enable_fp_fusion=False``, so no multiply-add
 is fused); either way ring contents are bitwise those of the reference path. The decoder passes rotated
-inputs (``ops/rope.py``): on some H200s, with Triton 3.6, this kernel rotating as it loads ran 15x slower
-than on rotated inputs (``benchmarks/RESULTS.md``, Run AI).
+inputs (``ops/rope.py``): on some H200s this kernel rotating as it loads ran many times slower than on
+rotated inputs (``benchmarks/RESULTS.md``).
 
 Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
 float32 with base-2 exponentials; for 16-bit rings the probabilities are rounded to the ring dtype
 before they multiply the values on 16-bit tensor cores with float32 accumulation (what fused SDPA
-kernels do; measured faster than TF32 in every v2 shape, see :func:`attention_launch_config`), and
-they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and a fixed key order per program.
+kernels do; faster than TF32 in every v2 shape of the launch sweep, see :func:`attention_launch_config`),
+and they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and
+a fixed key order per program.
 
 The kernel's body for one block of queries is ``ops/_ring_attention_block.py``'s ``_attend_query_block``,
 and the store of the fused write ``ops/ring_write.py``'s ``_store_tokens``. ``ring_write``,

@@ -42,10 +42,10 @@ def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype, row_heads:
         ``ring_attention_write`` stores the chunk from the attention kernel, one program per
         (row, head) walking its query blocks in order, rather than with the write kernel after it).
 
-    Chosen on an H200 (``benchmarks/RESULTS.md``: "Ring attention launch sweep" for the block sizes,
-    stages and ``pv`` over the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames;
-    Run Y for the 64-query block and the fused write at 1 to 128 rows). For 16-bit rings ``"low"``
-    was the fastest in every shape (B64/T15: 10.8 -> 7.3 ms of attention a step). The best block is
+    Chosen on an H200 from the launch sweeps of ``benchmarks/RESULTS.md`` (block sizes, stages and
+    ``pv`` over the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames; the 64-query
+    block and the fused write at 1 to 128 rows). For 16-bit rings ``"low"`` was the fastest in every
+    shape. The best block is
     the smallest power of two >= T up to 64 queries (16, 32, 64), and 128 above, except when a step
     has fewer than ``MIN_ATTENTION_PROGRAMS`` programs of 128 queries (one row at T = 15): 64 then
     doubles them. Three pipeline stages won at 30 tokens and above, two at 15. The fused write pays

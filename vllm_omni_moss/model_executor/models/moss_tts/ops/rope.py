@@ -5,7 +5,7 @@ The codec rotates queries and keys by GPT-J interleaved pairs (docs/codec_archit
 ``step_metadata.apply_rope`` is the reference formula). The ring attention kernels of ``ring_attention.py``
 can rotate as they load (their ``cos``/``sin`` arguments), but on some H200s that variant of the attention
 kernel ran many times slower than the same kernel on rotated inputs, while on others it was about as fast as
-this pass and the kernel together (``benchmarks/RESULTS.md``, Run AI, with the profile of the slow kernel).
+this pass and the kernel together (``benchmarks/RESULTS.md``, with the profile of the slow kernel).
 This pass rotates once, so the attention kernel reads ready keys on every machine.
 
 Each pair ``(x[2i], x[2i+1])`` is loaded and stored as one word (int32 for 16-bit dtypes, int64 for float32;
