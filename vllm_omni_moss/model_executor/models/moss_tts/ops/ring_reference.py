@@ -3,10 +3,12 @@
 
 :func:`attend_gathered_rows` is one layer's streaming attention over ring rows gathered from the state
 pool: scatter the chunk's valid tokens into the rows, then SDPA with the step's dense mask
-(``step_metadata.build_ring_metadata``). The ``"sdpa"`` attention backend runs it on every step; the
-references of ``ring_attention.py`` and ``ring_write.py`` build on it and on the gather and store-back
-of a paged cache's rings (``_logical_rings``, ``_store_logical_rings``). Nothing here runs Triton, and
-the gathers make it a reference, not a graph-capture path for paged caches.
+(``step_metadata.build_ring_metadata``). The ``"sdpa"`` attention backend runs it on every step, and
+``ring_attention.py``'s references run it on the rows they gather. Those references and
+``ring_write.py``'s read and write a paged cache through a copy of its rings in logical order
+(``_logical_rings``, stored back by ``_store_logical_rings``, whose boolean row selection is a host
+sync on CUDA): a reference path for CPU execution and tests, not for graph capture. Nothing here runs
+Triton.
 
 ``ring_attention.py`` re-exports :func:`attend_gathered_rows`, where callers have imported it from.
 """
