@@ -28,6 +28,7 @@ from moss_codecs import cuda_kernel_test as cuda
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention_launch as launch_ops
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, build_ring_metadata, rope_tables
 
@@ -45,12 +46,12 @@ cpu = pytest.mark.cpu
 @contextlib.contextmanager
 def block_sizes(queries: int, keys: int):
     """Run the attention kernel with these block sizes (small blocks exercise multi-block loops)."""
-    saved = ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS
-    ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS = queries, keys
+    saved = launch_ops._MAX_BLOCK_QUERIES, launch_ops._BLOCK_KEYS
+    launch_ops._MAX_BLOCK_QUERIES, launch_ops._BLOCK_KEYS = queries, keys
     try:
         yield
     finally:
-        ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS = saved
+        launch_ops._MAX_BLOCK_QUERIES, launch_ops._BLOCK_KEYS = saved
 
 
 def reference_layer(cache, routed, offsets, written, q, k, v, semantics):

@@ -15,37 +15,27 @@ Each operation has four parts that sit together below: a Triton kernel, a ``torc
 (namespace ``vllm_omni_moss``) with its ``register_fake``, a plain PyTorch reference, and a public
 function that validates shapes and calls the op.
 
-Dispatch inside the ops: CUDA tensors launch the Triton kernel. CPU tensors run the PyTorch reference,
-unless ``TRITON_INTERPRET=1`` was set when this module was imported (Triton decides at ``@triton.jit``
-time whether a kernel is compiled or interpreted) and ``ALLOW_CPU_TRITON_INTERPRETER`` is true; then CPU
-tensors run the Triton kernel in Triton's interpreter, which is how CPU tests check the real kernel.
-Triton is imported under a guard: without it the module still imports and CPU uses the reference.
+Dispatch inside the ops is ``ops/_triton.py``'s: CUDA tensors launch the Triton kernel; CPU tensors run
+the PyTorch reference unless the Triton interpreter is active at import, then the kernel runs
+interpreted. ``HAS_TRITON``, ``TRITON_INTERPRET_AT_IMPORT``, ``cpu_uses_triton_interpreter`` and
+``runs_triton_kernel`` are re-exported from there for the callers that import them from this module.
 
 Both ops are safe inside ``torch.compile(fullgraph=True, dynamic=True)`` (fake impls, shape-only
 validation) and inside CUDA-graph capture on CUDA (no host syncs, no data-dependent allocation).
 """
 
-import contextlib
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # Triton is optional on CPU-only installs.
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-# Snapshot at import: whether Triton turned the kernels below into interpreted functions is fixed by the
-# environment at decoration time, so a later change of the variable cannot change how they run.
-TRITON_INTERPRET_AT_IMPORT: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# Tests may set this to False to force the reference on CPU even in an interpreting process.
-ALLOW_CPU_TRITON_INTERPRETER: bool = True
+from ._triton import (
+    HAS_TRITON,
+    TRITON_INTERPRET_AT_IMPORT,
+    _check_tensor,
+    _device_guard,
+    cpu_uses_triton_interpreter,
+    runs_triton_kernel,
+    tl,
+    triton,
+)
 
 # Elements per (time x head_dim) tile of commit_cache; 1024 keeps a bf16 tile at 2 KiB per plane.
 _COMMIT_CACHE_TILE_ELEMENTS = 1024
@@ -53,58 +43,9 @@ _COMMIT_CACHE_TILE_ELEMENTS = 1024
 _COMMIT_OFFSETS_BLOCK = 128
 
 
-def cpu_uses_triton_interpreter() -> bool:
-    """True when the ops run the Triton kernels (interpreted) on CPU tensors instead of the reference."""
-    return HAS_TRITON and TRITON_INTERPRET_AT_IMPORT and ALLOW_CPU_TRITON_INTERPRETER
-
-
-def runs_triton_kernel(tensor: torch.Tensor) -> bool:
-    """Whether an op of this package launches its Triton kernel for ``tensor`` (the one whose dtype it
-    computes in): always on CUDA; on CPU only under the interpreter (:func:`cpu_uses_triton_interpreter`)
-    and not for bfloat16, which Triton's interpreter computes wrongly (it converts float32 to bfloat16
-    toward zero and its bfloat16 dot products are not IEEE); the reference runs instead."""
-    if tensor.is_cuda:
-        return True
-    return tensor.device.type == "cpu" and cpu_uses_triton_interpreter() and tensor.dtype != torch.bfloat16
-
-
-def _device_guard(tensor: torch.Tensor):
-    # Triton launches on the current CUDA device; make it the tensors' device.
-    if tensor.is_cuda:
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
-
-
 # --------------------------------------------------------------------------------------------------
 # Validation (shape/dtype/device only: no data reads, so no device sync and no graph break)
 # --------------------------------------------------------------------------------------------------
-
-
-# Messages are plain f-strings over tuples: Dynamo can trace those (not ``str()`` of a SymInt), so a bad
-# call inside torch.compile still reports this text, wrapped in Dynamo's "observed exception".
-
-
-def _check_tensor(op: str, name: str, value, label: str, expected_shape, expected_dtype, device) -> None:
-    """Raise unless ``value`` is a tensor of ``expected_shape``/``expected_dtype`` on ``device``.
-
-    ``label`` names the dims, e.g. ``"(2, B, H, C, Dh)"``. ``expected_shape`` entries may be ints, SymInts,
-    or None (any size); ``expected_dtype``/``device`` None skip that check. Raises TypeError for a
-    non-tensor and ValueError naming ``name`` for a wrong rank, size, dtype or device.
-    """
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
-    mismatch = value.dim() != len(expected_shape)
-    if not mismatch:
-        for actual, expected in zip(value.shape, expected_shape):
-            if expected is not None and actual != expected:
-                mismatch = True
-                break
-    if mismatch:
-        raise ValueError(f"{op}: `{name}` must have shape {label} = {tuple(expected_shape)}, got {tuple(value.shape)}")
-    if expected_dtype is not None and value.dtype != expected_dtype:
-        raise ValueError(f"{op}: `{name}` must have dtype {expected_dtype}, got {value.dtype}")
-    if device is not None and value.device != device:
-        raise ValueError(f"{op}: `{name}` must be on device {device}, got {value.device}")
 
 
 def _check_max_written(op: str, max_written) -> None:
@@ -450,7 +391,6 @@ def commit_offsets(
 
 
 __all__ = [
-    "ALLOW_CPU_TRITON_INTERPRETER",
     "HAS_TRITON",
     "TRITON_INTERPRET_AT_IMPORT",
     "commit_cache",

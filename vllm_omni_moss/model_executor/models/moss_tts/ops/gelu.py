@@ -5,9 +5,9 @@ Between the two GEMMs of a decoder layer's FFN (docs/codec_architecture.md, "One
 the exact GELU, ``GELU(x) = x / 2 * (1 + erf(x / sqrt(2)))``, to the ``(rows, dim_feedforward)`` output of
 ``linear1``. It is the widest activation of a step (v2: 3072 or 5120 channels per token row) and the pass
 only streams it: one read and one write. PyTorch's in-place ``aten.gelu_`` is not memory-bound on the
-H200: 3.2 TB/s against 4.2 TB/s for an in-place multiply of the same tensor, and 4.0 TB/s for this
-kernel (``benchmarks/RESULTS.md``, Run Z); its float32 ``erf`` (libdevice ``__nv_erff``) costs more
-instructions than the bytes allow.
+H200: it streams the tensor well below the rate of an in-place multiply of the same tensor, which this
+kernel comes close to (``benchmarks/RESULTS.md``); its float32 ``erf`` (libdevice ``__nv_erff``) costs
+more instructions than the bytes allow.
 
 :func:`gelu_` computes the same formula in float32 (``x * 0.5 * (1 + erf(x * M_SQRT1_2))``, then one
 rounding to the tensor's dtype, as ``aten/src/ATen/native/cuda/ActivationGeluKernel.cu`` does) with its own
@@ -25,7 +25,7 @@ check on the device that the kernel misses no more values than ``aten.gelu_`` do
 one bfloat16 step from ``x = -3`` up, and hold bfloat16, float16 and float32 results to the float32
 formula's error bound (``2e-7 |x|`` plus the dtype's rounding).
 
-Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference
+Dispatch is ``ops/_triton.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference
 (``aten.gelu_``) unless the Triton interpreter is active at import (bfloat16 excepted). The decoder calls
 the op only on CUDA steps with ``CodecDecoder.fused_glue`` set and not under ``torch.compile`` (inductor
 fuses its own GELU there).
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .commit import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
+from ._triton import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["GELU_DTYPES", "gelu_", "gelu_reference_"]
 

@@ -10,17 +10,17 @@ projection. :func:`residual_layer_norm` does it in one kernel per token row, wit
 * ``x' = x + layer_scale * update`` in float32, rounded once to the dtype of ``update`` (``x`` is
   first cast to it, as the decoder does). PyTorch rounds twice in bf16: the product, then the sum.
   The compiled kernel keeps the product in float32 (its intermediate rounding does not survive
-  Triton's code generation), so about 3% of bf16 elements differ from PyTorch's by one ulp (measured
-  on the H200, ``test_ops_residual_norm.py``); without LayerScale both are one rounding and equal.
+  Triton's code generation), so some bf16 elements differ from PyTorch's by one ulp (the CUDA tests
+  of ``test_ops_residual_norm.py`` bound the error); without LayerScale both are one rounding and equal.
 * ``h = LayerNorm(x')`` computed in float32 (weight and bias in float32), rounded to ``x'``'s dtype,
   which is what the next projection consumes under autocast. It differs from PyTorch's float32
   LayerNorm of the same ``x'`` only in how the mean and variance are accumulated (a two-pass float32
   sum here, Welford there): a few float32 ulps before the final rounding.
 
-Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference (bitwise
-the unfused decoder) unless the Triton interpreter is active at import (bfloat16 excepted, as in
-``ops/commit.py``'s ``runs_triton_kernel``). The decoder calls the kernel only
-on CUDA, so CPU decoding (and its parity with upstream) is unchanged.
+Dispatch is ``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run
+the reference (bitwise the unfused decoder) unless the Triton interpreter is active at import (bfloat16
+excepted). The decoder calls the kernel only on CUDA, so CPU decoding (and its parity with upstream) is
+unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .commit import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
+from ._triton import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["add_scaled", "layer_norm_float32", "residual_layer_norm", "residual_layer_norm_reference"]
 

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Streaming attention that reads the state pool's rings in place, and the write that follows it.
+"""Streaming attention that reads the state pool's rings in place, alone or followed by the ring write.
 
 One attention layer of a streaming step (docs/ring_semantics.md) has two inputs besides the queries:
 the keys and values of past tokens, kept per slot in the layer's ring ``(2, S, H, C, Dh)`` of the state
 pool, and the keys and values of the chunk itself. The reference path (``attention.py``) gathers each
-row's whole ring, concatenates the chunk, builds a dense mask and runs SDPA. The two operations here
+row's whole ring, concatenates the chunk, builds a dense mask and runs SDPA. The operations here
 never gather:
 
 * ``ring_attention`` - for each (row, head, block of queries), walk the key positions the block may see,
@@ -12,11 +12,10 @@ never gather:
   an online softmax in float32. Both ring semantics (``"upstream"``, ``"exact"``) are one kernel: they
   differ only in the oldest visible position. Output ``(B, T, H, Dh)``, the layout the out-projection
   reads after ``transpose(1, 2)`` without a copy.
-* ``ring_write`` - store each row's last ``min(valid tokens, C)`` chunk tokens into its ring: every
-  destination cell is written exactly once, so the result never depends on the order of writes.
-* ``ring_attention_write`` - the two in turn, as one op: for short rows the attention kernel stores
-  the chunk itself, one program per (row, head) walking its query blocks in order (a block's tokens
-  only overwrite cells that block and earlier ones read).
+* ``ring_attention_write`` - ``ring_attention``, then ``ring_write`` (``ops/ring_write.py``: each row's
+  last ``min(valid tokens, C)`` chunk tokens into its ring), as one op: for short rows the attention
+  kernel stores the chunk itself, one program per (row, head) walking its query blocks in order (a
+  block's tokens only overwrite cells that block and earlier ones read).
 
 Key positions a query may see (query at position ``q``, row offset ``o``, ``n`` valid tokens, ``C`` =
 ring capacity = attention window): always ``0 <= p <= q`` and ``q - p < C``; under ``"upstream"`` also
@@ -30,7 +29,7 @@ their slot id) and output zeros; padding tokens are never read as keys and never
 
 Each operation comes with a Triton kernel, a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``)
 with ``register_fake``, a PyTorch reference, and a public function that validates shapes. Dispatch is
-``ops/commit.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
+``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
 unless the Triton interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs
 interpreted, except for bfloat16 rings (the interpreter's bfloat16 arithmetic is not the GPU's). Both are
 safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
@@ -38,30 +37,69 @@ syncs). Keys and queries arrive either already rotated, or unrotated with the ch
 (``cos``, ``sin``): the kernels then rotate them as they load them, with float32 roundings equal to
 ``step_metadata.apply_rope``'s (kernels launched with ``enable_fp_fusion=False``, so no multiply-add
 is fused); either way ring contents are bitwise those of the reference path. The decoder passes rotated
-inputs (``ops/rope.py``): on some H200s, with Triton 3.6, this kernel rotating as it loads ran 15x slower
-than on rotated inputs (``benchmarks/RESULTS.md``, Run AI).
+inputs (``ops/rope.py``): on some H200s this kernel rotating as it loads ran many times slower than on
+rotated inputs (``benchmarks/RESULTS.md``).
 
 Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
 float32 with base-2 exponentials; for 16-bit rings the probabilities are rounded to the ring dtype
 before they multiply the values on 16-bit tensor cores with float32 accumulation (what fused SDPA
-kernels do; measured faster than TF32 in every v2 shape, see :func:`attention_launch_config`), and
-they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and a fixed key order per program.
+kernels do; faster than TF32 in every v2 shape of the launch sweep, see :func:`attention_launch_config`),
+and they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and
+a fixed key order per program.
+
+The kernel's body for one block of queries is ``ops/_ring_attention_block.py``'s ``_attend_query_block``,
+and the store of the fused write ``ops/ring_write.py``'s ``_store_tokens``. ``ring_write``,
+``ring_write_reference`` and ``RING_DTYPES`` (``ops/ring_write.py``), the launch table
+(``attention_launch_config``, ``FUSED_WRITE_MAX_TOKENS``, ..., ``ops/ring_attention_launch.py``) and
+``attend_gathered_rows`` (``ops/ring_reference.py``) are re-exported here, where callers import them from.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..step_metadata import RING_SEMANTICS, RingMetadata, apply_rope, build_ring_metadata
-from .commit import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
+from ..step_metadata import RING_SEMANTICS, apply_rope, build_ring_metadata
+from ._triton import (
+    HAS_TRITON,
+    _check_tensor,
+    _device_guard,
+    _paging_arguments,
+    _rope_arguments,
+    runs_triton_kernel,
+    tl,
+    triton,
+)
+from .ring_attention_launch import (
+    FUSED_WRITE_MAX_TOKENS,
+    LAUNCH_KEYS,
+    MIN_ATTENTION_PROGRAMS,
+    _launch_config,
+    attention_launch_config,
+)
+from .ring_reference import _logical_rings, _Window, attend_gathered_rows
+from .ring_write import (
+    RING_DTYPES,
+    _check_page_table,
+    _check_rope,
+    _check_step,
+    _launch_ring_write_triton,
+    ring_write,
+    ring_write_reference,
+)
+
+if HAS_TRITON:
+    from ._ring_attention_block import _attend_query_block
+    from .ring_write import _store_tokens
 
 __all__ = [
+    "FUSED_WRITE_MAX_TOKENS",
+    "LAUNCH_KEYS",
+    "MIN_ATTENTION_PROGRAMS",
     "RING_DTYPES",
     "attend_gathered_rows",
+    "attention_launch_config",
     "ring_attention",
     "ring_attention_reference",
     "ring_attention_write",
@@ -70,135 +108,15 @@ __all__ = [
     "ring_write_reference",
 ]
 
-#: Ring dtypes the kernels support (their dot products take 16- or 32-bit floats).
-RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Keys per inner iteration of the attention kernel.
-_BLOCK_KEYS = 64
-#: Largest block of queries per program for float32 rings (smaller steps use the next power of two >= T,
-#: at least 16); 16-bit rings go up to 128 (``attention_launch_config``).
-_MAX_BLOCK_QUERIES = 64
-#: Elements per (token x head_dim) tile of ring_write.
-_WRITE_TILE_ELEMENTS = 2048
-
 
 # --------------------------------------------------------------------------------------------------
-# Shared reference core (also the reference path of attention.py)
-# --------------------------------------------------------------------------------------------------
-
-
-def attend_gathered_rows(
-    semantics: str,
-    rows: torch.Tensor,
-    meta: RingMetadata,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    keep_empty_rows: bool = False,
-) -> torch.Tensor:
-    """Streaming attention over gathered ring rows with native SDPA (the reference computation).
-
-    Args:
-        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
-            (attend over ``[pre-write ring || chunk]``, then write).
-        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
-            place with this step's valid tokens. A cell several valid tokens reach holds the
-            latest of them, whatever order the device scatters in. Rows that write nothing
-            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
-        meta: the group's :class:`~..step_metadata.RingMetadata` (write cells, sources, mask).
-        q, k: ``(B, H, T, Dh)`` rotated queries and keys; v: ``(B, H, T, Dh)`` values.
-        keep_empty_rows: leave rows that write nothing unchanged (for callers that persist
-            whole rows, as the legacy pool does); costs one elementwise pass over the writes.
-    Returns:
-        ``(B, H, T, Dh)`` in the ring dtype; rows of padding queries are unspecified (may be NaN).
-    """
-    k, v = k.to(rows.dtype), v.to(rows.dtype)
-    B, H, T, Dh = k.shape
-    if semantics == "exact":
-        # Padding tokens may carry non-finite values (queries that saw no key); a masked key
-        # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
-        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
-        keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
-        values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
-    W = meta.write_cell.shape[1]
-    cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
-    source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
-    for plane, x in ((rows[0], k), (rows[1], v)):
-        written = x.gather(2, source)
-        if keep_empty_rows:
-            # All entries of an empty row name one cell: write back that cell's own value.
-            empty = (meta.num_written == 0).view(B, 1, 1, 1)
-            written = torch.where(empty, plane.gather(2, cell[:, :, :1]), written)
-        plane.scatter_(2, cell, written)
-    if semantics == "upstream":
-        keys, values = rows[0], rows[1]
-    return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
-
-
-@dataclass(frozen=True)
-class _Window:
-    # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
-    # build_ring_metadata computes them, so any base serves.
-    context: int
-    head_dim: int
-    max_period: float = 10000.0
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation (shape/dtype/device only: no data reads, so no device sync and no graph break)
+# Validation (shape/dtype/device only; the checks both ring ops share are ring_write.py's)
 # --------------------------------------------------------------------------------------------------
 
 
 def _check_semantics(op: str, semantics) -> None:
     if semantics not in RING_SEMANTICS:
         raise ValueError(f"{op}: unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
-
-
-def _check_rope(op: str, cos, sin, shape, device) -> None:
-    """Check the optional RoPE tables against the step's ``(B, H, T, Dh)``."""
-    if (cos is None) != (sin is None):
-        raise ValueError(f"{op}: `cos` and `sin` must be given together")
-    if cos is None:
-        return
-    num_rows, _, num_tokens, head_dim = shape
-    if head_dim % 2:
-        raise ValueError(f"{op}: RoPE needs an even head dim, got Dh = {head_dim}")
-    table = (num_rows, 1, num_tokens, head_dim // 2)
-    _check_tensor(op, "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, device)
-    _check_tensor(op, "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, device)
-    if cos.stride() != sin.stride():
-        raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
-
-
-def _check_page_table(op: str, page_table, cache) -> None:
-    """Check the optional ``(S, n)`` page table against the ``(2, P, H, page_size, Dh)`` paged cache."""
-    if page_table is None:
-        return
-    if not isinstance(page_table, torch.Tensor):
-        raise TypeError(f"{op}: `page_table` must be a tensor or None, got {type(page_table).__name__}")
-    if page_table.dim() != 2 or page_table.shape[1] < 1:
-        raise ValueError(
-            f"{op}: `page_table` must be (S, pages per ring) with at least one page, got {tuple(page_table.shape)}"
-        )
-    if page_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: `page_table` must be int32 or int64, got {page_table.dtype}")
-    if page_table.device != cache.device:
-        raise ValueError(f"{op}: `page_table` is on {page_table.device}, the cache on {cache.device}")
-
-
-def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
-    """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
-    _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
-    if cache.dtype not in RING_DTYPES:
-        raise ValueError(f"{op}: `cache` must have one of the dtypes {RING_DTYPES}, got {cache.dtype}")
-    _, _, num_heads, _, head_dim = cache.shape
-    _check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
-    num_rows, _, num_tokens, _ = k.shape
-    shape = (num_rows, num_heads, num_tokens, head_dim)
-    _check_tensor(op, "v", v, "(B, H, T, Dh)", shape, cache.dtype, cache.device)
-    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
-    return shape
 
 
 def _check_attention(op, q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table) -> None:
@@ -217,328 +135,6 @@ def _check_attention(op, q, k, v, cache, slot_ids, offsets, num_written, semanti
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _online_softmax_block(
-        q,
-        keys,
-        values,
-        visible,
-        m_i,
-        l_i,
-        acc,
-        scale_log2,
-        QK_PRECISION: tl.constexpr,
-        PV_PRECISION: tl.constexpr,
-    ):
-        # One block of keys folded into the running (max, sum, output) of each query, base 2.
-        scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION) * scale_log2
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A query with no visible key so far keeps m = -inf; rebasing on 0 keeps exp2 finite (it gives 0).
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(scores - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PV_PRECISION == "low":
-            # Probabilities rounded to the values' 16-bit dtype (as fused SDPA kernels do), accumulated in float32.
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision=PV_PRECISION)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _load_rotated(
-        x_ptrs,
-        cos_ptrs,
-        sin_ptrs,
-        load_ok,
-        half_ok,
-        BLOCK: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        ROPE: tl.constexpr,
-    ):
-        # A (BLOCK, BLOCK_D) tile of queries or keys in its own dtype; with ROPE, rotated by GPT-J pairs
-        # (x[2i], x[2i+1]) with the (BLOCK, BLOCK_D // 2) float32 tables, each product and sum rounded
-        # to float32 on its own (launched with enable_fp_fusion=False), then rounded to the input dtype:
-        # bitwise step_metadata.apply_rope.
-        x = tl.load(x_ptrs, mask=load_ok, other=0.0)
-        if ROPE:
-            cos = tl.load(cos_ptrs, mask=half_ok, other=0.0)
-            sin = tl.load(sin_ptrs, mask=half_ok, other=0.0)
-            re, im = tl.split(tl.reshape(x.to(tl.float32), (BLOCK, BLOCK_D // 2, 2)))
-            rotated = tl.join(re * cos - im * sin, re * sin + im * cos)
-            x = tl.reshape(rotated, (BLOCK, BLOCK_D)).to(x.dtype)
-        return x
-
-    @triton.jit
-    def _cell_pointers(
-        cache_ptr,
-        slot,
-        head,
-        cell,
-        ok,
-        page_table_ptr,
-        page_table_stride_s,
-        page_table_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        PAGED: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-    ):
-        # Pointers to ring cells `cell` (a vector) of one (slot, head). Unpaged, the slot indexes the
-        # cache's second axis; paged, that axis holds pages and cell c of the slot lives at row
-        # c mod PAGE_SIZE of page page_table[slot, c // PAGE_SIZE]. Masked-off cells read no page id.
-        # PAGE_SIZE is a compile-time constant, so both become multiplies and shifts.
-        if PAGED:
-            page = tl.load(
-                page_table_ptr + slot * page_table_stride_s + (cell // PAGE_SIZE) * page_table_stride_p,
-                mask=ok,
-                other=0,
-            ).to(tl.int64)
-            return cache_ptr + page * cache_stride_s + head * cache_stride_h + (cell % PAGE_SIZE) * cache_stride_c
-        else:
-            return cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell * cache_stride_c
-
-    @triton.jit
-    def _store_tokens(
-        token,
-        ok,
-        row,
-        head,
-        slot,
-        offset,
-        k_ptr,
-        v_ptr,
-        cos_ptr,
-        sin_ptr,
-        cache_ptr,
-        capacity,
-        head_dim,
-        rope_stride_b,
-        rope_stride_t,
-        rope_stride_d,
-        k_stride_b,
-        k_stride_h,
-        k_stride_t,
-        k_stride_d,
-        v_stride_b,
-        v_stride_h,
-        v_stride_t,
-        v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
-        page_table_ptr,
-        page_table_stride_s,
-        page_table_stride_p,
-        ROPE: tl.constexpr,
-        PAGED: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        # Store chunk tokens `token` (a BLOCK_T vector, only where `ok`) of one (row, head) into cells
-        # (offset + token) mod C of the slot's ring: keys rotated as _load_rotated rotates them.
-        d = tl.arange(0, BLOCK_D)
-        load_ok = ok[:, None] & (d < head_dim)[None, :]
-        pair = tl.arange(0, BLOCK_D // 2)
-        rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
-        keys = _load_rotated(
-            k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
-            cos_ptr + rope,
-            sin_ptr + rope,
-            load_ok,
-            ok[:, None] & (pair < head_dim // 2)[None, :],
-            BLOCK_T,
-            BLOCK_D,
-            ROPE,
-        )
-        values = tl.load(
-            v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
-            mask=load_ok,
-        )
-        cells = _cell_pointers(
-            cache_ptr,
-            slot,
-            head,
-            (offset + token) % capacity,
-            ok,
-            page_table_ptr,
-            page_table_stride_s,
-            page_table_stride_p,
-            cache_stride_s,
-            cache_stride_h,
-            cache_stride_c,
-            PAGED,
-            PAGE_SIZE,
-        )
-        dst = cells[:, None] + d[None, :] * cache_stride_d
-        tl.store(dst, keys, mask=load_ok)
-        tl.store(dst + cache_stride_p, values, mask=load_ok)
-
-    @triton.jit
-    def _attend_query_block(
-        first,  # the block's first query (chunk token index)
-        row,
-        head,
-        written,
-        slot,
-        offset,
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        cos_ptr,
-        sin_ptr,
-        cache_ptr,
-        out_ptr,
-        num_tokens,
-        capacity,
-        head_dim,
-        scale_log2,
-        rope_stride_b,
-        rope_stride_t,
-        rope_stride_d,
-        q_stride_b,
-        q_stride_h,
-        q_stride_t,
-        q_stride_d,
-        k_stride_b,
-        k_stride_h,
-        k_stride_t,
-        k_stride_d,
-        v_stride_b,
-        v_stride_h,
-        v_stride_t,
-        v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
-        out_stride_b,
-        out_stride_t,
-        out_stride_h,
-        out_stride_d,
-        page_table_ptr,
-        page_table_stride_s,
-        page_table_stride_p,
-        UPSTREAM: tl.constexpr,
-        ROPE: tl.constexpr,
-        PAGED: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        QK_PRECISION: tl.constexpr,
-        PV_PRECISION: tl.constexpr,
-    ):
-        # Queries t in [first, first + BLOCK_Q) of one (row, head): attend, then store the output block.
-        t = first + tl.arange(0, BLOCK_Q)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
-        i = tl.arange(0, BLOCK_D // 2)  # RoPE pair index
-        i_ok = i < head_dim // 2
-        cos_row = cos_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
-        sin_row = sin_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
-        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        # Blocks holding no valid query (all of a padding row's) read nothing and store zeros.
-        if first < written:
-            q_ok = t < written
-            q = _load_rotated(
-                q_ptr + row * q_stride_b + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
-                cos_row + t[:, None] * rope_stride_t,
-                sin_row + t[:, None] * rope_stride_t,
-                q_ok[:, None] & d_ok[None, :],
-                q_ok[:, None] & i_ok[None, :],
-                BLOCK_Q,
-                BLOCK_D,
-                ROPE,
-            ).to(cache_ptr.dtype.element_ty)
-            # Oldest position any query of the block may see: the window of its first query, and under
-            # "upstream" the oldest position the post-write ring still holds.
-            lowest = offset + first - capacity + 1
-            if UPSTREAM:
-                lowest = tl.maximum(lowest, offset + written - capacity)
-            lowest = tl.maximum(lowest, 0)
-
-            # Old positions [lowest, offset) from the ring: position p lives in cell p mod C.
-            num_old = (offset - lowest).to(tl.int32)  # <= C - 1; negative when there is none
-            first_cell = (lowest % capacity).to(tl.int32)
-            ring_lo = num_old + t - capacity + 1  # the oldest ring key j each query sees
-            for start in range(0, num_old, BLOCK_K):
-                j = start + tl.arange(0, BLOCK_K)  # key position lowest + j
-                key_ok = j < num_old
-                cell = (first_cell + j) % capacity
-                cells = _cell_pointers(
-                    cache_ptr,
-                    slot,
-                    head,
-                    cell,
-                    key_ok,
-                    page_table_ptr,
-                    page_table_stride_s,
-                    page_table_stride_p,
-                    cache_stride_s,
-                    cache_stride_h,
-                    cache_stride_c,
-                    PAGED,
-                    PAGE_SIZE,
-                )
-                address = cells[:, None] + d[None, :] * cache_stride_d
-                load_ok = key_ok[:, None] & d_ok[None, :]
-                keys = tl.load(address, mask=load_ok, other=0.0)
-                values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
-                # Query t sees key j when j >= num_old + t - C + 1 (q - p < C); keys past the ring never.
-                # One compare per (query, key): cheaper than forming q - p (Run U of RESULTS.md).
-                visible = tl.where(key_ok, j, -capacity)[None, :] >= ring_lo[:, None]
-                m_i, l_i, acc = _online_softmax_block(
-                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
-                )
-
-            # New positions from the chunk: tokens [max(lowest - offset, 0), min(written, first + BLOCK_Q)).
-            chunk_lo = tl.maximum(lowest - offset, 0).to(tl.int32)
-            chunk_hi = tl.minimum(written, first + BLOCK_Q)
-            k_row = k_ptr + row * k_stride_b + head * k_stride_h
-            v_row = v_ptr + row * v_stride_b + head * v_stride_h
-            for start in range(chunk_lo, chunk_hi, BLOCK_K):
-                s = start + tl.arange(0, BLOCK_K)
-                key_ok = s < chunk_hi
-                load_ok = key_ok[:, None] & d_ok[None, :]
-                keys = _load_rotated(
-                    k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d,
-                    cos_row + s[:, None] * rope_stride_t,
-                    sin_row + s[:, None] * rope_stride_t,
-                    load_ok,
-                    key_ok[:, None] & i_ok[None, :],
-                    BLOCK_K,
-                    BLOCK_D,
-                    ROPE,
-                )
-                values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
-                # Query t sees token s when t - C < s <= t; a stored query (t < T) never sees a token past
-                # the loop's end, which compares as 2C + T.
-                s_key = tl.where(key_ok, s, 2 * capacity + num_tokens)[None, :]
-                visible = (s_key <= t[:, None]) & (s_key > t[:, None] - capacity)
-                m_i, l_i, acc = _online_softmax_block(
-                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
-                )
-
-        # l == 0: the query saw no key (zeros, as SDPA). A NaN l (a NaN or infinite key or value it saw)
-        # is kept: the output is NaN, as SDPA's, not a silent zero.
-        has_keys = (t < written) & (l_i != 0.0)
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        out = tl.where(has_keys[:, None], out, 0.0)
-        tl.store(
-            out_ptr + row * out_stride_b + head * out_stride_h + t[:, None] * out_stride_t + d[None, :] * out_stride_d,
-            out.to(out_ptr.dtype.element_ty),
-            mask=(t < num_tokens)[:, None] & d_ok[None, :],
-        )
 
     @triton.jit
     def _ring_attention_kernel(
@@ -656,108 +252,6 @@ if HAS_TRITON:
             )  # fmt: skip
 
 
-def _paging_arguments(cache, page_table, fallback):
-    # Ring capacity, the kernels' page-table arguments (pointer, strides), the PAGED flag and PAGE_SIZE.
-    if page_table is None:
-        return cache.shape[3], (fallback, 0, 0), False, 1
-    page_size = cache.shape[3]
-    return page_table.shape[1] * page_size, (page_table, *page_table.stride()), True, page_size
-
-
-def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
-    """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``cache`` itself when unpaged, else a
-    gathered copy of each slot's pages in logical order (``C = pages per ring x page size``)."""
-    if page_table is None:
-        return cache
-    pages = cache[:, page_table]  # (2, S, n, H, page, Dh)
-    planes, num_slots, num_pages, heads, page_size, head_dim = pages.shape
-    return pages.permute(0, 1, 3, 2, 4, 5).reshape(planes, num_slots, heads, num_pages * page_size, head_dim)
-
-
-def _store_logical_rings(cache, page_table, rings, slots) -> None:
-    # Write the logical rings of `slots` back into their pages (the inverse of _logical_rings).
-    planes, _, heads, capacity, head_dim = rings.shape
-    num_pages = page_table.shape[1]
-    pages = rings[:, slots].view(planes, len(slots), heads, num_pages, capacity // num_pages, head_dim)
-    cache[:, page_table[slots]] = pages.permute(0, 1, 3, 2, 4, 5)
-
-
-def _rope_arguments(cos, sin, fallback):
-    # Kernel arguments for the optional RoPE tables: pointers, (b, t, d) strides and the ROPE flag.
-    if cos is None:
-        return (fallback, fallback, 0, 0, 0), False
-    return (cos, sin, cos.stride(0), cos.stride(2), cos.stride(3)), True
-
-
-def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype, row_heads: int | None = None) -> dict:
-    """Launch parameters of the attention kernel for a step of ``num_tokens`` tokens per row.
-
-    Args:
-        num_tokens: ``T``, tokens per row in the step.
-        ring_dtype: the rings' dtype.
-        row_heads: ``B x H``, the step's (row, head) pairs; None counts as many.
-    Returns:
-        A dict with ``block_q`` (queries per program), ``block_k`` (keys per inner iteration),
-        ``num_warps``, ``num_stages`` (software pipelining depth of the key loops), ``pv`` (how
-        probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
-        16-bit tensor cores, ``"ieee"`` keeps float32) and ``fused_write`` (whether
-        :func:`ring_attention_write` stores the chunk from the attention kernel, one program per
-        (row, head) walking its query blocks in order, rather than with the write kernel after it).
-
-    Chosen on an H200 (``benchmarks/RESULTS.md``: "Ring attention launch sweep" for the block sizes,
-    stages and ``pv`` over the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames;
-    Run Y for the 64-query block and the fused write at 1 to 128 rows). For 16-bit rings ``"low"``
-    was the fastest in every shape (B64/T15: 10.8 -> 7.3 ms of attention a step). The best block is
-    the smallest power of two >= T up to 64 queries (16, 32, 64), and 128 above, except when a step
-    has fewer than ``MIN_ATTENTION_PROGRAMS`` programs of 128 queries (one row at T = 15): 64 then
-    doubles them. Three pipeline stages won at 30 tokens and above, two at 15. The fused write pays
-    only where a row is one small block (T <= 32 tokens: reading the chunk again and one launch are
-    a large share there); with several blocks per row, one program per (row, head) left the device
-    idler than the separate write costs. Float32 rings keep the configuration they were validated
-    with (and the same write rule).
-    """
-    if ring_dtype == torch.float32:
-        block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
-        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
-    else:
-        block_q = max(16, _next_power_of_2(num_tokens))
-        if block_q > 64:
-            few = row_heads is not None and row_heads * -(-num_tokens // 128) < MIN_ATTENTION_PROGRAMS
-            block_q = 64 if few else 128
-        num_stages = 2 if num_tokens <= 16 else 3
-        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
-    config["fused_write"] = num_tokens <= FUSED_WRITE_MAX_TOKENS
-    return config
-
-
-#: Most tokens per row for which :func:`ring_attention_write` fuses the write (``attention_launch_config``).
-FUSED_WRITE_MAX_TOKENS = 32
-#: Fewest programs of 128 queries a 16-bit step needs before it uses 128-query blocks (about two per SM
-#: of an H200's 132; ``attention_launch_config``).
-MIN_ATTENTION_PROGRAMS = 256
-#: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
-LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "fused_write")
-
-
-def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None, row_heads: int | None = None) -> dict:
-    """:func:`attention_launch_config` with ``tuning``'s entries in place of the defaults.
-
-    Raises:
-        ValueError: ``tuning`` names a key outside :data:`LAUNCH_KEYS`.
-    """
-    config = attention_launch_config(num_tokens, ring_dtype, row_heads)
-    unknown = sorted(set(tuning or ()) - set(LAUNCH_KEYS))
-    if unknown:
-        raise ValueError(f"ring_attention: unknown launch configuration keys {unknown}; expected some of {LAUNCH_KEYS}")
-    config.update(tuning or {})
-    return config
-
-
-def _next_power_of_2(n: int) -> int:
-    # triton.next_power_of_2's value, here so that attention_launch_config also answers without Triton.
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _launch_ring_attention_triton(
     q,
     k,
@@ -780,20 +274,34 @@ def _launch_ring_attention_triton(
     stored into the rings as :func:`ring_write` stores it (:func:`ring_attention_write`): fused into
     the attention kernel when the launch configuration's ``fused_write`` says so, else by the write
     kernel after it. ``tuning`` overrides entries of :func:`attention_launch_config` (benchmarks
-    sweep it). Returns ``(B, T, H, Dh)`` in the cache dtype. Grid ``(B, H, ceil(T / BLOCK_Q))``,
-    or ``(B, H, 1)`` with the fused write. Raises RuntimeError without Triton.
+    sweep it). Returns ``(B, T, H, Dh)`` in the cache dtype. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
     out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
     config = _launch_config(num_tokens, cache.dtype, tuning, num_rows * num_heads)
-    block_q = config["block_q"]
     fused = write and config["fused_write"]
+    _run_attention_kernel(
+        q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
+    )
+    if write and not fused:
+        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+    return out
+
+
+def _run_attention_kernel(
+    q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
+) -> None:
+    """One launch of the attention kernel, into ``out`` ``(B, T, H, Dh)``, with ``config`` (an
+    :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk. Grid
+    ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one program walks a row's blocks)."""
+    num_rows, num_heads, num_tokens, head_dim = q.shape
+    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_q = config["block_q"]
     grid = (num_rows, num_heads, 1 if fused else triton.cdiv(num_tokens, block_q))
     (cos_arg, sin_arg, *rope_strides), rope = _rope_arguments(cos, sin, q)
     with _device_guard(cache):
@@ -836,9 +344,6 @@ def _launch_ring_attention_triton(
             num_stages=config["num_stages"],
             enable_fp_fusion=False,
         )
-    if write and not fused:
-        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
-    return out
 
 
 def ring_attention_reference(
@@ -1010,211 +515,3 @@ def ring_attention_write(
     return torch.ops.vllm_omni_moss.ring_attention_write(
         q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# ring_write
-# --------------------------------------------------------------------------------------------------
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _ring_write_kernel(
-        k_ptr,
-        v_ptr,
-        cos_ptr,
-        sin_ptr,
-        cache_ptr,
-        slot_ids_ptr,
-        offsets_ptr,
-        num_written_ptr,
-        capacity,
-        head_dim,
-        rope_stride_b,
-        rope_stride_t,
-        rope_stride_d,
-        k_stride_b,
-        k_stride_h,
-        k_stride_t,
-        k_stride_d,
-        v_stride_b,
-        v_stride_h,
-        v_stride_t,
-        v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
-        slot_ids_stride,
-        offsets_stride,
-        num_written_stride,
-        page_table_ptr,
-        page_table_stride_s,
-        page_table_stride_p,
-        ROPE: tl.constexpr,
-        PAGED: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        # Program (row, head, tile) stores kept tokens i in [tile * BLOCK_T, tile * BLOCK_T + BLOCK_T).
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        tile = tl.program_id(2)
-        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int64)
-        # Rows that wrote nothing do not even read their slot id (padding rows share the null slot).
-        if written > 0:
-            slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
-            offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
-            # The last min(n, C) valid tokens are the latest of their cells and map to distinct cells;
-            # earlier tokens would be overwritten within the step, so they are skipped.
-            kept = tl.minimum(written, capacity)
-            i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-            _store_tokens(
-                written - kept + i, i < kept, row, head, slot, offset,
-                k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
-                rope_stride_b, rope_stride_t, rope_stride_d,
-                k_stride_b, k_stride_h, k_stride_t, k_stride_d,
-                v_stride_b, v_stride_h, v_stride_t, v_stride_d,
-                cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
-                page_table_ptr, page_table_stride_s, page_table_stride_p,
-                ROPE, PAGED, PAGE_SIZE, BLOCK_T, BLOCK_D,
-            )  # fmt: skip
-
-
-def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
-    """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
-
-    Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
-    Raises RuntimeError without Triton.
-    """
-    if not HAS_TRITON:
-        raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
-    num_rows, num_heads, num_tokens, head_dim = k.shape
-    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
-    kept = min(num_tokens, capacity)
-    if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
-        return
-    block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, min(triton.next_power_of_2(kept), _WRITE_TILE_ELEMENTS // block_d))
-    grid = (num_rows, num_heads, triton.cdiv(kept, block_t))
-    (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, k)
-    with _device_guard(cache):
-        _ring_write_kernel[grid](
-            k,
-            v,
-            cos,
-            sin,
-            cache,
-            slot_ids,
-            offsets,
-            num_written,
-            capacity,
-            head_dim,
-            *rope_strides,
-            *k.stride(),
-            *v.stride(),
-            *cache.stride(),
-            slot_ids.stride(0),
-            offsets.stride(0),
-            num_written.stride(0),
-            *paging,
-            ROPE=rope,
-            PAGED=paged,
-            PAGE_SIZE=page_size,
-            BLOCK_T=block_t,
-            BLOCK_D=block_d,
-            enable_fp_fusion=False,
-        )
-
-
-def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
-    """PyTorch oracle for :func:`ring_write`; same arguments and effect.
-
-    Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
-    A paged cache is written through a gathered copy of the rows' rings, stored back page by page.
-    """
-    if page_table is not None:
-        rings = _logical_rings(cache, page_table)
-        ring_write_reference(k, v, rings, slot_ids, offsets, num_written, cos, sin)
-        _store_logical_rings(cache, page_table, rings, slot_ids[num_written > 0])
-        return
-    if cos is not None:
-        k = apply_rope(k, cos, sin)
-    num_rows, _, num_tokens, _ = k.shape
-    capacity = cache.shape[3]
-    token = torch.arange(num_tokens, device=k.device)
-    kept = (token < num_written.view(-1, 1)) & (token >= num_written.view(-1, 1) - capacity)  # (B, T)
-    row_idx, token_idx = kept.nonzero(as_tuple=True)  # (N,), (N,)
-    cell = torch.remainder(offsets[row_idx] + token_idx, capacity)
-    slot = slot_ids[row_idx]
-    # Advanced indices split by a slice move to the front: both sides are (N, H, Dh).
-    cache[0, slot, :, cell] = k[row_idx, :, token_idx]
-    cache[1, slot, :, cell] = v[row_idx, :, token_idx]
-
-
-@torch.library.custom_op("vllm_omni_moss::ring_write", mutates_args=("cache",))
-def _ring_write_op(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    num_written: torch.Tensor,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> None:
-    args = (k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
-    if runs_triton_kernel(cache):
-        _launch_ring_write_triton(*args)
-    else:
-        ring_write_reference(*args)
-
-
-@_ring_write_op.register_fake
-def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
-    return None
-
-
-def ring_write(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    num_written: torch.Tensor,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> None:
-    """Store each row's last ``min(num_written, C)`` chunk tokens into its slot's ring.
-
-    Args:
-        k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
-            are given) and values, in the cache dtype.
-        cache: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
-        slot_ids: ``(B,)`` int64; among rows with ``num_written > 0`` distinct and in ``[0, S)``;
-            other rows' ids are never read.
-        offsets: ``(B,)`` int64 tokens each row wrote before this chunk.
-        num_written: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
-        cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables: keys are rotated as they are
-            stored, bitwise ``step_metadata.apply_rope``.
-        page_table: optional ``(S, n)`` table of a paged cache, as in :func:`ring_attention`; the
-            pages a row writes must be in ``[0, P)`` and distinct within the row's slot.
-
-    Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
-    ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``num_written[b] - C <= t < num_written[b]``:
-    every destination once, the later position owning a cell (docs/ring_semantics.md). Offsets are
-    not advanced here (``ops/commit.py``'s ``commit_offsets`` does that once per step).
-
-    Raises:
-        TypeError: an argument is not a tensor.
-        ValueError: a shape, dtype or device is inconsistent (the message names the argument).
-        RuntimeError: CUDA tensors without Triton installed.
-    """
-    shape = _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
-    _check_rope("ring_write", cos, sin, shape, cache.device)
-    _check_page_table("ring_write", page_table, cache)
-    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)

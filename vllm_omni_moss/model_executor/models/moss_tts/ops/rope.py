@@ -5,7 +5,7 @@ The codec rotates queries and keys by GPT-J interleaved pairs (docs/codec_archit
 ``step_metadata.apply_rope`` is the reference formula). The ring attention kernels of ``ring_attention.py``
 can rotate as they load (their ``cos``/``sin`` arguments), but on some H200s that variant of the attention
 kernel ran many times slower than the same kernel on rotated inputs, while on others it was about as fast as
-this pass and the kernel together (``benchmarks/RESULTS.md``, Run AI, with the profile of the slow kernel).
+this pass and the kernel together (``benchmarks/RESULTS.md``, with the profile of the slow kernel).
 This pass rotates once, so the attention kernel reads ready keys on every machine.
 
 Each pair ``(x[2i], x[2i+1])`` is loaded and stored as one word (int32 for 16-bit dtypes, int64 for float32;
@@ -16,7 +16,7 @@ result is rounded once to the input dtype. Index arithmetic: token and row offse
 head terms are int32 products, which the decoder's layouts keep far below 2**31 words (a head is ``Dh / 2``
 words apart, a plane ``H x Dh / 2``).
 
-Dispatch is ``ops/commit.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
+Dispatch is ``ops/_triton.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
 Triton interpreter is active at import, then the kernel runs interpreted (bfloat16 excepted).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..step_metadata import apply_rope
-from .commit import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
+from ._triton import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["ROPE_DTYPES", "rope", "rope_reference"]
 

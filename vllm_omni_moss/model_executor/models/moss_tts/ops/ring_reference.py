@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The PyTorch computation the ring ops are held to, and the reference path of ``attention.py``.
+
+:func:`attend_gathered_rows` is one layer's streaming attention over ring rows gathered from the state
+pool: scatter the chunk's valid tokens into the rows, then SDPA with the step's dense mask
+(``step_metadata.build_ring_metadata``). The ``"sdpa"`` attention backend runs it on every step, and
+``ring_attention.py``'s references run it on the rows they gather. Those references and
+``ring_write.py``'s read and write a paged cache through a copy of its rings in logical order
+(``_logical_rings``, stored back by ``_store_logical_rings``, whose boolean row selection is a host
+sync on CUDA): a reference path for CPU execution and tests, not for graph capture. Nothing here runs
+Triton.
+
+``ring_attention.py`` re-exports :func:`attend_gathered_rows`, where callers have imported it from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..step_metadata import RingMetadata
+
+__all__ = ["attend_gathered_rows"]
+
+
+def attend_gathered_rows(
+    semantics: str,
+    rows: torch.Tensor,
+    meta: RingMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep_empty_rows: bool = False,
+) -> torch.Tensor:
+    """Streaming attention over gathered ring rows with native SDPA (the reference computation).
+
+    Args:
+        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
+            (attend over ``[pre-write ring || chunk]``, then write).
+        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
+            place with this step's valid tokens. A cell several valid tokens reach holds the
+            latest of them, whatever order the device scatters in. Rows that write nothing
+            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
+        meta: the group's :class:`~..step_metadata.RingMetadata` (write cells, sources, mask).
+        q, k: ``(B, H, T, Dh)`` rotated queries and keys; v: ``(B, H, T, Dh)`` values.
+        keep_empty_rows: leave rows that write nothing unchanged (for callers that persist
+            whole rows, as the legacy pool does); costs one elementwise pass over the writes.
+    Returns:
+        ``(B, H, T, Dh)`` in the ring dtype; rows of padding queries are unspecified (may be NaN).
+    """
+    k, v = k.to(rows.dtype), v.to(rows.dtype)
+    B, H, T, Dh = k.shape
+    if semantics == "exact":
+        # Padding tokens may carry non-finite values (queries that saw no key); a masked key
+        # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
+        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
+        keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
+        values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
+    W = meta.write_cell.shape[1]
+    cell = meta.write_cell.view(B, 1, W, 1).expand(B, H, W, Dh)
+    source = meta.write_source.view(B, 1, W, 1).expand(B, H, W, Dh)
+    for plane, x in ((rows[0], k), (rows[1], v)):
+        written = x.gather(2, source)
+        if keep_empty_rows:
+            # All entries of an empty row name one cell: write back that cell's own value.
+            empty = (meta.num_written == 0).view(B, 1, 1, 1)
+            written = torch.where(empty, plane.gather(2, cell[:, :, :1]), written)
+        plane.scatter_(2, cell, written)
+    if semantics == "upstream":
+        keys, values = rows[0], rows[1]
+    return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
+
+
+@dataclass(frozen=True)
+class _Window:
+    # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
+    # build_ring_metadata computes them, so any base serves.
+    context: int
+    head_dim: int
+    max_period: float = 10000.0
+
+
+def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
+    """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``cache`` itself when unpaged, else a
+    gathered copy of each slot's pages in logical order (``C = pages per ring x page size``)."""
+    if page_table is None:
+        return cache
+    pages = cache[:, page_table]  # (2, S, n, H, page, Dh)
+    planes, num_slots, num_pages, heads, page_size, head_dim = pages.shape
+    return pages.permute(0, 1, 3, 2, 4, 5).reshape(planes, num_slots, heads, num_pages * page_size, head_dim)
+
+
+def _store_logical_rings(cache, page_table, rings, slots) -> None:
+    # Write the logical rings of `slots` back into their pages (the inverse of _logical_rings).
+    planes, _, heads, capacity, head_dim = rings.shape
+    num_pages = page_table.shape[1]
+    pages = rings[:, slots].view(planes, len(slots), heads, num_pages, capacity // num_pages, head_dim)
+    cache[:, page_table[slots]] = pages.permute(0, 1, 3, 2, 4, 5)

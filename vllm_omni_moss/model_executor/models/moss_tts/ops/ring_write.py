@@ -1,0 +1,386 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ring write: each row's last ``min(valid tokens, C)`` chunk tokens, stored into its slot's ring.
+
+After the attention of one layer of a streaming step (docs/ring_semantics.md) the chunk's keys and
+values join the layer's ring ``(2, S, H, C, Dh)`` of the state pool: chunk token ``t`` of a row at
+offset ``o`` goes to cell ``(o + t) mod C``. Only the last ``min(n, C)`` of the row's ``n`` valid tokens
+are stored: they are the latest of their cells and map to distinct cells, so every destination cell is
+written exactly once and the result never depends on the order of writes. Padding rows (``n = 0``) do
+not even read their slot id, and padding tokens are never written. Keys may arrive unrotated with the
+chunk's RoPE tables; the kernel then rotates them as it loads them, bitwise ``step_metadata.apply_rope``
+(launched with ``enable_fp_fusion=False``).
+
+Beside the kernel, its ``torch.library.custom_op`` (``vllm_omni_moss::ring_write``) with
+``register_fake``, the PyTorch reference and the public :func:`ring_write`, this module holds what the
+attention ops of ``ops/ring_attention.py`` share with the write: the store of a block of chunk tokens
+(``_store_tokens``, which the attention kernel's fused write runs too) and the argument checks of the
+ring ops. Dispatch is ``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel, CPU
+tensors run the reference unless the Triton interpreter is active at import (bfloat16 excepted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..step_metadata import apply_rope
+from ._triton import (
+    HAS_TRITON,
+    _check_tensor,
+    _device_guard,
+    _paging_arguments,
+    _rope_arguments,
+    runs_triton_kernel,
+    tl,
+    triton,
+)
+from .ring_reference import _logical_rings, _store_logical_rings
+
+if HAS_TRITON:
+    from ._triton import _cell_pointers, _load_rotated
+
+__all__ = ["RING_DTYPES", "ring_write", "ring_write_reference"]
+
+#: Ring dtypes the ring kernels support (the attention kernel's dot products take 16- or 32-bit floats).
+RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Elements per (token x head_dim) tile of ring_write.
+_WRITE_TILE_ELEMENTS = 2048
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation of the ring ops (shape/dtype/device only: no data reads, so no device sync and no graph break)
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_rope(op: str, cos, sin, shape, device) -> None:
+    """Check the optional RoPE tables against the step's ``(B, H, T, Dh)``."""
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{op}: `cos` and `sin` must be given together")
+    if cos is None:
+        return
+    num_rows, _, num_tokens, head_dim = shape
+    if head_dim % 2:
+        raise ValueError(f"{op}: RoPE needs an even head dim, got Dh = {head_dim}")
+    table = (num_rows, 1, num_tokens, head_dim // 2)
+    _check_tensor(op, "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, device)
+    _check_tensor(op, "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, device)
+    if cos.stride() != sin.stride():
+        raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
+
+
+def _check_page_table(op: str, page_table, cache) -> None:
+    """Check the optional ``(S, n)`` page table against the ``(2, P, H, page_size, Dh)`` paged cache."""
+    if page_table is None:
+        return
+    if not isinstance(page_table, torch.Tensor):
+        raise TypeError(f"{op}: `page_table` must be a tensor or None, got {type(page_table).__name__}")
+    if page_table.dim() != 2 or page_table.shape[1] < 1:
+        raise ValueError(
+            f"{op}: `page_table` must be (S, pages per ring) with at least one page, got {tuple(page_table.shape)}"
+        )
+    if page_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: `page_table` must be int32 or int64, got {page_table.dtype}")
+    if page_table.device != cache.device:
+        raise ValueError(f"{op}: `page_table` is on {page_table.device}, the cache on {cache.device}")
+
+
+def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
+    """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
+    _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+    if cache.dtype not in RING_DTYPES:
+        raise ValueError(f"{op}: `cache` must have one of the dtypes {RING_DTYPES}, got {cache.dtype}")
+    _, _, num_heads, _, head_dim = cache.shape
+    _check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
+    num_rows, _, num_tokens, _ = k.shape
+    shape = (num_rows, num_heads, num_tokens, head_dim)
+    _check_tensor(op, "v", v, "(B, H, T, Dh)", shape, cache.dtype, cache.device)
+    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
+    _check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    return shape
+
+
+# --------------------------------------------------------------------------------------------------
+# ring_write
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _store_tokens(
+        token,
+        ok,
+        row,
+        head,
+        slot,
+        offset,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        cache_ptr,
+        capacity,
+        head_dim,
+        rope_stride_b,
+        rope_stride_t,
+        rope_stride_d,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        page_table_ptr,
+        page_table_stride_s,
+        page_table_stride_p,
+        ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Store chunk tokens `token` (a BLOCK_T vector, only where `ok`) of one (row, head) into cells
+        # (offset + token) mod C of the slot's ring: keys rotated as _load_rotated rotates them.
+        d = tl.arange(0, BLOCK_D)
+        load_ok = ok[:, None] & (d < head_dim)[None, :]
+        pair = tl.arange(0, BLOCK_D // 2)
+        rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
+        keys = _load_rotated(
+            k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
+            cos_ptr + rope,
+            sin_ptr + rope,
+            load_ok,
+            ok[:, None] & (pair < head_dim // 2)[None, :],
+            BLOCK_T,
+            BLOCK_D,
+            ROPE,
+        )
+        values = tl.load(
+            v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
+            mask=load_ok,
+        )
+        cells = _cell_pointers(
+            cache_ptr,
+            slot,
+            head,
+            (offset + token) % capacity,
+            ok,
+            page_table_ptr,
+            page_table_stride_s,
+            page_table_stride_p,
+            cache_stride_s,
+            cache_stride_h,
+            cache_stride_c,
+            PAGED,
+            PAGE_SIZE,
+        )
+        dst = cells[:, None] + d[None, :] * cache_stride_d
+        tl.store(dst, keys, mask=load_ok)
+        tl.store(dst + cache_stride_p, values, mask=load_ok)
+
+    @triton.jit
+    def _ring_write_kernel(
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        cache_ptr,
+        slot_ids_ptr,
+        offsets_ptr,
+        num_written_ptr,
+        capacity,
+        head_dim,
+        rope_stride_b,
+        rope_stride_t,
+        rope_stride_d,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        slot_ids_stride,
+        offsets_stride,
+        num_written_stride,
+        page_table_ptr,
+        page_table_stride_s,
+        page_table_stride_p,
+        ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Program (row, head, tile) stores kept tokens i in [tile * BLOCK_T, tile * BLOCK_T + BLOCK_T).
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        tile = tl.program_id(2)
+        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int64)
+        # Rows that wrote nothing do not even read their slot id (padding rows share the null slot).
+        if written > 0:
+            slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
+            offset = tl.load(offsets_ptr + row * offsets_stride).to(tl.int64)
+            # The last min(n, C) valid tokens are the latest of their cells and map to distinct cells;
+            # earlier tokens would be overwritten within the step, so they are skipped.
+            kept = tl.minimum(written, capacity)
+            i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            _store_tokens(
+                written - kept + i, i < kept, row, head, slot, offset,
+                k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
+                rope_stride_b, rope_stride_t, rope_stride_d,
+                k_stride_b, k_stride_h, k_stride_t, k_stride_d,
+                v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                page_table_ptr, page_table_stride_s, page_table_stride_p,
+                ROPE, PAGED, PAGE_SIZE, BLOCK_T, BLOCK_D,
+            )  # fmt: skip
+
+
+def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+    """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+
+    Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
+    Raises RuntimeError without Triton.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
+    num_rows, num_heads, num_tokens, head_dim = k.shape
+    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
+    kept = min(num_tokens, capacity)
+    if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(triton.next_power_of_2(kept), _WRITE_TILE_ELEMENTS // block_d))
+    grid = (num_rows, num_heads, triton.cdiv(kept, block_t))
+    (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, k)
+    with _device_guard(cache):
+        _ring_write_kernel[grid](
+            k,
+            v,
+            cos,
+            sin,
+            cache,
+            slot_ids,
+            offsets,
+            num_written,
+            capacity,
+            head_dim,
+            *rope_strides,
+            *k.stride(),
+            *v.stride(),
+            *cache.stride(),
+            slot_ids.stride(0),
+            offsets.stride(0),
+            num_written.stride(0),
+            *paging,
+            ROPE=rope,
+            PAGED=paged,
+            PAGE_SIZE=page_size,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            enable_fp_fusion=False,
+        )
+
+
+def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+    """PyTorch oracle for :func:`ring_write`; same arguments and effect.
+
+    Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
+    A paged cache is written through a gathered copy of the rows' rings, stored back page by page.
+    """
+    if page_table is not None:
+        rings = _logical_rings(cache, page_table)
+        ring_write_reference(k, v, rings, slot_ids, offsets, num_written, cos, sin)
+        _store_logical_rings(cache, page_table, rings, slot_ids[num_written > 0])
+        return
+    if cos is not None:
+        k = apply_rope(k, cos, sin)
+    num_rows, _, num_tokens, _ = k.shape
+    capacity = cache.shape[3]
+    token = torch.arange(num_tokens, device=k.device)
+    kept = (token < num_written.view(-1, 1)) & (token >= num_written.view(-1, 1) - capacity)  # (B, T)
+    row_idx, token_idx = kept.nonzero(as_tuple=True)  # (N,), (N,)
+    cell = torch.remainder(offsets[row_idx] + token_idx, capacity)
+    slot = slot_ids[row_idx]
+    # Advanced indices split by a slice move to the front: both sides are (N, H, Dh).
+    cache[0, slot, :, cell] = k[row_idx, :, token_idx]
+    cache[1, slot, :, cell] = v[row_idx, :, token_idx]
+
+
+@torch.library.custom_op("vllm_omni_moss::ring_write", mutates_args=("cache",))
+def _ring_write_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+) -> None:
+    args = (k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+    if runs_triton_kernel(cache):
+        _launch_ring_write_triton(*args)
+    else:
+        ring_write_reference(*args)
+
+
+@_ring_write_op.register_fake
+def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+    return None
+
+
+def ring_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    num_written: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+) -> None:
+    """Store each row's last ``min(num_written, C)`` chunk tokens into its slot's ring.
+
+    Args:
+        k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
+            are given) and values, in the cache dtype.
+        cache: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
+        slot_ids: ``(B,)`` int64; among rows with ``num_written > 0`` distinct and in ``[0, S)``;
+            other rows' ids are never read.
+        offsets: ``(B,)`` int64 tokens each row wrote before this chunk.
+        num_written: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
+        cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables: keys are rotated as they are
+            stored, bitwise ``step_metadata.apply_rope``.
+        page_table: optional ``(S, n)`` table of a paged cache, as in :func:`ring_attention`; the
+            pages a row writes must be in ``[0, P)`` and distinct within the row's slot.
+
+    Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
+    ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``num_written[b] - C <= t < num_written[b]``:
+    every destination once, the later position owning a cell (docs/ring_semantics.md). Offsets are
+    not advanced here (``ops/commit.py``'s ``commit_offsets`` does that once per step).
+
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: a shape, dtype or device is inconsistent (the message names the argument).
+        RuntimeError: CUDA tensors without Triton installed.
+    """
+    shape = _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
+    _check_rope("ring_write", cos, sin, shape, cache.device)
+    _check_page_table("ring_write", page_table, cache)
+    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
