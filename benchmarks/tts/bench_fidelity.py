@@ -40,16 +40,23 @@ before it; with the default width the first window is frames ``[0, 43)``. Per wi
     rel_error = ||bf16 - fp32||_2 / ||fp32||_2       (every row, channel and sample of the window; float64 sums)
     snr_db    = -20 log10(rel_error)                 (null when rel_error is 0)
 
+(a relative error is null where the reference is silent or a run's audio is not finite; each run's
+``nonfinite_samples`` counts such samples).
+
 ``cumulative_rel_error`` / ``cumulative_snr_db`` cover frames ``[0, m)`` (the figures a whole-stream comparison
 of ``m`` frames gives). Targets: ``ours_never_above_upstream`` (each of our arms: its ``rel_error`` is at most
-upstream's in every window) and ``growth_first_to_last`` (each arm: last window's ``rel_error`` over the
-first's, bound ``GROWTH_BOUND``).
+upstream's, within ``TIE_TOLERANCE``, in every window; ``ours_over_upstream_max`` gives the largest ratio) and
+``growth_first_to_last`` (each arm: last window's ``rel_error`` over the first's, bound ``GROWTH_BOUND``).
 
 ``--reference repeat`` makes the reference a second bf16 run of the same arm: the figures then measure
 run-to-run nondeterminism (zero for a deterministic arm).
 
-Writes ``--out`` (JSON, rewritten after every arm) and the markdown table beside it (``.md``), and prints the
-table last. ``--device cpu --preset tiny-v2 --frames 200`` runs in seconds.
+Time: on CUDA the run prints its planned duration first (``estimate_seconds``: planning figures, not
+measurements) and, after every run, the time spent and the time left at the pace so far; ``--budget-s``
+skips the arms that would end past a budget (named in ``run.skipped``). An arm that fails is recorded with its
+error and the others still run. Writes ``--out`` (JSON, rewritten after every arm) and the markdown table
+beside it (``.md``), and prints the table last. ``--device cpu --preset tiny-v2 --frames 200`` runs in
+seconds.
 """
 
 from __future__ import annotations
@@ -106,11 +113,16 @@ ARMS = {
 #: Arms that compute upstream's semantics as legacy does: their float32 audio must agree with legacy's.
 UPSTREAM_SEMANTICS_ARMS = ("v2", "upstream")
 
-# Planning figures for the printed estimate of a v2 run on an H200 (a B4/T15 graph step; setup = building a
-# session or stage, capturing its two graphs and compiling kernels on first use). Not measurements of a run.
+# Planning figures for the printed estimate of a v2 run on an H200: a B4/T15 graph step; setup = building a
+# session or stage and capturing its two graphs; compile = Triton's first compile of a run's kernels (each
+# precision of an attention code: v2, v2-exact and upstream's bf16 run; legacy and upstream's float32 SDPA
+# reuse kernels compiled before). Not measurements of a run.
 _EST_STEP_MS = {("ours", "bfloat16"): 5.0, ("ours", "float32"): 20.0}
 _EST_STEP_MS |= {("upstream", "bfloat16"): 15.0, ("upstream", "float32"): 45.0}
-_EST_SETUP_S = 10.0
+_EST_SETUP_S = 5.0
+_EST_COMPILE_S = 15.0
+_EST_COMPILING = {("v2", "bfloat16"), ("v2", "float32"), ("v2-exact", "bfloat16"), ("v2-exact", "float32")}
+_EST_COMPILING |= {("upstream", "bfloat16")}
 _EST_BUILD_S = 30.0  # our decoder, its float32 copy and upstream's whole model
 
 
@@ -140,8 +152,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-vq", type=int, default=12, help="codebooks per frame (MOSS-TTS-Local: 12)")
     p.add_argument("--seed", type=int, default=0, help="weights and codes")
     p.add_argument("--out", default="out/bench_fidelity/results.json", help="JSON path; the .md table beside it")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no arm that would end past this many seconds at the pace so far (its figures then missing)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        p.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     for flag, value, low in (
         ("--frames", args.frames, 1),
         ("--streams", args.streams, 1),
@@ -221,7 +241,10 @@ def _snr_db(rel: float | None) -> float | None:
 
 
 def _rel(err_sq: float, ref_sq: float) -> float | None:
-    return math.sqrt(err_sq / ref_sq) if ref_sq > 0 else None
+    """``sqrt(err_sq / ref_sq)``; None for a silent reference or non-finite audio (NaN has no JSON form)."""
+    if not (ref_sq > 0 and math.isfinite(err_sq) and math.isfinite(ref_sq)):
+        return None
+    return math.sqrt(err_sq / ref_sq)
 
 
 def window_errors(err_sq: torch.Tensor, ref_sq: torch.Tensor, marks: Sequence[int], window: int) -> dict[str, Any]:
@@ -296,8 +319,7 @@ def upstream_parameter_names(decoder: CodecDecoder, model: torch.nn.Module) -> d
     Raises:
         RuntimeError: a parameter on either side without exactly one counterpart.
     """
-    from vllm_omni_moss.testing.upstream import loader_target_name
-
+    loader_target_name = common.oracle.loader_target_name
     theirs = dict(model.named_parameters())
     ours = dict(decoder.named_parameters())
     mapping: dict[str, str] = {}
@@ -498,7 +520,9 @@ def estimate_seconds(args) -> dict[str, float] | None:
     for arm in args.arms:
         family = "upstream" if arm == "upstream" else "ours"
         for i, precision in enumerate(precisions):
-            runs[f"{arm}/{i}"] = _EST_SETUP_S + steps * _EST_STEP_MS[(family, precision)] / 1e3
+            compile_s = _EST_COMPILE_S if i == 0 or args.reference == "float32" else 0.0
+            compile_s *= (arm, precision) in _EST_COMPILING
+            runs[f"{arm}/{i}"] = _EST_SETUP_S + compile_s + steps * _EST_STEP_MS[(family, precision)] / 1e3
     return {"runs": runs, "total": _EST_BUILD_S + sum(runs.values())}
 
 
@@ -635,6 +659,7 @@ def run_arm(name: str, inputs: Inputs, args, clock) -> tuple[dict[str, Any], tor
             audio, details = run_upstream(inputs.codec, inputs.codes, args, precision, label)
         else:
             audio, details = run_ours(spec, decoder, inputs.codes, args, label)
+        details["nonfinite_samples"] = int((~torch.isfinite(audio)).sum())
         audios.append(audio)
         runs[key] = details
         common.free_memory(args.device)
@@ -653,6 +678,14 @@ class Clock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def projected(self, arm: str, arm_seconds: list[float]) -> float | None:
+        """Seconds ``arm``'s two runs should take: its planned figure at the pace so far (with an estimate),
+        else the mean of the arms measured so far (None before the first)."""
+        if self.estimate is not None:
+            planned = sum(v for k, v in self.estimate["runs"].items() if k.split("/")[0] == arm)
+            return planned * self.elapsed() / self.planned
+        return sum(arm_seconds) / len(arm_seconds) if arm_seconds else None
 
     def done(self, key: str, label: str, details: dict[str, Any]) -> None:
         if self.estimate is not None:
@@ -719,7 +752,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     inputs = Inputs({"bfloat16": bf16, "float32": fp32}, codes[0])
     keep_fp32 = args.reference == "float32" and "legacy" in args.arms
     fp32_audio: dict[str, torch.Tensor] = {}
+    arm_seconds: list[float] = []
     for name in args.arms:
+        projected = clock.projected(name, arm_seconds)
+        if args.budget_s is not None and projected is not None and clock.elapsed() + projected > args.budget_s:
+            reason = (
+                f"--budget-s {args.budget_s:g}: {clock.elapsed():.0f} s spent and this arm would take about "
+                f"{projected:.0f} s more"
+            )
+            print(f"skipped arm {name}: {reason}", flush=True)
+            result["run"]["skipped"][name] = reason
+            continue
+        t_arm = clock.elapsed()
         try:
             entry, audios = run_arm(name, inputs, args, clock)
         except Exception as exc:  # noqa: BLE001 - one arm's failure must not lose the others' figures
@@ -728,6 +772,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["arms"][name] = {"error": message}
             common.free_memory(device)
             continue
+        arm_seconds.append(clock.elapsed() - t_arm)
         err_sq, ref_sq = frame_energies(audios[0], audios[1], cfg.samples_per_frame)
         entry["windows"] = window_errors(err_sq, ref_sq, args.marks, args.window)
         result["arms"][name] = entry

@@ -5,6 +5,7 @@ and bad input refused before any work."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -14,13 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni_moss.testing import upstream as oracle
-
 pytestmark = [pytest.mark.cpu]
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
-UPSTREAM = oracle.upstream_available()
-ARMS = ["v2", "upstream", "v2-exact", "legacy"] if UPSTREAM else ["v2", "v2-exact", "legacy"]
+
 BF16_EPS = 2.0**-8  # spacing of bf16 numbers in [1, 2)
 
 
@@ -32,6 +30,10 @@ def _bench():
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+UPSTREAM = _bench().common.oracle.upstream_available()
+ARMS = ["v2", "upstream", "v2-exact", "legacy"] if UPSTREAM else ["v2", "v2-exact", "legacy"]
 
 
 def test_windows_sum_squares_over_their_own_frames_only():
@@ -154,7 +156,7 @@ def test_an_arm_against_a_repeat_of_itself_is_exactly_zero(tmp_path):
 @pytest.mark.skipif(not UPSTREAM, reason="upstream 0.30.0 codec files not installed")
 def test_upstream_float32_stand_in_turns_off_autocast_and_bf16_only_inside():
     bench = _bench()
-    module = oracle.load_upstream_module("audio_tokenizer_v2")
+    module = bench.common.oracle.load_upstream_module("audio_tokenizer_v2")
     with bench.upstream_float32(module):
         stand_in = module.torch
         assert stand_in is not torch and stand_in.bfloat16 is torch.float32
@@ -180,6 +182,41 @@ def test_every_decoder_tensor_maps_to_one_upstream_parameter():
     assert torch.equal(codec.model.quantizer._decode_lut, decoder.lut[:12])
 
 
+def test_cuda_estimate_and_the_time_budget(tmp_path):
+    bench = _bench()
+    args = argparse.Namespace(
+        device=torch.device("cuda"), preset="v2", frames=4000, arms=list(bench.ARMS), reference="float32"
+    )
+    estimate = bench.estimate_seconds(args)
+    calls = 1 + 266 + 1  # 1 frame, 266 x 15, then the 9 frames left
+    assert estimate["runs"]["v2/0"] == pytest.approx(5.0 + 15.0 + calls * 5.0 / 1e3)
+    assert estimate["runs"]["upstream/1"] == pytest.approx(5.0 + calls * 45.0 / 1e3)  # SDPA: nothing to compile
+    assert estimate["runs"]["legacy/1"] == pytest.approx(5.0 + calls * 20.0 / 1e3)
+    assert estimate["total"] == pytest.approx(30.0 + sum(estimate["runs"].values()))
+    assert estimate["total"] < 200  # the issue's run fits about 3 minutes of device time
+    assert bench.estimate_seconds(argparse.Namespace(**{**vars(args), "device": torch.device("cpu")})) is None
+    # A budget already spent by the first arm: the others are skipped, named, and left without figures.
+    result = bench.main(
+        ["--device", "cpu", "--frames", "43", "--streams", "1", "--arms", "v2,legacy", "--budget-s", "1e-3"]
+        + ["--quiet", "--out", str(tmp_path / "r.json")]
+    )
+    assert list(result["arms"]) == ["v2"]
+    assert result["run"]["skipped"]["legacy"].startswith("--budget-s 0.001: ")
+
+
+@pytest.mark.skipif(not UPSTREAM, reason="upstream 0.30.0 codec files not installed")
+def test_upstream_attention_back_to_sdpa_for_the_float32_run():
+    bench = _bench()
+    codec = bench.common.build_upstream_codec("tiny-v2", torch.device("cpu"), 0, 12)
+    attention = [
+        m for m in codec.model.decoder.modules() if isinstance(m, codec.module.MossAudioTokenizerMultiheadAttention)
+    ]
+    for module in attention:
+        module._streaming_attention = print  # what enable_triton_attention leaves: a kernel per module
+    assert bench.set_upstream_attention(codec, triton=False) == 0
+    assert len(attention) == 7 and not any(hasattr(m, "_streaming_attention") for m in attention)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -191,6 +228,7 @@ def test_every_decoder_tensor_maps_to_one_upstream_parameter():
         (["--preset", "tiny-v1"], "--preset 'tiny-v1' is a v1 codec; these arms stream a v2 codec"),
         (["--n-vq", "13"], "--n-vq must be in 1..12 for preset 'tiny-v2', got 13"),
         (["--streams", "abc"], "argument --streams: invalid int value: 'abc'"),
+        (["--budget-s", "0"], "--budget-s must be a positive number of seconds, got 0.0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, message, tmp_path, capsys):
