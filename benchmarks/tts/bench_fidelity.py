@@ -66,10 +66,13 @@ import contextlib
 import copy
 import datetime
 import math
+import os
 import shlex
 import sys
+import tempfile
 import time
 import types
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +156,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="weights and codes")
     p.add_argument("--out", default="out/bench_fidelity/results.json", help="JSON path; the .md table beside it")
     p.add_argument(
+        "--upstream-wheel",
+        default=None,
+        help="a vllm-omni 0.30.0 wheel: the upstream arm loads its moss_tts files (default: .whl/vllm_omni-0.30.0-*.whl "
+        "when those files are not found otherwise)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=None,
@@ -162,6 +171,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
         p.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    if args.upstream_wheel is not None and not zipfile.is_zipfile(args.upstream_wheel):
+        p.error(f"--upstream-wheel {args.upstream_wheel!r} is not a wheel (zip) file")
     for flag, value, low in (
         ("--frames", args.frames, 1),
         ("--streams", args.streams, 1),
@@ -392,6 +403,33 @@ def set_upstream_attention(codec, triton: bool) -> int:
     return 0
 
 
+#: Where upstream's codec files sit inside a vllm-omni wheel.
+WHEEL_MOSS_TTS = "vllm_omni/model_executor/models/moss_tts/"
+
+
+def extract_upstream_wheel(wheel: str | Path, dest: str | Path) -> Path:
+    """Unzip the ``moss_tts`` files of a vllm-omni wheel into ``dest``; returns their directory (what
+    ``MOSS_UPSTREAM_MOSS_TTS_DIR`` names). Raises ValueError for a wheel without them."""
+    with zipfile.ZipFile(wheel) as archive:
+        members = [name for name in archive.namelist() if name.startswith(WHEEL_MOSS_TTS)]
+        if not members:
+            raise ValueError(f"{wheel} holds no {WHEEL_MOSS_TTS} files")
+        archive.extractall(dest, members=members)
+    return Path(dest) / WHEEL_MOSS_TTS
+
+
+def _use_upstream_wheel(args) -> None:
+    """Point the oracle at ``--upstream-wheel``'s files, or at ``.whl/``'s wheel when none are found."""
+    wheel = args.upstream_wheel
+    if wheel is None and "upstream" in args.arms and common.oracle.upstream_dir() is None:
+        wheel = next(iter(sorted((common.REPO_ROOT / ".whl").glob("vllm_omni-0.30.0-*.whl"))), None)
+    if wheel is None:
+        return
+    directory = extract_upstream_wheel(wheel, tempfile.mkdtemp(prefix="moss_upstream_"))
+    os.environ["MOSS_UPSTREAM_MOSS_TTS_DIR"] = str(directory)
+    print(f"upstream's files: {directory} (from {wheel})")
+
+
 # ------------------------------------------------------------------------------------------ streaming
 
 
@@ -613,6 +651,7 @@ def _run_block(args, command: str, skipped: dict[str, str], estimate) -> dict[st
         "graph_frame_sizes": list(CHUNKS),
         "tf32": False if args.device.type == "cuda" else None,
         "estimated_seconds": None if estimate is None else round(estimate["total"], 1),
+        "upstream_files": None if common.oracle.upstream_dir() is None else str(common.oracle.upstream_dir()),
         "skipped": skipped,
     }
     if args.device.type == "cuda":
@@ -710,6 +749,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     device = args.device
     skipped: dict[str, str] = {}
+    try:
+        _use_upstream_wheel(args)
+    except ValueError as exc:
+        print(f"bench_fidelity.py: error: --upstream-wheel: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if "upstream" in args.arms:
         ok, reason = common.upstream_status(args.preset, device)
         directory = common.oracle.upstream_dir()

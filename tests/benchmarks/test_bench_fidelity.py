@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,23 @@ def test_upstream_attention_back_to_sdpa_for_the_float32_run():
     assert len(attention) == 7 and not any(hasattr(m, "_streaming_attention") for m in attention)
 
 
+def test_upstream_files_come_from_a_wheel(tmp_path):
+    bench = _bench()
+    wheel = tmp_path / "vllm_omni-0.30.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(bench.WHEEL_MOSS_TTS + "audio_tokenizer_v2.py", "# v2\n")
+        archive.writestr("vllm_omni/__init__.py", "")
+    directory = bench.extract_upstream_wheel(wheel, tmp_path / "out")
+    assert directory == tmp_path / "out" / "vllm_omni/model_executor/models/moss_tts"
+    assert sorted(p.name for p in directory.iterdir()) == ["audio_tokenizer_v2.py"]
+    assert not (tmp_path / "out" / "vllm_omni" / "__init__.py").exists()
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as archive:
+        archive.writestr("other/file.py", "")
+    with pytest.raises(ValueError, match="holds no vllm_omni/model_executor/models/moss_tts/ files"):
+        bench.extract_upstream_wheel(empty, tmp_path / "out2")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -229,6 +247,7 @@ def test_upstream_attention_back_to_sdpa_for_the_float32_run():
         (["--n-vq", "13"], "--n-vq must be in 1..12 for preset 'tiny-v2', got 13"),
         (["--streams", "abc"], "argument --streams: invalid int value: 'abc'"),
         (["--budget-s", "0"], "--budget-s must be a positive number of seconds, got 0.0"),
+        (["--upstream-wheel", "missing.whl"], "--upstream-wheel 'missing.whl' is not a wheel (zip) file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, message, tmp_path, capsys):
