@@ -596,7 +596,11 @@ def results_markdown(result: dict[str, Any]) -> str:
     ]
     for name, entry in arms.items():
         if "windows" not in entry:
-            lines.append(f"| {name} | " + " | ".join("-" for _ in marks) + f" | failed: {entry['error'][:80]} |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join("-" for _ in marks)
+                + f" | failed: {entry['error'][:80].replace('|', '/')} |"
+            )
             continue
         g = targets["growth_first_to_last"].get(name)
         cells = [_fmt_err(entry["windows"][m]) for m in marks]
@@ -627,7 +631,7 @@ def results_markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             "Float32 runs against legacy's float32 run (frames before the last chunk): "
-            + ", ".join(f"{name} {rel:.1e}" for name, rel in agreement.items()),
+            + ", ".join(f"{name} {'-' if rel is None else f'{rel:.1e}'}" for name, rel in agreement.items()),
         ]
     for name, reason in run["skipped"].items():
         lines += ["", f"Skipped arm `{name}`: {reason}"]

@@ -205,6 +205,29 @@ def test_cuda_estimate_and_the_time_budget(tmp_path):
     assert result["run"]["skipped"]["legacy"].startswith("--budget-s 0.001: ")
 
 
+def test_a_failing_arm_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    bench = _bench()
+    real = bench.run_ours
+
+    def run_ours(spec, *args, **kwargs):
+        if spec.name == "v2-exact":
+            raise RuntimeError("out of | memory")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_ours", run_ours)
+    out = tmp_path / "r.json"
+    result = bench.main(
+        ["--device", "cpu", "--frames", "43", "--streams", "1", "--arms", "v2,v2-exact,legacy", "--quiet"]
+        + ["--out", str(out)]
+    )
+    assert result["arms"]["v2-exact"] == {"error": "RuntimeError: out of | memory"}
+    assert (
+        set(result["arms"]["legacy"]["windows"]) == {"43"}
+        and "v2-exact" not in result["targets"]["growth_first_to_last"]
+    )
+    assert "| v2-exact | - | failed: RuntimeError: out of / memory |" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.skipif(not UPSTREAM, reason="upstream 0.30.0 codec files not installed")
 def test_upstream_attention_back_to_sdpa_for_the_float32_run():
     bench = _bench()
