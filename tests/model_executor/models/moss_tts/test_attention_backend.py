@@ -269,6 +269,7 @@ def _rel_rms(got, ref):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("semantics", SEMANTICS)
 def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
     """Real v2 geometry, random weights, 2 streams x 10 chunks ([1, 15]): the bf16 triton backend's
@@ -288,6 +289,7 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
     """Issue 9's accuracy criterion for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
     2 streams x 10 chunks ([1, 15]) through the triton backend; the bf16 decoder's relative RMS error
@@ -310,6 +312,7 @@ def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_bf16_ffn_row_slices_write_in_place(monkeypatch):
     """Under bf16 autocast each FFN slice's second GEMM writes its rows of the output in place
     (``torch.mm(out=)``): with every group's FFN in 7-row pieces the bf16 audio is as close to the float32
@@ -381,6 +384,7 @@ def test_cuda_graph_replay_of_the_triton_step_equals_eager(cuda_tiny_decoder):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
     torch._dynamo.reset()
     dec = cuda_tiny_decoder

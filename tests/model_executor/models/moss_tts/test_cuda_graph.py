@@ -140,6 +140,7 @@ def test_legacy_runner_needs_scratch_for_every_padding_row(cuda_ring_decoder):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
     torch._dynamo.reset()
@@ -165,6 +166,7 @@ def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_runner_captures_the_compiled_step_and_stages_null_padding(cuda_ring_decoder):
     torch._dynamo.reset()
     dec = cuda_ring_decoder

@@ -439,6 +439,7 @@ def test_ops_capture_in_cuda_graph():
 
 
 @cuda
+@pytest.mark.slow
 def test_ops_under_inductor_dynamic():
     device = torch.device("cuda")
     compiled = torch.compile(_decode_step, fullgraph=True, dynamic=True)

@@ -638,7 +638,12 @@ def _cuda_case(B, H, T, C, Dh, dtype, seed, offsets, written):
 @pytest.mark.parametrize("semantics", SEMANTICS)
 @pytest.mark.parametrize(
     "T,C,written",
-    [(15, 125, [15, 7, 0, 1]), (480, 400, [480, 401, 399, 0]), (1, 400, [1, 1, 0, 1]), (60, 250, [60, 3, 60, 59])],
+    [
+        pytest.param(15, 125, [15, 7, 0, 1], marks=pytest.mark.slow),
+        (480, 400, [480, 401, 399, 0]),
+        pytest.param(1, 400, [1, 1, 0, 1], marks=pytest.mark.slow),
+        pytest.param(60, 250, [60, 3, 60, 59], marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("fused_rope", [False, True])
 @pytest.mark.parametrize("op", ["pair", "fused", "split"])
@@ -662,7 +667,16 @@ def test_cuda_kernels_match_reference_float32(semantics, T, C, written, fused_ro
 
 @cuda
 @pytest.mark.parametrize("semantics", SEMANTICS)
-@pytest.mark.parametrize("T,C", [(15, 125), (30, 250), (60, 400), (120, 400), (480, 400)])
+@pytest.mark.parametrize(
+    "T,C",
+    [
+        (15, 125),
+        pytest.param(30, 250, marks=pytest.mark.slow),
+        pytest.param(60, 400, marks=pytest.mark.slow),
+        pytest.param(120, 400, marks=pytest.mark.slow),
+        (480, 400),
+    ],
+)
 def test_cuda_attention_write_bfloat16_equals_the_two_ops(semantics, T, C):
     """ring_attention_write (as dispatched, write fused, write after) in bf16 at the v2 groups' shapes of a
     15-frame step, RoPE in the kernels: bitwise ring_attention then ring_write, outputs and rings."""
