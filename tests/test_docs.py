@@ -129,3 +129,48 @@ def test_glossary_names_exist_in_the_code():
     assert {"CompactDecoderStatePool.null_slot", "frames_decoded", "AdmissionQueue"} <= names
     missing = [n for n in sorted(names) if not re.search(rf"\b{re.escape(n.split('.')[-1])}\b", source)]
     assert missing == sorted(_GLOSSARY_NAMES_TO_COME)
+
+
+def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():
+    assert "[glossary](docs/glossary.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+    for page in ("ring_semantics.md", "memory.md", "serving.md", "serving_stage.md", "codec_architecture.md"):
+        assert "[glossary](glossary.md)" in _text(page), page
+    terms = [t.lower() for t in re.findall(r"^- \*\*([^*]+?)\.?\*\*", _text("glossary.md"), re.M)]
+    assert len(terms) == len(set(terms))
+    assert set(terms) >= {
+        "frame",
+        "codebook",
+        "chunk",
+        "piece",
+        "step",
+        "row",
+        "padding row",
+        "padding frame",
+        "valid frames",
+        "slot",
+        "null slot",
+        "ring",
+        "ring capacity",
+        "window",
+        "token offset",
+        "frames decoded",
+        "resolution group",
+        "tokens per frame",
+        "page",
+        "page size",
+        "page table",
+        "null page",
+        "bucket",
+        "frame size",
+        "graph ladder",
+        "ring semantics",
+        "state spec",
+        "pool kind",
+        "attention backend",
+        "stream",
+        "request id",
+        "admission queue",
+        "waiting stream",
+        "preemption",
+        "state budget",
+    }

@@ -82,3 +82,12 @@ def test_license_file_is_the_apache_2_text_setup_declares(setup_kwargs):
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert text.rstrip().endswith("limitations under the License.")
     assert "License :: OSI Approved :: Apache Software License" in setup_kwargs["classifiers"]
+
+
+def test_readme_states_the_supported_python(setup_kwargs):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f'`python_requires="{setup_kwargs["python_requires"]}"`' in readme
+    versions = [c.rsplit(" :: ", 1)[1] for c in setup_kwargs["classifiers"] if re.fullmatch(r".*Python :: 3\.\d+", c)]
+    assert f"({versions[0]} to {versions[-1]} declared)" in readme
+    first_screen = "\n".join(readme.splitlines()[:45])
+    assert "## Install into an existing vLLM-Omni deployment" in first_screen and "LICENSE" in first_screen

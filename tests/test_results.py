@@ -56,16 +56,37 @@ def _markdown_pages() -> list[Path]:
     return pages + sorted((ROOT / "benchmarks").rglob("*.md"))
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown page."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def test_every_relative_link_of_the_markdown_pages_resolves():
     links = 0
     for page in _markdown_pages():
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
-            path = target.split("#")[0]
-            if not path or re.match(r"[a-z]+:", path):
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+:", path):
                 continue
-            assert (page.parent / path).exists(), f"{page.relative_to(ROOT)} links {target}"
+            linked = page.parent / path if path else page
+            assert linked.exists(), f"{page.relative_to(ROOT)} links {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in _anchors(linked), f"{page.relative_to(ROOT)} links {target}"
             links += 1
     assert links > 100
+
+
+FORBIDDEN = re.compile(r"\b(lease[sd]?|leasing|lent)\b|`device` tool|device tool|\bmachine [A-H]\b|issue \d+", re.I)
+
+
+def test_results_and_docs_speak_of_code_and_hardware_only():
+    """The pages and raw files of measurements say what ran where, never how a machine was obtained."""
+    files = _markdown_pages() + [ROOT / "benchmarks" / "tts" / "run_gpu.sh"]
+    files += [p for p in sorted((ROOT / "benchmarks" / "results").rglob("*")) if p.suffix in (".json", ".txt", ".yaml")]
+    for path in files:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            assert not FORBIDDEN.search(line), f"{path.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}"
 
 
 # ---------------------------------------------------------------------------------------- synthetic JSON
