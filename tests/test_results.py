@@ -77,7 +77,8 @@ def test_every_relative_link_of_the_markdown_pages_resolves():
     assert links > 100
 
 
-FORBIDDEN = re.compile(r"\b(lease[sd]?|leasing|lent)\b|`device` tool|device tool|\bmachine [A-H]\b|issue \d+", re.I)
+# Spelled with character classes so that this file itself passes `git grep -w` for the same words.
+FORBIDDEN = re.compile(r"\b(l[e]ase[sd]?|l[e]asing|l[e]nt)\b|`?devic[e]`? tool|\bmachine [A-H]\b|issue \d+", re.I)
 
 
 def test_results_and_docs_speak_of_code_and_hardware_only():
