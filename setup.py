@@ -29,6 +29,7 @@ setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_omni_moss", "vllm_omni_moss.*"]),
     include_package_data=True,

@@ -115,3 +115,62 @@ def test_checkpoint_sizes_match_the_random_writer():
     assert f"is {total:,} bytes of\ntensors ({total // 4:,} parameters" in text
     assert f"encoder and decoder {params['decoder']:,} each, quantizer {params['quantizer']:,})" in text
     assert params["encoder"] == params["decoder"]
+
+
+# Names the glossary gives ahead of a rename in the code (docs/glossary.md says which names they replace).
+_GLOSSARY_NAMES_TO_COME = {"valid_frames", "ring_capacity"}
+
+
+def test_glossary_names_exist_in_the_code():
+    """Every identifier the glossary cites as code (``name``, ``Class.attr``, ``call(...)``) is in the package."""
+    text = _text("glossary.md")
+    source = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "vllm_omni_moss").rglob("*.py"))
+    names = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_.]*)(?:\(|\[|`)", text))
+    assert {"CompactDecoderStatePool.null_slot", "frames_decoded", "AdmissionQueue"} <= names
+    missing = [n for n in sorted(names) if not re.search(rf"\b{re.escape(n.split('.')[-1])}\b", source)]
+    assert missing == sorted(_GLOSSARY_NAMES_TO_COME)
+
+
+def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():
+    assert "[glossary](docs/glossary.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+    for page in ("ring_semantics.md", "memory.md", "serving.md", "serving_stage.md", "codec_architecture.md"):
+        assert "[glossary](glossary.md)" in _text(page), page
+    terms = [t.lower() for t in re.findall(r"^- \*\*([^*]+?)\.?\*\*", _text("glossary.md"), re.M)]
+    assert len(terms) == len(set(terms))
+    assert set(terms) >= {
+        "frame",
+        "codebook",
+        "chunk",
+        "piece",
+        "step",
+        "row",
+        "padding row",
+        "padding frame",
+        "valid frames",
+        "slot",
+        "null slot",
+        "ring",
+        "ring capacity",
+        "window",
+        "token offset",
+        "frames decoded",
+        "resolution group",
+        "tokens per frame",
+        "page",
+        "page size",
+        "page table",
+        "null page",
+        "bucket",
+        "frame size",
+        "graph ladder",
+        "ring semantics",
+        "state spec",
+        "pool kind",
+        "attention backend",
+        "stream",
+        "request id",
+        "admission queue",
+        "waiting stream",
+        "preemption",
+        "state budget",
+    }

@@ -72,3 +72,22 @@ def test_readme_matches_what_the_scripts_do(setup_kwargs):
     assert '**deselected** by `scripts/test.sh`, which passes `-m "not cuda"`' in readme
     assert "skipped without a GPU" not in readme
     assert "**Serving needs a GPU machine with `vllm==0.30.0` and `vllm-omni==0.30.0` installed**" in readme
+
+
+def test_license_file_is_the_apache_2_text_setup_declares(setup_kwargs):
+    assert setup_kwargs["license"] == "Apache-2.0"
+    assert setup_kwargs["license_files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert text.rstrip().endswith("limitations under the License.")
+    assert "License :: OSI Approved :: Apache Software License" in setup_kwargs["classifiers"]
+
+
+def test_readme_states_the_supported_python(setup_kwargs):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f'`python_requires="{setup_kwargs["python_requires"]}"`' in readme
+    versions = [c.rsplit(" :: ", 1)[1] for c in setup_kwargs["classifiers"] if re.fullmatch(r".*Python :: 3\.\d+", c)]
+    assert f"({versions[0]} to {versions[-1]} declared)" in readme
+    first_screen = "\n".join(readme.splitlines()[:45])
+    assert "## Install into an existing vLLM-Omni deployment" in first_screen and "LICENSE" in first_screen

@@ -5,9 +5,10 @@
 #
 #   bash benchmarks/tts/run_gpu.sh [path/to/vllm_omni-0.30.0-*.whl]
 #
-# Default wheel: .whl/vllm_omni-0.30.0-*.whl (carry `.whl`). Only the wheel's moss_tts directory is
-# unzipped (to /tmp) and exposed through MOSS_UPSTREAM_MOSS_TTS_DIR for the upstream arms; without a
-# wheel those arms are skipped and the rest still runs. Results go to $OUT (default ./out/gpu).
+# Default wheel: .whl/vllm_omni-0.30.0-*.whl (`pip download --no-deps vllm-omni==0.30.0 -d .whl`). Only the
+# wheel's moss_tts directory is unzipped (to /tmp) and exposed through MOSS_UPSTREAM_MOSS_TTS_DIR for the
+# upstream arms; without a wheel those arms are skipped and the rest still runs. Results go to $OUT
+# (default ./out/gpu); benchmarks/results/current.yaml names the files RESULTS.md is generated from.
 #
 # PARTS picks what runs, in this order (default "tests memory step"; measured on one H200 on 2026-11-29:
 # 204 s wall, tests 25 s, memory ~25 s, steps ~135 s):
@@ -15,11 +16,11 @@
 #   memory  bench_codec_memory.py (64, 128)      -> memory.json memory.log
 #   step    bench_codec_step.py                  -> step.json step.log
 #   stage   bench_codec_stage.py $STAGE_ARGS     -> stage/ (results.json, results.md, latencies.npz, three PNGs)
-# The stage sweep is the main job and does not fit one 10-minute command next to the others (each arm and
-# concurrency simulates ~75 s of traffic at 17 requests per stream), so run it on its own, e.g.
+# The stage sweep is the main job and takes longer than the other parts together (each arm and concurrency
+# simulates ~75 s of traffic at 17 requests per stream), so run it on its own, in parts if need be, e.g.
 #   PARTS=stage STAGE_ARGS="--arms v2,upstream --concurrency 64,128" bash benchmarks/tts/run_gpu.sh
 #   PARTS=stage STAGE_ARGS="--arms v2,upstream --concurrency 256 --append" bash benchmarks/tts/run_gpu.sh
-# (--append needs the previous $OUT/stage: same machine, or carry it back). results.json and latencies.npz
+# (--append needs the previous $OUT/stage: the same machine, or a copy of it). results.json and latencies.npz
 # are rewritten after every run, so a command cut short by STAGE_TIMEOUT (default 570 s) keeps the runs it
 # finished; `bench_codec_stage.py --out DIR --report-only` then rewrites results.md and the plots.
 

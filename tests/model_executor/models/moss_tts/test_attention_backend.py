@@ -291,7 +291,7 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
-    """Issue 9's accuracy criterion for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
+    """The accuracy criterion set for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
     2 streams x 10 chunks ([1, 15]) through the triton backend; the bf16 decoder's relative RMS error
     against the float32 reference (sdpa, unfused) is no larger with the fused ops than without."""
     fp32 = random_real_decoder("cuda")

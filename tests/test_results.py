@@ -1,0 +1,391 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/make_results.py: RESULTS.md and README's table equal what the committed JSON generates, each
+renderer on small synthetic JSON, and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.cpu]
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "make_results.py"
+_spec = importlib.util.spec_from_file_location("make_results", SCRIPT)
+mr = importlib.util.module_from_spec(_spec)
+sys.modules["make_results"] = mr  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(mr)
+
+
+# ------------------------------------------------------------------------------------ the committed files
+
+
+def test_committed_results_match_their_json():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == done.stderr == ""
+
+
+def test_results_md_stays_short_and_labels_older_commits():
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    manifest = yaml.safe_load((ROOT / "benchmarks" / "results" / "current.yaml").read_text(encoding="utf-8"))
+    current = str(manifest["current_commit"])
+    for heading in re.findall(r"^## (.+)$", text, re.M):
+        for commit in re.findall(r"measured at `([0-9a-f]{7})`", heading):
+            assert commit != current, heading
+    assert "## One decode step under CUDA graphs (`bench_codec_step.py`) (measured at `65b9b6a`)" in text
+
+
+def test_every_json_under_results_is_valid():
+    files = sorted((ROOT / "benchmarks" / "results").rglob("*.json"))
+    assert len(files) > 20
+    for path in files:
+        json.loads(path.read_text(encoding="utf-8"))
+
+
+def _markdown_pages() -> list[Path]:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return pages + sorted((ROOT / "benchmarks").rglob("*.md"))
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown page."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_of_the_markdown_pages_resolves():
+    links = 0
+    for page in _markdown_pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+:", path):
+                continue
+            linked = page.parent / path if path else page
+            assert linked.exists(), f"{page.relative_to(ROOT)} links {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in _anchors(linked), f"{page.relative_to(ROOT)} links {target}"
+            links += 1
+    assert links > 100
+
+
+# Spelled with character classes so that this file itself passes `git grep -w` for the same words.
+FORBIDDEN = re.compile(r"\b(l[e]ase[sd]?|l[e]asing|l[e]nt)\b|`?devic[e]`? tool|\bmachine [A-H]\b|issue \d+", re.I)
+
+
+def test_results_and_docs_speak_of_code_and_hardware_only():
+    """The pages and raw files of measurements say what ran where, never how a machine was obtained."""
+    files = _markdown_pages() + [ROOT / "benchmarks" / "tts" / "run_gpu.sh"]
+    files += [p for p in sorted((ROOT / "benchmarks" / "results").rglob("*")) if p.suffix in (".json", ".txt", ".yaml")]
+    for path in files:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            assert not FORBIDDEN.search(line), f"{path.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}"
+
+
+# ---------------------------------------------------------------------------------------- synthetic JSON
+
+
+def _job(kind: str, docs: list, **spec) -> mr.Job:
+    spec = {"id": "j", "kind": kind, "files": [f"f{i}.json" for i in range(len(docs))], **spec}
+    return mr.Job(spec, docs, current_commit="abc1234")
+
+
+def _stage_result(p50, p99, first=80.0, graph=10, peak_mem=2 * mr.GIB):
+    return {
+        "codec_latency_ms": {"p50": p50, "p95": (p50 + p99) / 2, "p99": p99},
+        "first_chunk_latency_ms": {"p50": first, "p99": first + 5},
+        "steps_by_path": {"graph": graph, "eager": 0},
+        "padded_frame_fraction": 0.125,
+        "peak_memory_bytes": peak_mem,
+    }
+
+
+def _stage_doc(commit="abc1234"):
+    run = {"commit": commit, "date": "2026-12-01T10:00:00+00:00", "command": "/x/bin/python3 bench.py --go"}
+    run |= {"concurrency": [64, 128], "slo": {"codec_latency_p99_ms": 150.0}, "device_name": "NVIDIA H200"}
+    return {
+        "run": run,
+        "arms": {
+            "v2": {"64": _stage_result(5.0, 30.0), "128": _stage_result(7.0, 160.0), "max_streams_at_slo": 64},
+            "upstream": {"64": _stage_result(40.0, 140.0), "max_streams_at_slo": None},
+        },
+        "details": {
+            "v2": {
+                "64": {"peak_state_bytes": mr.GIB, "preemptions": 0},
+                "128": {"peak_state_bytes": 2 * mr.GIB, "preemptions": 3, "stopped_early": True},
+            },
+            "upstream": {"64": {"peak_state_bytes": 4 * mr.GIB, "preemptions": 0}},
+        },
+    }
+
+
+def test_stage_rows_name_held_missed_stopped_and_not_run():
+    lines = mr.render_stage(_job("stage", [_stage_doc()], show_preemptions=True))
+    assert lines[0] == (
+        "| arm | C | codec-added p50 / p95 / p99 ms | first chunk p50 / p99 ms | steps graph / eager | padded frames "
+        "| peak state GiB | peak memory GiB | preemptions | SLO (p99 <= 150 ms) |"
+    )
+    assert lines[2] == "| v2 | 64 | 5.0 / 17.5 / 30.0 | 80.0 / 85.0 | 10 / 0 | 0.125 | 1.00 | 2.00 | 0 | held |"
+    assert lines[3].endswith("| 2.00 | 2.00 | 3 | missed (stopped early) |")
+    assert lines[4] == "| upstream | 64 | 40.0 / 90.0 / 140.0 | 80.0 / 85.0 | 10 / 0 | 0.125 | 4.00 | 2.00 | 0 | held |"
+    assert lines[5] == "| upstream | 128 | - | - | - | - | - | - | - | not run |"
+    assert lines[-1] == "Most streams within the SLO (`max_streams_at_slo`): **v2 64, upstream none**."
+
+
+def test_stage_repeats_take_runs_lists_and_single_runs():
+    single = _stage_doc()
+    traced = _stage_doc(commit="def5678")
+    trace = {f"{p}_ms": 0.5 for p in ("plan", "stage", "run", "to_host", "finish")} | {
+        "wait_ms": 50.0,
+        "total_ms": 52.5,
+    }
+    traced["details"]["v2"]["128"]["slowest_step"] = {"chunks": 128, "trace": trace}
+    lines = mr.render_stage_repeats(_job("stage_repeats", [{"runs": [traced]}, single], concurrency=128))
+    assert (
+        lines[2]
+        == "| 1 | `def5678` | 7.0 / 83.5 / 160.0 | 80.0 | 128 | 52.50 | 0.50 / 0.50 / 0.50 / 0.50 / 0.50 / 50.00 |"
+    )
+    assert lines[3] == "| 2 | `abc1234` | 7.0 / 83.5 / 160.0 | 80.0 | - | - | - |"
+
+
+def _stats(median):
+    return {"median_ms": median, "p10_ms": median - 1, "p90_ms": median + 1, "n": 10}
+
+
+def _step_doc():
+    def result(b, t, ours, theirs):
+        return {
+            "batch": b,
+            "frames": t,
+            "modes": {"graph": {"arms": {"v2": _stats(ours), "upstream-triton": _stats(theirs)}}},
+            "peak_transient_bytes": {"v2": mr.GIB // 4, "upstream-triton": mr.GIB},
+            "profile": {
+                "v2": {"kernel_ms": 10.0, "kernels": 100, "categories": {"gemm": 6.0, "norm": 1.0, "gelu": 2.0}}
+            },
+        }
+
+    results = [result(512, 15, 200.0, 800.0), result(2048, 1, 50.0, 100.0)]
+    return {"arms": ["v2", "upstream-triton"], "modes": ["graph"], "results": results}
+
+
+def test_step_table_ratios_spread_transient_and_profile():
+    lines = mr.render_step(_job("step", [_step_doc()], profile_categories=2))
+    assert lines[0] == "Mode `graph`: median of 10 timed steps, ms (p10-p90 of `v2` in brackets)."
+    assert (
+        lines[2] == "| B | T | v2 ms | upstream-triton ms | v2 / upstream-triton | transient GiB v2 / upstream-triton |"
+    )
+    assert lines[4] == "| 512 | 15 | 200.00 (199.00-201.00) | 800.00 | 0.250 | 0.250 / 1.000 |"
+    assert lines[5] == "| 2048 | 1 | 50.00 (49.00-51.00) | 100.00 | 0.500 | 0.250 / 1.000 |"
+    # The two largest categories by total, then what the kernel time leaves.
+    assert "| B, T | kernel ms | kernels | gemm | gelu | rest |" in lines
+    assert "| 512, 15 | 10.00 | 100 | 6.00 | 2.00 | 2.00 |" in lines
+
+
+def test_step_table_without_profile_compares_any_two_arms():
+    lines = mr.render_step(_job("step", [_step_doc()], ours="upstream-triton", baseline="v2", profile=False))
+    assert lines[-1] == "| 2048 | 1 | 50.00 | 100.00 (99.00-101.00) | 2.000 | 1.000 / 0.250 |"
+
+
+def test_memory_startup_attention_and_gemm_tables():
+    memory = {
+        "slot_bytes": 1000,
+        "arms": {
+            "v2": {
+                "128": {
+                    "slots": 129,
+                    "state_bytes": mr.GIB,
+                    "allocated_delta_bytes": mr.GIB,
+                    "reserved_delta_bytes": 2 * mr.GIB,
+                }
+            }
+        },
+        "weights": {"ours": {"param_bytes": mr.GIB, "allocated_bytes": mr.GIB, "note": "decoder"}},
+    }
+    lines = mr.render_memory(_job("memory", [memory]))
+    assert lines[2] == f"| v2 | 128 | 129 | 1.00 ({mr.GIB:,}) | 1.00 | 2.00 |"
+    assert "| ours | 1.00 | 1.00 | decoder |" in lines and lines[-1] == "Ring bytes per slot: 1,000."
+
+    def startup(total):
+        return {"phases_s": {"imports": 1.0, "capture": total - 1}, "total_s": total, "capacity": 8, "graphs": 4}
+
+    docs = [startup(10.0) | {"graph_batch_sizes": [4, 8], "graph_frame_sizes": [1, 15]}, startup(5.0)]
+    lines = mr.render_startup(_job("startup", docs, labels=["cold", "warm"]))
+    assert lines[:5] == [
+        "| phase (s) | cold | warm |",
+        "|---|---|---|",
+        "| imports | 1.00 | 1.00 |",
+        "| capture | 9.00 | 4.00 |",
+        "| **total** | **10.00** | **5.00** |",
+    ]
+    assert lines[-1] == "8 slots, 4 CUDA graphs (batch buckets 4, 8; frame sizes 1, 15)."
+
+    def records(ms):
+        shape = {"batch": 64, "frames": 15, "tokens": 15, "heads": 2, "capacity": 125}
+        return {"records": [shape | {"group": 0, "layers": 10, "default": {"ms": ms}}]}
+
+    lines = mr.render_attention(_job("attention", [records(0.1), records(0.05)], labels=["a", "b"]))
+    assert lines[2] == "| 64, 15 | 0 | 15 | 2 x 125 | 10 | 100.0 | 50.0 |"
+    assert lines[-1] == "| 64, 15 | 1.00 | 0.50 |"
+
+    gemm = {
+        "records": [
+            {"batch": 8, "frames": 1, "group": 0, "ms": 0.5, "calls": 2},
+            {"batch": 8, "frames": 1, "group": 1, "ms": 1.0, "calls": 1},
+            {"batch": 8, "frames": 1, "step_ms": 2.0, "step_tflop": 1.0},
+        ]
+    }
+    assert mr.render_gemm(_job("gemm", [gemm]))[2] == "| 8, 1 | 1.00 | 1.00 | 2.00 (500) |"
+
+
+def test_serving_sweep_under_an_arrival_model():
+    def load(ttfp, underrun):
+        return {
+            "ttfp_ms": {"p50": ttfp, "p99": 2 * ttfp},
+            "underrun_ms": underrun,
+            "continuity": {"c50": 1.0, "c100": 0.99, "c200": 0.9},
+            "live_streams": 300,
+        }
+
+    doc = {
+        "run": {"arrival": {"model": "poisson", "seed": 0}},
+        "arms": {"v2": {"rate=10": load(90.0, 0.0), "rate=2": load(85.0, 0.0), "max_streams_at_slo": 3}},
+    }
+    lines = mr.render_serving(_job("serving", [doc]))
+    assert lines[0] == "Arrival model: model poisson, seed 0."
+    assert lines[2] == (
+        "| arm | load | time to first packet ms (p50 / p99) | underrun ms | continuity (c50 / c100 / c200) | live streams |"
+    )
+    assert lines[4:] == [
+        "| v2 | rate=2 | 85.0 / 170.0 | 0.0 | 1.0 / 1.0 / 0.9 | 300 |",
+        "| v2 | rate=10 | 90.0 / 180.0 | 0.0 | 1.0 / 1.0 / 0.9 | 300 |",
+    ]
+
+
+def test_pick_selects_list_items_by_fields():
+    doc = {"results": [{"batch": 1, "frames": 15, "v": 1}, {"batch": 128, "frames": 15, "v": 2}]}
+    assert mr.pick(doc, "results[batch=128,frames=15].v") == 2
+    with pytest.raises(mr.InputError, match=r"0 items match \[batch=3\]"):
+        mr.pick(doc, "results[batch=3].v")
+
+
+def test_clock_summary_reads_nvidia_smi_csv(tmp_path):
+    log = tmp_path / "clocks.csv"
+    log.write_text(
+        "timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active\n"
+        "2026/11/30 13:21:20.999, 345 MHz, 78.86 W, 0x0000000000000001\n"
+        "2026/11/30 13:21:21.499, 1980 MHz, 500.00 W, 0x0000000000000000\n"
+        "2026/11/30 13:21:21.999, 1725 MHz, 599.37 W, 0x0000000000000004\n"
+    )
+    assert mr.clock_summary(log) == (
+        "`nvidia-smi` every 500 ms, 3 samples: SM clock 1725-1980 MHz in the 2 busy samples, "
+        "software power cap in 1 (at up to 599 W)"
+    )
+
+
+# ------------------------------------------------------------------------------------- a scratch tree
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A repository root with one stage job, its history page and README markers."""
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "history").mkdir()
+    (tmp_path / "benchmarks" / "history" / "abc1234.md").write_text("# abc1234\n")
+    (tmp_path / "benchmarks" / "results" / "stage.json").write_text(json.dumps(_stage_doc()))
+    (tmp_path / "README.md").write_text(f"# x\n\n{mr.README_BEGIN}\n{mr.README_END}\n\nrest\n")
+    manifest = {
+        "current_commit": "abc1234",
+        "jobs": [{"id": "main", "kind": "stage", "files": ["stage.json"], "history": "abc1234"}],
+        "readme": [
+            {
+                "label": "streams",
+                "job": "main",
+                "ours": "arms.v2.max_streams_at_slo",
+                "upstream": "arms.upstream.max_streams_at_slo",
+                "format": "int",
+            }
+        ],
+    }
+    _write_manifest(tmp_path, manifest)
+    return tmp_path
+
+
+def _write_manifest(root: Path, manifest: dict) -> None:
+    (root / "benchmarks" / "results" / "current.yaml").write_text(yaml.safe_dump(manifest))
+
+
+def _manifest(root: Path) -> dict:
+    return yaml.safe_load((root / "benchmarks" / "results" / "current.yaml").read_text())
+
+
+def test_generate_then_check_then_detect_drift(tree, capsys):
+    assert mr.main(["--root", str(tree), "--check"]) == 1  # nothing generated yet
+    capsys.readouterr()
+    assert mr.main(["--root", str(tree)]) == 0
+    assert mr.main(["--root", str(tree), "--check"]) == 0
+    readme = (tree / "README.md").read_text()
+    assert "| streams | none | **64** | `abc1234` |" in readme and readme.endswith("\n\nrest\n")
+    results = tree / "benchmarks" / "RESULTS.md"
+    assert "commit `abc1234`, 2026-12-01 10:00 UTC: `python bench.py --go`" in results.read_text()
+    results.write_text(results.read_text().replace("| held |", "| hold |", 1))
+    capsys.readouterr()
+    assert mr.main(["--root", str(tree), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("benchmarks/RESULTS.md differs from what the JSON generates (2 lines)")
+    assert "-| v2 | 64 |" in err and "+| v2 | 64 |" in err
+
+
+def _error(root: Path, capsys) -> str:
+    assert mr.main(["--root", str(root), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("make_results.py: error: ")
+    return err.removeprefix("make_results.py: error: ").strip()
+
+
+def test_unknown_kind_names_the_job_and_the_kinds(tree, capsys):
+    manifest = _manifest(tree)
+    manifest["jobs"][0]["kind"] = "fidelity"
+    _write_manifest(tree, manifest)
+    assert _error(tree, capsys).startswith("job 'main': no renderer for kind 'fidelity' (known: attention, gemm, ")
+
+
+def test_bad_input_is_one_line(tree, capsys):
+    manifest = _manifest(tree)
+    manifest["jobs"][0]["commit"] = "fff0000"
+    _write_manifest(tree, manifest)
+    assert _error(tree, capsys) == "job 'main': commit 'fff0000' contradicts stage.json's run block ('abc1234')"
+
+    manifest["jobs"][0].pop("commit")
+    manifest["jobs"][0]["files"] = ["missing.json"]
+    _write_manifest(tree, manifest)
+    assert _error(tree, capsys).endswith("benchmarks/results/missing.json does not exist")
+
+    manifest["jobs"][0]["files"] = ["stage.json"]
+    _write_manifest(tree, manifest)
+    (tree / "benchmarks" / "results" / "stray.json").write_text("{}")
+    assert "stray.json is named by no job of current.yaml" in _error(tree, capsys)
+    (tree / "benchmarks" / "results" / "stray.json").unlink()
+
+    doc = _stage_doc()
+    del doc["details"]
+    (tree / "benchmarks" / "results" / "stage.json").write_text(json.dumps(doc))
+    assert _error(tree, capsys) == "job 'main': its JSON has no 'details.v2.64'"
+
+    (tree / "README.md").write_text("# x\n")
+    (tree / "benchmarks" / "results" / "stage.json").write_text(json.dumps(_stage_doc()))
+    assert "README.md has no block between" in _error(tree, capsys)
+
+
+def test_the_script_runs_from_anywhere_and_exits_2_on_bad_input(tree):
+    (tree / "benchmarks" / "results" / "current.yaml").write_text("jobs: [\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--root", str(tree)], cwd=tree, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.startswith("make_results.py: error: ") and "is not valid YAML" in done.stderr
