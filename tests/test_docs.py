@@ -117,10 +117,6 @@ def test_checkpoint_sizes_match_the_random_writer():
     assert params["encoder"] == params["decoder"]
 
 
-# Names the glossary gives ahead of a rename in the code (docs/glossary.md says which names they replace).
-_GLOSSARY_NAMES_TO_COME = {"valid_frames", "ring_capacity"}
-
-
 def test_glossary_names_exist_in_the_code():
     """Every identifier the glossary cites as code (``name``, ``Class.attr``, ``call(...)``) is in the package."""
     text = _text("glossary.md")
@@ -128,7 +124,7 @@ def test_glossary_names_exist_in_the_code():
     names = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_.]*)(?:\(|\[|`)", text))
     assert {"CompactDecoderStatePool.null_slot", "frames_decoded", "AdmissionQueue"} <= names
     missing = [n for n in sorted(names) if not re.search(rf"\b{re.escape(n.split('.')[-1])}\b", source)]
-    assert missing == sorted(_GLOSSARY_NAMES_TO_COME)
+    assert missing == []
 
 
 def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():

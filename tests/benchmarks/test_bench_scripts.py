@@ -124,7 +124,9 @@ def test_memory_paged_arm_allocates_full_rings_and_holds_the_context_pages(capsy
             expected = count * _paged_held_bytes(cfg, f, PAGE_SIZE_V2, 2)
             assert used["pages_in_use_bytes"] == expected
             assert used["state_in_use_bytes"] == expected + paged["offset_bytes"]
-            pages = [min(-(-f * g.tokens_per_frame // PAGE_SIZE_V2), g.ring_capacity // PAGE_SIZE_V2) for g in cfg.groups]
+            pages = [
+                min(-(-f * g.tokens_per_frame // PAGE_SIZE_V2), g.ring_capacity // PAGE_SIZE_V2) for g in cfg.groups
+            ]
             assert used["pages_in_use_per_group"] == [count * n for n in pages]
         # From 10 s on (every ring full) the streams hold exactly a compact pool's live slots.
         assert paged["in_use_by_context_frames"]["125"]["pages_in_use_bytes"] == count * SLOT_BYTES_V2

@@ -82,7 +82,9 @@ def test_paged_pool_equals_the_compact_pool_step_by_step(ring_decoder):
             frames[1] = 0
         for s in range(CAPACITY):
             _assert_same_state(compact, pool, s)
-            want = [min(-(-frames[s] * g.tokens_per_frame // 5), g.ring_capacity // 5) for g in ring_decoder.config.groups]
+            want = [
+                min(-(-frames[s] * g.tokens_per_frame // 5), g.ring_capacity // 5) for g in ring_decoder.config.groups
+            ]
             assert _held_pages(pool, s) == want, (step, s)
     for table in pool.page_tables:
         assert table.shape[0] == pool.num_slots

@@ -23,7 +23,7 @@ Backends here:
 * :class:`CompactTritonRingAttention` - the compact pool with attention backend
   ``"triton"``: rings read in place by ``ops/ring_attention.py``, no gather, no mask.
 
-The ``"sdpa"`` backends compute attention with :func:`ring_attention_reference` (native
+The ``"sdpa"`` backends compute attention with :func:`gathered_ring_attention` (native
 SDPA over the gathered ring, physical key order), so pools that share a ring semantics
 produce bit-identical audio; the ``"triton"`` backend sees exactly the same keys and
 writes bitwise the same ring contents, with its own (float32 online softmax) arithmetic.
@@ -61,7 +61,7 @@ __all__ = [
     "check_attention_backend",
     "default_attention_backend",
     "plan_builder",
-    "ring_attention_reference",
+    "gathered_ring_attention",
 ]
 
 #: Attention backends a compact pool can be built with: ``"sdpa"`` gathers rings and runs
@@ -111,28 +111,28 @@ class StepPlan:
 def group_steps(
     config: CodecConfig,
     num_frames: int,
-    lengths: torch.Tensor | None,
+    valid_frames: torch.Tensor | None,
     semantics: str | None = None,
-    start_frames: torch.Tensor | None = None,
+    frames_decoded: torch.Tensor | None = None,
 ) -> list[GroupStep]:
     """The :class:`GroupStep` of every resolution group for a step of ``num_frames`` frames.
 
     Args:
         config: the codec.
         num_frames: ``T`` frames per row.
-        lengths: ``(B,)`` int64 valid frames per row, or ``None`` (offline decode).
-        semantics, start_frames: when ``start_frames`` (``(B,)`` int64 frames decoded before
+        valid_frames: ``(B,)`` int64 valid frames per row, or ``None`` (offline decode).
+        semantics, frames_decoded: when ``frames_decoded`` (``(B,)`` int64 frames decoded before
             this step) is given, each group's :class:`~.step_metadata.RingMetadata` is built
             here, once, with these ring semantics; otherwise ``meta`` stays ``None``.
     """
     steps = []
     for g, spec in enumerate(config.groups):
         num_tokens = num_frames * spec.tokens_per_frame
-        written = None if lengths is None else lengths * spec.tokens_per_frame
+        written = None if valid_frames is None else valid_frames * spec.tokens_per_frame
         meta = None
-        if start_frames is not None:
+        if frames_decoded is not None:
             meta = step_metadata.build_ring_metadata(
-                spec, semantics, start_frames * spec.tokens_per_frame, written, num_tokens
+                spec, semantics, frames_decoded * spec.tokens_per_frame, written, num_tokens
             )
         steps.append(GroupStep(spec, config.group_first_layers[g], num_tokens, written, meta))
     return steps
@@ -168,7 +168,7 @@ def check_attention_backend(name: str) -> str:
 # --------------------------------------------------------------------------- reference
 
 
-def ring_attention_reference(
+def gathered_ring_attention(
     semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor, keep_empty_rows: bool = False
 ) -> torch.Tensor:
     """One layer's streaming attention over gathered rings (the parity oracle).
@@ -235,7 +235,7 @@ class CompactRingAttention:
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         ring, meta = self.rings[layer], group.meta
         rows = ring.index_select(1, self.slots)
-        out = ring_attention_reference(self.semantics, rows, meta, qkv)
+        out = gathered_ring_attention(self.semantics, rows, meta, qkv)
         commit_cache(rows, ring, self.slots, meta.offsets, meta.num_written, group.num_tokens)
         return out
 
@@ -247,8 +247,8 @@ class CompactTritonRingAttention:
     :func:`apply_rope`, so the stored keys are the reference path's), then
     :func:`~.ops.ring_attention.ring_attention_write` runs attention over the slot's ring and the
     chunk and writes each row's last ``min(valid tokens, C)`` tokens (on CUDA inside the attention
-    kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but on some
-    H200s that kernel ran 15x slower than on rotated inputs (``benchmarks/RESULTS.md``, Run AI). Needs
+    kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but that variant
+    ran far slower on some H200s than the kernel on rotated inputs (docs/ring_semantics.md). Needs
     no :class:`~.step_metadata.RingMetadata`: the offsets and RoPE tables of each group are built once
     here, at construction.
 
@@ -257,7 +257,7 @@ class CompactTritonRingAttention:
         rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
         semantics: the pool's ring semantics.
         slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
-        start_frames: ``(B,)`` int64 frames each row decoded before this step.
+        frames_decoded: ``(B,)`` int64 frames each row decoded before this step.
         num_frames: ``T`` frames per row in this step.
         page_tables: for a paged pool, each group's ``(S, pages per ring)`` page table keyed by the
             group's first layer (``ops.ring_attention``'s ``page_table``); rings are then pages.
@@ -269,7 +269,7 @@ class CompactTritonRingAttention:
         rings: list[torch.Tensor],
         semantics: str,
         slots: torch.Tensor,
-        start_frames: torch.Tensor,
+        frames_decoded: torch.Tensor,
         num_frames: int,
         page_tables: dict[int, torch.Tensor] | None = None,
     ):
@@ -277,7 +277,7 @@ class CompactTritonRingAttention:
         self.page_tables = page_tables or {}
         self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for spec, first_layer in zip(config.groups, config.group_first_layers):
-            offsets = start_frames * spec.tokens_per_frame
+            offsets = frames_decoded * spec.tokens_per_frame
             cos, sin = rope_tables(offsets, num_frames * spec.tokens_per_frame, spec.head_dim, spec.max_period)
             self.tables[first_layer] = (offsets, cos, sin)
 
@@ -321,7 +321,7 @@ class LegacyRingAttention:
         ring = self.rings[layer]
         rows = ring.index_select(1, self.slots)
         # The whole rows are written back: rows that write nothing must come back as they were.
-        out = ring_attention_reference(self.semantics, rows, meta, qkv, keep_empty_rows=True)
+        out = gathered_ring_attention(self.semantics, rows, meta, qkv, keep_empty_rows=True)
         ring.index_copy_(1, self.slots, rows)
         for row in {attn_row, ring_row}:
             self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
@@ -343,7 +343,7 @@ class FixedWidthAttention:
         meta = step_metadata.build_ring_metadata(
             group.spec, self.semantics, offsets, group.num_written, group.num_tokens
         )
-        out = ring_attention_reference(self.semantics, self.rings[layer], meta, qkv)
+        out = gathered_ring_attention(self.semantics, self.rings[layer], meta, qkv)
         offsets.copy_(meta.next_offsets)
         return out
 
@@ -351,47 +351,53 @@ class FixedWidthAttention:
 # --------------------------------------------------------------------------- plan builders
 #
 # A pool's step plan, chosen once per pool from (pool kind, attention backend): each builder reads the pool's
-# rings and offsets and returns the StepPlan of one step over routed ``slots`` (B,), ``lengths`` (B,) int64
-# valid frames (0 for invalid rows) and ``num_frames`` = T.
+# rings and offsets and returns the StepPlan of one step over routed ``slots`` (B,), ``valid_frames`` (B,) int64
+# (0 for invalid rows) and ``num_frames`` = T.
 
 
-def _legacy_plan(pool, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
+def _legacy_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
     offsets = pool.offsets
     attention = LegacyRingAttention(
         pool.rings, offsets.offset_table, offsets.layer_rows, offsets.group_rows, pool.ring_semantics, slots
     )
-    return StepPlan(group_steps(pool.config, num_frames, lengths), attention)
+    return StepPlan(group_steps(pool.config, num_frames, valid_frames), attention)
 
 
-def _compact_finish(pool, start, lengths, slots):
+def _compact_finish(pool, frames_decoded, valid_frames, slots):
     # Rows that decoded nothing keep their counter and never write (the null slot included).
-    return functools.partial(commit_offsets, start + lengths, pool.frames_decoded, slots, lengths > 0)
-
-
-def _compact_sdpa_plan(pool, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
-    # Ring metadata (cells, sources, masks) once per group; gathered rows, masked commits.
-    start = pool.frames_decoded.index_select(0, slots)
-    groups = group_steps(pool.config, num_frames, lengths, pool.ring_semantics, start)
-    attention = CompactRingAttention(pool.rings, pool.ring_semantics, slots)
-    return StepPlan(groups, attention, _compact_finish(pool, start, lengths, slots))
-
-
-def _compact_triton_plan(pool, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int) -> StepPlan:
-    # No ring metadata: the kernels derive positions from offsets and valid token counts.
-    start = pool.frames_decoded.index_select(0, slots)
-    groups = group_steps(pool.config, num_frames, lengths)
-    tables = pool.store.tables_by_first_layer() if pool.kind == "paged" else None
-    attention = CompactTritonRingAttention(
-        pool.config, pool.rings, pool.ring_semantics, slots, start, num_frames, page_tables=tables
+    return functools.partial(
+        commit_offsets, frames_decoded + valid_frames, pool.frames_decoded, slots, valid_frames > 0
     )
-    return StepPlan(groups, attention, _compact_finish(pool, start, lengths, slots))
+
+
+def _compact_sdpa_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+    # Ring metadata (cells, sources, masks) once per group; gathered rows, masked commits.
+    frames_decoded = pool.frames_decoded.index_select(0, slots)
+    groups = group_steps(pool.config, num_frames, valid_frames, pool.ring_semantics, frames_decoded)
+    attention = CompactRingAttention(pool.rings, pool.ring_semantics, slots)
+    return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
+
+
+def _compact_triton_plan(pool, slots, valid_frames, num_frames: int, tables=None) -> StepPlan:
+    # No ring metadata: the kernels derive positions from offsets and valid token counts.
+    frames_decoded = pool.frames_decoded.index_select(0, slots)
+    groups = group_steps(pool.config, num_frames, valid_frames)
+    attention = CompactTritonRingAttention(
+        pool.config, pool.rings, pool.ring_semantics, slots, frames_decoded, num_frames, page_tables=tables
+    )
+    return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
+
+
+def _paged_triton_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+    # The compact plan over pages: every group's page table, keyed by its first layer.
+    return _compact_triton_plan(pool, slots, valid_frames, num_frames, pool.store.tables_by_first_layer())
 
 
 _PLAN_BUILDERS = {
     ("legacy", "sdpa"): _legacy_plan,
     ("compact", "sdpa"): _compact_sdpa_plan,
     ("compact", "triton"): _compact_triton_plan,
-    ("paged", "triton"): _compact_triton_plan,
+    ("paged", "triton"): _paged_triton_plan,
 }
 
 

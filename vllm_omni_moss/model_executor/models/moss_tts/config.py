@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .checks import is_count
+
 __all__ = [
     "CodecConfig",
     "GroupSpec",
@@ -164,7 +166,7 @@ def _int_field(d: dict, key: str, field: str, *, minimum: int = 1) -> int:
     if key not in d:
         raise _fail(field, "missing")
     value = d[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_count(value, minimum):
         raise _fail(field, f"expected an integer >= {minimum}, got {value!r}")
     return value
 

@@ -39,7 +39,7 @@ from .ops.residual_norm import (
     residual_layer_norm,
     residual_layer_norm_reference,
 )
-from .step_metadata import RING_SEMANTICS, default_ring_semantics
+from .step_metadata import check_ring_semantics, default_ring_semantics
 
 __all__ = [
     "CodecDecoder",
@@ -166,8 +166,8 @@ class CodecDecoder(nn.Module):
         Raises:
             ValueError: invalid codes, schedule or ring semantics.
         """
-        if ring_semantics is not None and ring_semantics not in RING_SEMANTICS:
-            raise ValueError(f"unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
+        if ring_semantics is not None:
+            check_ring_semantics(ring_semantics)
         self.validate_codes(codes)
         if codes.shape[1] == 0 or codes.shape[2] == 0:
             raise ValueError(f"codes must have B >= 1 rows and T >= 1 frames, got shape {tuple(codes.shape)}")
@@ -193,8 +193,7 @@ class CodecDecoder(nn.Module):
             ValueError: unknown ``ring_semantics`` or ``batch_size < 1``.
         """
         semantics = ring_semantics or default_ring_semantics(self.config.version)
-        if semantics not in RING_SEMANTICS:
-            raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
+        check_ring_semantics(semantics)
         stream = FixedWidthStream(self, FixedWidthState.allocate(self, batch_size), semantics)
         try:
             yield stream
@@ -215,8 +214,8 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 
 #: Token rows of one FFN pass: larger steps run the FFN in slices of this many rows, so its widest
 #: activation (rows x dim_feedforward) stays at most 65536 x 3072 bf16 = 384 MiB for the v2 codec. A
-#: B128/T15 step (61,440 rows in the last group) runs each FFN in one pass: with slices of 16,384 rows
-#: it launched 1,356 kernels instead of 1,128, at the same kernel time (benchmarks/RESULTS.md, Run AH).
+#: B128/T15 step (61,440 rows in the last group) runs each FFN in one pass: smaller slices only launched
+#: more kernels at the same kernel time (benchmarks/history/928a734.md).
 FFN_ROW_CHUNK = 65536
 
 

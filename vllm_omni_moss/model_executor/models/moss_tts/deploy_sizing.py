@@ -21,6 +21,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from .checks import check_count
+
 __all__ = [
     "STEP_RESERVE_BYTES",
     "MemoryShare",
@@ -33,10 +35,8 @@ __all__ = [
 GIB = 1 << 30
 
 #: Bytes of a Stage 1 replica's share kept for the CUDA-graph pool, a step's activations and host-visible
-#: buffers, and the CUDA context (which torch's allocator statistics do not count). On the H200 of
-#: ``benchmarks/RESULTS.md`` the allocator's peak above the decoder state and the weights was 1.89 GiB for 512
-#: streams with graphs up to 512 rows (Run AJ at ``1455723``: 49,692,322,304 bytes peak, 513 slots, 2,172,687,872
-#: bytes of weights), about the same for 1,024 streams (88.6 GiB peak, a scratch run at ``a92bc85``).
+#: buffers, and the CUDA context (which torch's allocator statistics do not count): about twice the peak
+#: measured above the decoder state and the weights (docs/serving.md, "Placing the codec stage apart").
 STEP_RESERVE_BYTES = 4 * GIB
 
 #: Pool kinds and the slots each allocates besides one per stream (docs/memory.md, "Slots per pool").
@@ -48,8 +48,7 @@ def _gib(n: int) -> str:
 
 
 def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    check_count(value, name, minimum)
 
 
 @dataclass(frozen=True)

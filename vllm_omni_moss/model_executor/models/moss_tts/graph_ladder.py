@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+from .checks import check_count
+
 __all__ = ["DENSE_UP_TO", "GROWTH", "batch_buckets", "bucket_for"]
 
 #: Buckets up to this many rows are the powers of two.
@@ -32,8 +34,7 @@ def batch_buckets(max_rows: int) -> list[int]:
     Raises:
         ValueError: ``max_rows`` is not an integer >= 1.
     """
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+    check_count(max_rows, "max_rows", 1)
     buckets = [1 << i for i in range(DENSE_UP_TO.bit_length()) if 1 << i < max_rows]
     while buckets and buckets[-1] >= DENSE_UP_TO and math.floor(GROWTH * (buckets[-1] + 1)) < max_rows:
         # The next bucket serves every batch from the last bucket + 1 up: at most GROWTH x that smallest one.

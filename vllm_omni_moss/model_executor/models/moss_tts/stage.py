@@ -42,9 +42,11 @@ from vllm_omni.model_executor.models.output_templates import OmniOutput
 from .checkpoint import load_checkpoint, resolve_checkpoint_dir
 from .config import load_config
 from .decoder import CodecDecoder
+from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
 from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, meta_of, payload_id, same_request
 from .serving import ChunkRequest, ChunkResult, CodecStreamSession
 from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for, connector_chunk_frames
+from .state import StateSpec
 from .vllm_compile import vllm_adapter_class as _vllm_adapter_class  # noqa: F401 - old import path
 from .vllm_compile import vllm_compile_factory
 
@@ -93,6 +95,7 @@ class MossTTSCodecDecoder(nn.Module):
         self._codec: CodecDecoder | None = None
         self._dtype = torch.float32
         self._session: CodecStreamSession | None = None
+        self._state_spec: StateSpec | None = None
         self._channels = 1
         self._sr_tensor = torch.tensor(self._OUTPUT_SAMPLE_RATE, dtype=torch.int32)
         self._payloads = PayloadAssembler(self.n_vq)
@@ -140,6 +143,10 @@ class MossTTSCodecDecoder(nn.Module):
             str(self._dtype).removeprefix("torch."), self.options.codec_dtype, self.state_capacity,
             self.graph_batch_sizes, self.graph_frame_sizes,
         )  # fmt: skip
+        self._state_spec = self._resolve_state_spec()
+        _check_state_fits_share(
+            self.vllm_config, device, codec, self._state_spec, self.state_capacity, self._graph_rows()
+        )
         if self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes:
             self._ensure_session()  # compile and capture at load, not on the first request
         elif self.options.state_budget_bytes is not None:
@@ -155,24 +162,33 @@ class MossTTSCodecDecoder(nn.Module):
         codec = load_checkpoint(directory, device=staging)
         return codec.to(device=device, dtype=self._dtype).eval()
 
+    def _resolve_state_spec(self) -> StateSpec:
+        """The pool's spec, from the options and the loaded codec (its version and precision)."""
+        options, codec = self.options, self._codec
+        backend = options.attention_backend
+        if backend == "triton" and codec.config.version != "v2":
+            # Upstream's triton attention replaces only v2 attention modules; v1 codecs keep SDPA there too.
+            logger.info("codec_attention_backend='triton' applies to v2 codecs; this v1 codec uses 'sdpa'")
+            backend = "sdpa"
+        seconds = options.expected_stream_seconds
+        # codec_expected_stream_seconds in code frames of this codec (12.5 frames/s for both MOSS codecs).
+        frames = None if seconds is None else max(1, round(seconds * codec.config.frame_rate))
+        return StateSpec.from_options(
+            codec, options.pool_kind, self._dtype, options.ring_semantics, backend,
+            state_budget_bytes=options.state_budget_bytes, expected_stream_frames=frames,
+        )  # fmt: skip
+
+    def _graph_rows(self) -> int:
+        # The largest graph bucket (what a legacy pool needs scratch slots for), 0 without graphs.
+        return self.graph_batch_sizes[-1] if self.graph_batch_sizes and self.graph_frame_sizes else 0
+
     def _ensure_session(self) -> CodecStreamSession:
         if self._session is None:
-            options, codec = self.options, self._codec
-            graphs = bool(self.graph_batch_sizes and self.graph_frame_sizes)
-            backend = options.attention_backend
-            if backend == "triton" and codec.config.version != "v2":
-                # Upstream's triton attention replaces only v2 attention modules; v1 codecs keep SDPA there too.
-                logger.info("codec_attention_backend='triton' applies to v2 codecs; this v1 codec uses 'sdpa'")
-                backend = "sdpa"
-            seconds = options.expected_stream_seconds
-            # codec_expected_stream_seconds in code frames of this codec (12.5 frames/s for both MOSS codecs).
-            frames = None if seconds is None else max(1, round(seconds * codec.config.frame_rate))
+            graphs = self._graph_rows() > 0
             self._session = CodecStreamSession(
-                codec, self.state_capacity, graph_batch_sizes=self.graph_batch_sizes,
+                self._codec, self.state_capacity, graph_batch_sizes=self.graph_batch_sizes,
                 graph_frame_sizes=self.graph_frame_sizes, max_step_frames=self.max_step_frames, n_vq=self.n_vq,
-                compile=vllm_compile_factory(self.vllm_config) if graphs else False, state_dtype=self._dtype,
-                attention_backend=backend, ring_semantics=options.ring_semantics, pool_kind=options.pool_kind,
-                state_budget_bytes=options.state_budget_bytes, expected_stream_frames=frames,
+                compile=vllm_compile_factory(self.vllm_config) if graphs else False, state_spec=self._state_spec,
             )  # fmt: skip
         return self._session
 
@@ -403,3 +419,21 @@ def _log_stats(s: dict) -> None:
         s["waiting_streams"], s["waiting_frames"], s["admitted_from_queue"], s["queue_wait_s_max"],
         s["clamped_codes"], s["request_errors"],
     )  # fmt: skip
+
+
+def _check_state_fits_share(vllm_config, device, codec, spec: StateSpec, capacity: int, graph_rows: int) -> None:
+    """Fail before allocating when the decoder state exceeds this replica's memory share
+    (``gpu_memory_utilization`` of the GPU; docs/serving.md, "Placing the codec stage apart")."""
+    utilization = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", None)
+    if device.type != "cuda" or utilization is None:
+        return
+    weights = sum(t.numel() * t.element_size() for t in itertools.chain(codec.parameters(), codec.buffers()))
+    check_stage_state(
+        max_num_seqs=capacity,
+        pool_kind=spec.kind,
+        bytes_per_slot=codec.config.state_bytes_per_slot(spec.dtype.itemsize),
+        share=MemoryShare(float(utilization), torch.cuda.mem_get_info(device)[1]),
+        reserved_bytes=weights + STEP_RESERVE_BYTES,
+        largest_graph_bucket=graph_rows,
+        state_budget_bytes=None if spec.paging is None else spec.paging.state_budget_bytes,
+    )

@@ -39,12 +39,24 @@ __all__ = [
     "RingMetadata",
     "apply_rope",
     "build_ring_metadata",
+    "check_ring_semantics",
     "default_ring_semantics",
     "rope_tables",
 ]
 
 #: Ring semantics a pool can be built with (see the module docstring).
 RING_SEMANTICS = ("upstream", "exact")
+
+
+def check_ring_semantics(semantics) -> str:
+    """``semantics`` if it is one of :data:`RING_SEMANTICS`.
+
+    Raises:
+        ValueError: the message lists the choices.
+    """
+    if semantics not in RING_SEMANTICS:
+        raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
+    return semantics
 
 
 def default_ring_semantics(codec_version: str) -> str:
@@ -156,8 +168,7 @@ def build_ring_metadata(
 
     Pure tensor code with no data-dependent Python branching (compile/graph safe).
     """
-    if semantics not in RING_SEMANTICS:
-        raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
+    check_ring_semantics(semantics)
     device = offsets.device
     T, C = num_tokens, spec.ring_capacity
     start = offsets.view(-1, 1)

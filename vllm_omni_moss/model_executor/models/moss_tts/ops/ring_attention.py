@@ -423,7 +423,7 @@ def ring_attention(
         k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
             are given) and values, in the cache dtype.
         cache: ``(2, S, H, C, Dh)`` the layer's rings (plane 0 keys, plane 1 values), read only. ``C``
-            is both the ring capacity and the attention window (``GroupSpec.context``).
+            is both the ring capacity and the attention window (``GroupSpec.ring_capacity``).
         slot_ids: ``(B,)`` int64 slot of each row; read only for rows with ``num_written > 0``.
         offsets: ``(B,)`` int64 tokens each row wrote before this chunk (not reduced mod ``C``).
         num_written: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it

@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ..checks import check_count
 from ..state import DecoderStatePool, build_pool
-from ..state.spec import StateSpec, check_count
+from ..state.spec import StateSpec
 from .counters import SessionCounters
 from .requests import ChunkRequest, ChunkResult, chunk_error, result_key
 from .scheduler import Scheduler
@@ -80,6 +81,7 @@ class CodecStreamSession:
             budget decides how many of them fit (``docs/memory.md``, "Paged rings").
         expected_stream_frames: with ``state_budget_bytes``, split the budget by the groups' fill over a
             stream of this many frames (:class:`~..state.PagedDecoderStatePool`).
+        state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
 
     Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty.
 
@@ -110,6 +112,7 @@ class CodecStreamSession:
         page_fraction: float | None = None,
         state_budget_bytes: int | None = None,
         expected_stream_frames: int | None = None,
+        state_spec: StateSpec | None = None,
     ):
         self._check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq)
         cfg = decoder.config
@@ -119,10 +122,10 @@ class CodecStreamSession:
         self.samples_per_frame = int(cfg.samples_per_frame)
         self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes if 0 < int(b) <= state_capacity})
         self.graph_frame_sizes = sorted({int(t) for t in graph_frame_sizes if int(t) > 0})
-        spec = StateSpec.from_options(
-            decoder, pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction,
-            state_budget_bytes, expected_stream_frames,
-        )  # fmt: skip
+        loose = (pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction, state_budget_bytes)
+        if state_spec is not None and any(v is not None for v in (*loose, expected_stream_frames)):
+            raise ValueError("give the session a state_spec or the pool options it is made of, not both")
+        spec = state_spec or StateSpec.from_options(decoder, *loose, expected_stream_frames)
         self.pool = build_pool(decoder, spec)
         use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
         self.pool.initialize(
@@ -139,8 +142,7 @@ class CodecStreamSession:
 
     @staticmethod
     def _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq):
-        if isinstance(state_capacity, bool) or not isinstance(state_capacity, int) or state_capacity < 1:
-            raise ValueError(f"state_capacity must be an integer >= 1, got {state_capacity!r}")
+        check_count(state_capacity, "state_capacity", 1)
         check_count(max_step_frames, "max_step_frames", 1)
         check_count(max_waiting_streams, "max_waiting_streams", 0)
         check_count(max_waiting_frames, "max_waiting_frames", 0)

@@ -141,12 +141,12 @@ class StepRunner:
         return next((t for t in self.graph_frame_sizes if t >= longest), longest)
 
     def _step(self, slots: list[int], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One pool step; returns each row's ``(channels, own_T * spf)`` float32 CPU audio (on CUDA still being
+        """One pool step; returns each row's ``(channels, valid_frames * spf)`` float32 CPU audio (on CUDA still being
         copied: :meth:`_to_host`)."""
         self.tracer.lap("plan_ms")
-        own = [p.shape[1] for p in pieces]
-        B, T = len(pieces), self._step_frames(max(own))
-        codes, slot_ids, lengths = self._stage_inputs(pieces, own, slots, T)
+        valid_frames = [p.shape[1] for p in pieces]
+        B, T = len(pieces), self._step_frames(max(valid_frames))
+        codes, slot_ids, lengths = self._stage_inputs(pieces, valid_frames, slots, T)
         self.tracer.lap("stage_ms")
         out = self.graphs.decode(codes, lengths, slot_ids) if self.graphs is not None else None
         c = self.counters
@@ -159,9 +159,9 @@ class StepRunner:
             out, _ = step(codes, lengths, slot_ids, valid)
         self.tracer.lap("run_ms")
         served = out.shape[-1] // self.samples_per_frame
-        c.decoded_frames += sum(own)
-        c.padded_frames += B * served - sum(own)
-        rows = self._to_host(out, own)
+        c.decoded_frames += sum(valid_frames)
+        c.padded_frames += B * served - sum(valid_frames)
+        rows = self._to_host(out, valid_frames)
         self.tracer.lap("to_host_ms")
         if self.tracer.trace is not None:
             self.tracer.trace.steps += 1
@@ -179,12 +179,12 @@ class StepRunner:
             self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=True)
         return self._pinned_inputs[:numel]
 
-    def _gather(self, codes: torch.Tensor, pieces: list[torch.Tensor], own: list[int], T: int) -> None:
+    def _gather(self, codes: torch.Tensor, pieces: list[torch.Tensor], valid_frames: list[int], T: int) -> None:
         # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
         # row by row; zero past each row's length.
         kinds = {(p.dtype, p.device) for p in pieces}
         uniform = len(kinds) == 1
-        if uniform and all(n == T for n in own):
+        if uniform and all(n == T for n in valid_frames):
             if kinds == {(codes.dtype, codes.device)}:
                 torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
             else:
@@ -196,9 +196,9 @@ class StepRunner:
         else:
             codes.zero_()
             for b, p in enumerate(pieces):
-                codes[:, b, : own[b]] = p
+                codes[:, b, : valid_frames[b]] = p
 
-    def _stage_inputs(self, pieces: list[torch.Tensor], own: list[int], slots: list[int], T: int):
+    def _stage_inputs(self, pieces: list[torch.Tensor], valid_frames: list[int], slots: list[int], T: int):
         """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
         device, codes clamped into ``[0, codebook_size)`` and zero past each row's length. On CUDA, codes from
         the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot ids and
@@ -211,12 +211,12 @@ class StepRunner:
         codes_numel = self.n_vq * B * T if stage_codes else 0
         staged = self._input_buffer(codes_numel + 2 * B) if pinned else torch.empty(2 * B, dtype=torch.long)
         meta = staged[codes_numel:].view(2, B)
-        meta.copy_(torch.tensor([slots, own], dtype=torch.long))
+        meta.copy_(torch.tensor([slots, valid_frames], dtype=torch.long))
         if stage_codes:
             codes = staged[:codes_numel].view(self.n_vq, B, T)
         else:
             codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        self._gather(codes, pieces, own, T)
+        self._gather(codes, pieces, valid_frames, T)
         self._count_clamped(codes)
         codes.clamp_(0, self.codebook_size - 1)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
@@ -257,8 +257,8 @@ class StepRunner:
         """An empty ``(channels, frames * spf)`` float32 tensor in page-locked host memory."""
         return torch.empty((self.channels, frames * self.samples_per_frame), dtype=torch.float32, pin_memory=True)
 
-    def _to_host(self, out: torch.Tensor, own: list[int]) -> list[torch.Tensor]:
-        """Each row's ``(channels, own * spf)`` float32 audio on the host, a tensor of its own.
+    def _to_host(self, out: torch.Tensor, valid_frames: list[int]) -> list[torch.Tensor]:
+        """Each row's ``(channels, valid_frames * spf)`` float32 audio on the host, a tensor of its own.
 
         On CUDA each row is copied from the device straight into a page-locked tensor of its own from torch's
         caching host allocator; when the caller drops a row its block returns to that cache for a later step.
@@ -268,9 +268,9 @@ class StepRunner:
         spf = self.samples_per_frame
         if not out.is_cuda:
             host = out.float()
-            return [host[b, :, : n * spf].clone() for b, n in enumerate(own)]
-        rows = [self._audio_row(n) for n in own]
-        for b, (row, n) in enumerate(zip(rows, own)):
+            return [host[b, :, : n * spf].clone() for b, n in enumerate(valid_frames)]
+        rows = [self._audio_row(n) for n in valid_frames]
+        for b, (row, n) in enumerate(zip(rows, valid_frames)):
             row.copy_(out[b, :, : n * spf], non_blocking=True)
         self._copies_pending = True
         return rows

@@ -25,10 +25,11 @@ from typing import ClassVar
 import torch
 
 from ..attention import plan_builder
+from ..checks import check_count
 from . import step as streaming_step
 from .slots import SlotAllocator
 from .snapshot import SlotState, cells_in_use, check_slot_state, ring_geometry
-from .spec import StateSpec, check_count, state_bytes_for
+from .spec import StateSpec, state_bytes_for
 
 __all__ = ["DecoderStatePool"]
 
@@ -241,10 +242,10 @@ class DecoderStatePool:
         validation, no host syncs."""
         return streaming_step.decode_tensors(self, codes, lengths, state_slot_ids, valid_rows)
 
-    def step_plan(self, slots: torch.Tensor, lengths: torch.Tensor, num_frames: int):
-        """The :class:`~..attention.StepPlan` of one step: ``slots`` ``(B,)`` routed slot ids, ``lengths``
-        ``(B,)`` int64 valid frames (0 for invalid rows), ``num_frames`` = ``T``."""
-        return self._plan(self, slots, lengths, num_frames)
+    def step_plan(self, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int):
+        """The :class:`~..attention.StepPlan` of one step: ``slots`` ``(B,)`` routed slot ids, ``valid_frames``
+        ``(B,)`` int64 (0 for invalid rows), ``num_frames`` = ``T``."""
+        return self._plan(self, slots, valid_frames, num_frames)
 
     # ----------------------------------------------------------------- inspection
     def slot_state(self, slot: int) -> dict[str, object]:

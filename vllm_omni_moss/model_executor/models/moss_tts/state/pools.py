@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_count
 from .offsets import FrameCounters, OffsetTable
 from .page_budget import PageBudget
 from .paged_rings import PagedRings, PagesExhausted
@@ -48,8 +49,7 @@ __all__ = [
 
 
 def _check_padding_count(count) -> None:
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"padding row count must be an integer >= 0, got {count!r}")
+    check_count(count, "padding row count", 0)
 
 
 class LegacyDecoderStatePool(DecoderStatePool):

@@ -16,25 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import check_attention_backend, default_attention_backend
+from ..checks import check_count
 from ..ops.ring_attention import RING_DTYPES
-from ..step_metadata import RING_SEMANTICS, default_ring_semantics
+from ..step_metadata import check_ring_semantics, default_ring_semantics
 from .offsets import offset_table_rows
 
-__all__ = ["POOL_KINDS", "PagingSpec", "StateSpec", "check_count", "state_bytes_for"]
+__all__ = ["POOL_KINDS", "PagingSpec", "StateSpec", "state_bytes_for"]
 
 #: Pool kinds a :class:`StateSpec` names.
 POOL_KINDS = ("compact", "legacy", "paged")
-
-
-def check_count(value, name: str, minimum: int = 0) -> int:
-    """``value`` if it is an ``int`` (not a ``bool``) ``>= minimum``.
-
-    Raises:
-        ValueError: ``"{name} must be an integer >= {minimum}, got {value!r}"``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -79,8 +69,8 @@ class PagingSpec:
         budget = state_budget_bytes
         if page_fraction is not None and budget is not None:
             raise ValueError("give the paged pool page_fraction or state_budget_bytes, not both")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"state_budget_bytes must be an integer >= 1, got {budget!r}")
+        if budget is not None:
+            check_count(budget, "state_budget_bytes", 1)
         fraction = 1.0 if page_fraction is None else page_fraction
         if isinstance(fraction, bool) or not 0.0 < float(fraction) <= 1.0:
             raise ValueError(f"page_fraction must be in (0, 1], got {page_fraction!r}")
@@ -145,8 +135,7 @@ class StateSpec:
         if not dtype.is_floating_point:
             raise ValueError(f"ring dtype must be a floating-point dtype, got {dtype}")
         ring_semantics = default_ring_semantics(config.version) if ring_semantics is None else ring_semantics
-        if ring_semantics not in RING_SEMANTICS:
-            raise ValueError(f"unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
+        check_ring_semantics(ring_semantics)
         backend = attention_backend
         if backend is None:
             backend = _DEFAULT_BACKEND.get(kind) or default_attention_backend(decoder.device)

@@ -16,21 +16,21 @@ from ..decoder import _autocast, run_decoder
 __all__ = ["decode_batch", "decode_tensors", "validate_step"]
 
 
-def decode_tensors(pool, codes, lengths, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step of ``pool`` on int64 ``codes`` ``(n_vq, B, T)``, int64 ``lengths`` ``(B,)``, int64 ``slot_ids``
-    ``(B,)`` and bool ``valid_rows`` ``(B,)`` on the pool's device.
+def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step of ``pool`` on int64 ``codes`` ``(n_vq, B, T)``, int64 ``valid_frames`` ``(B,)``, int64
+    ``slot_ids`` ``(B,)`` and bool ``valid_rows`` ``(B,)`` on the pool's device.
 
     Returns:
         ``audio`` ``(B, channels, T * samples_per_frame)`` float32, zero for invalid rows and padding frames,
-        and ``audio_lengths`` ``(B,)`` int64 valid samples per channel (``lengths * samples_per_frame``, 0 for
-        invalid rows).
+        and ``audio_lengths`` ``(B,)`` int64 valid samples per channel (``valid_frames * samples_per_frame``, 0
+        for invalid rows).
     """
     slots = pool.route(slot_ids, valid_rows)
-    lengths = torch.where(valid_rows, lengths, 0)
-    plan = pool.step_plan(slots, lengths, codes.shape[-1])
+    valid_frames = torch.where(valid_rows, valid_frames, 0)
+    plan = pool.step_plan(slots, valid_frames, codes.shape[-1])
     with torch.no_grad(), _autocast(pool.decoder):
         audio = run_decoder(pool.decoder, codes, plan)
-    audio_lengths = lengths * pool.config.samples_per_frame
+    audio_lengths = valid_frames * pool.config.samples_per_frame
     sample = torch.arange(audio.shape[-1], device=audio.device)
     audio = torch.where(sample < audio_lengths.view(-1, 1, 1), audio, 0.0)
     return audio, audio_lengths
