@@ -331,23 +331,86 @@ def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, capl
     _assert_audio(got[..., spf:], ref, "q")
 
 
-def test_audio_decoded_from_the_queue_after_the_last_row_is_logged_as_lost(tmp_path, caplog):
+def test_a_terminal_chunk_of_a_waiting_stream_is_decoded_in_its_step(tmp_path, caplog):
+    """More streams than slots (the runner finishes a request right after its terminal step): the stream whose
+    terminal chunk arrives while it waits is admitted at once, the live stream preempted to make room, and every
+    frame of both comes back exact (before, the waiting stream's audio was held past its last row and lost)."""
     stage = build_stage(tmp_path, max_num_seqs=1)
     n = stage.n_vq
     a, q = _codes(stage, 4, seed=38), _codes(stage, 4, seed=39)
     ia, iq = raw_info("a", 1, n), raw_info("q", 1, n)
-    run(stage, [a[:, :1]], [ia], ["a"])
+    got_a = run(stage, [a[:, :1]], [ia], ["a"])
     assert run(stage, [q[:, :1]], [iq], ["q"])[0].numel() == 0  # no free slot: q waits in the queue
-    assert run(stage, [q[:, 1:]], [raw_info("q", 3, n, finished=True, previous=iq)], ["q"])[0].numel() == 0
-    run(stage, [a[:, 1:]], [raw_info("a", 3, n, finished=True, previous=ia)], ["a"])  # a's slot goes to q
-    assert stage._held_frames == {"q": 4}
     with caplog.at_level(logging.ERROR, logger=STAGE_LOGGER):
-        stage.on_requests_finished(["a", "q"])
-    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
-        "MOSS codec request q finished with 4 decoded frames never returned: the session decoded them from its "
-        "admission queue after the request's last batch row; dropped"
-    ]
-    assert not stage._held and not stage._held_frames
+        got_q = run(stage, [q[:, 1:]], [raw_info("q", 3, n, finished=True, previous=iq)], ["q"])
+        stage.on_requests_finished(["q"])
+        got_a += run(stage, [a[:, 1:]], [raw_info("a", 3, n, finished=True, previous=ia)], ["a"])
+        stage.on_requests_finished(["a"])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    _assert_audio(got_q[0], fresh_decode(stage, q, [1, 3]), "q, decoded in its terminal step")
+    _assert_audio(torch.cat(got_a, dim=-1), fresh_decode(stage, a, [1, 3]), "a, preempted and restored")
+    assert stage._session.stats()["preemptions"] == 1 and not stage._held
+    assert stage._session.free_slots == 1 and not stage._session.waiting_requests
+
+
+def _forward_from_buffer(stage, buffer, segments, infos, ids):
+    """One forward the way vLLM's runner calls it: ``input_ids`` is a slice of one persistent buffer, which the
+    runner rewrites in place before its next step."""
+    flat = [s.reshape(-1).long() for s in segments]
+    counts = [f.numel() for f in flat]
+    buffer[: sum(counts)] = torch.cat(flat) if flat else buffer[:0]
+    out = stage(
+        input_ids=buffer[: sum(counts)], positions=None, runtime_additional_information=infos,
+        seq_token_counts=counts, request_ids=list(ids),
+    )  # fmt: skip
+    buffer.fill_(stage._codec.config.codebook_size - 1)  # the next step's inputs overwrite the buffer
+    return out.multimodal_outputs["model_outputs"]
+
+
+def test_a_split_chunk_survives_the_runner_rewriting_its_input_buffer(stage):
+    """The first part of a chunk split by the token budget is a view of the runner's input buffer: the stage
+    keeps a copy (before, the buffer's next contents replaced the prefix and the audio came out wrong)."""
+    buffer = torch.zeros(4096, dtype=torch.long)
+    codes = _codes(stage, 5, seed=14)
+    head, tail = codes[:, :2], codes[:, 2:].reshape(-1)
+    got = _forward_from_buffer(stage, buffer, [head], [raw_info("s", 2, stage.n_vq)], ["s"])
+    terminal = raw_info("s", 3, stage.n_vq, finished=True)
+    stage.token_budget = 7  # the first part used the whole budget of its step
+    assert _forward_from_buffer(stage, buffer, [tail[:7]], [terminal], ["s"])[0].numel() == 0
+    got += _forward_from_buffer(stage, buffer, [tail[7:]], [terminal], ["s"])
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, codes, [2, 3]), "split, from a reused buffer")
+
+
+@pytest.mark.parametrize("seed", [1, 2])  # two traces that lost whole requests before the fix
+def test_no_request_loses_audio_when_pages_are_short(tmp_path, seed):
+    """A paged pool of about two streams under eight concurrent requests, driven as vLLM's runner drives the
+    stage (one persistent input buffer, ``on_requests_finished`` right after a request's terminal step): every
+    request gets every frame it sent, exact."""
+    stage = build_stage(tmp_path, max_num_seqs=8, codec_state_budget_gib=1e-4)
+    rng = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(3, 13, (8,), generator=rng)]
+    codes = [_codes(stage, n, seed=100 * seed + r) for r, n in enumerate(lengths)]
+    spans = [[(0, 1)] + [(a, min(a + 3, n)) for a in range(1, n, 3)] for n in lengths]
+    starts, step, buffer = [r % 3 for r in range(8)], 0, torch.zeros(4096, dtype=torch.long)
+    audio: dict[str, list[torch.Tensor]] = {f"r{r}": [] for r in range(8)}
+    sent = [0] * 8
+    while any(sent[r] < len(spans[r]) for r in range(8)):
+        rows = [r for r in range(8) if starts[r] <= step and sent[r] < len(spans[r])]
+        infos, segs = [], []
+        for r in rows:
+            a, b = spans[r][sent[r]]
+            sent[r] += 1
+            segs.append(codes[r][:, a:b])
+            infos.append(raw_info(f"r{r}", b - a, stage.n_vq, finished=sent[r] == len(spans[r])))
+        out = _forward_from_buffer(stage, buffer, segs, infos, [f"r{r}" for r in rows]) if rows else []
+        for r, wav in zip(rows, out):
+            audio[f"r{r}"].append(wav)
+        stage.on_requests_finished([f"r{r}" for r in rows if sent[r] == len(spans[r])])
+        step += 1
+    for r in range(8):
+        got = torch.cat(audio[f"r{r}"], dim=-1)
+        _assert_audio(got, fresh_decode(stage, codes[r], [1, 3]), f"request r{r} of seed {seed}")
+    assert not stage._session.live_requests and not stage._session.waiting_requests
 
 
 def test_session_stats_are_logged_every_interval(stage, caplog):

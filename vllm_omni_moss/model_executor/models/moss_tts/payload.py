@@ -190,7 +190,9 @@ class PayloadAssembler:
                         f"the terminal payload declares {declared} codes but {n} arrived in a step that left "
                         "token budget unused (not a split chunk); the incomplete chunk is dropped"
                     )
-                self.partial[key] = tokens  # the token budget split the chunk: wait for the rest
+                # The token budget split the chunk: keep a copy of what came (``seg`` is a view of the engine's
+                # input buffer, which it rewrites before the next step) and wait for the rest.
+                self.partial[key] = tokens if pending is not None else tokens.clone()
                 return None, None
             if n > declared:
                 return None, f"{n} codes exceed the {declared} the payload declares"
