@@ -54,6 +54,10 @@ __all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_
 
 logger = init_logger(__name__)
 
+#: Code frames a waiting stream may buffer on average before the admission queue refuses chunks (82 s of codes;
+#: 96 bytes a frame of 12 int64 codes).
+WAITING_FRAMES_PER_SLOT = 1024
+
 
 class MossTTSCodecDecoder(nn.Module):
     """Stage 1 of MOSS-TTS: ``(n_vq, T)`` codes per request -> float32 audio.
@@ -189,6 +193,8 @@ class MossTTSCodecDecoder(nn.Module):
                 self._codec, self.state_capacity, graph_batch_sizes=self.graph_batch_sizes,
                 graph_frame_sizes=self.graph_frame_sizes, max_step_frames=self.max_step_frames, n_vq=self.n_vq,
                 compile=vllm_compile_factory(self.vllm_config) if graphs else False, state_spec=self._state_spec,
+                # The engine sends at most max_num_seqs streams: none is ever refused for the queue's size.
+                max_waiting_streams=self.state_capacity, max_waiting_frames=self.state_capacity * WAITING_FRAMES_PER_SLOT,
             )  # fmt: skip
         return self._session
 

@@ -41,6 +41,9 @@ class Scheduler:
         self.waiting = AdmissionQueue(max_waiting_streams, max_waiting_frames)
         self.counters: SessionCounters = counters
         self.incoming: dict[str, int] = {}  # during a call: frames of the batch not yet buffered, per id
+        # Request id -> the error its refused chunk got: every later chunk under the id gets it too, until the
+        # request ends (its terminal chunk, or finish_requests), so a refused request never resumes from zero.
+        self.refused: dict[str, str] = {}
         self._live_reserved = False  # during a call: the live streams' pending chunks hold their pages
 
     def begin(self, accepted: list[ChunkRequest]) -> None:
@@ -87,19 +90,24 @@ class Scheduler:
             pending = oldest.buffered_frames + self.incoming.get(oldest.request_id, 0)
             if not self._admit(oldest, pending):
                 return
-            stream = self.waiting.pop_oldest()
-            waited = time.monotonic() - stream.waiting_since
-            stream.waiting_since = None
-            self.counters.admitted_from_queue += 1
-            self.counters.queue_wait_s_max = max(self.counters.queue_wait_s_max, waited)
-            logger.info(
-                "MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited
-            )
+            self._count_admitted(self.waiting.pop_oldest())
 
     def accept(self, req: ChunkRequest) -> str | None:
         """Route one valid chunk to its live or waiting stream, or start one. Returns an error or None."""
         rid, frames = req.request_id, req.codes.shape[1]
         self.incoming.pop(rid, None)
+        refused = self.refused.pop(rid, None) if req.finished else self.refused.get(rid)
+        if refused is not None:
+            return refused
+        return self._route(req, rid, frames)
+
+    def _refuse(self, req: ChunkRequest, error: str) -> str:
+        # An admission bound refused the request: it stays refused until it ends.
+        if not req.finished:
+            self.refused[req.request_id] = error
+        return error
+
+    def _route(self, req: ChunkRequest, rid: str, frames: int) -> str | None:
         stream = self.live.get(rid) or self.waiting.get(rid)
         if stream is None:
             if frames == 0:
@@ -108,7 +116,7 @@ class Scheduler:
             if self.waiting or not self._admit(stream, frames):
                 error = self.waiting.refusal(frames, new_stream=True, capacity=self.capacity)
                 if error is not None:
-                    return error
+                    return self._refuse(req, error)
                 self.waiting.push(stream)
                 logger.info("MOSS codec: stream %r waits for a slot (%d waiting)", rid, len(self.waiting))
         elif stream.finished and frames and stream.slot is None:
@@ -125,7 +133,7 @@ class Scheduler:
             error = self.waiting.refusal(frames, new_stream=False, capacity=self.capacity)
             if error is not None:
                 self.waiting.drop(rid)
-                return f"{error}; the waiting stream's buffered chunks were dropped"
+                return self._refuse(req, f"{error}; the waiting stream's buffered chunks were dropped")
         if frames:
             # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel in
             # one pinned copy and every step clamps its codes once (the step runner); no per-chunk op here.
@@ -149,6 +157,30 @@ class Scheduler:
             self._preempt(victim)
             ready = [s for s in ready if s is not victim]
         return ready
+
+    def admit_ending(self) -> None:
+        """Admit every waiting stream whose terminal chunk has arrived, oldest first, preempting the youngest
+        live streams that are not ending to make room: the engine finishes a request right after its terminal
+        step, so its audio must come out in this call. When every live stream ends in this call too, their
+        slots free first (the session decodes again before it returns)."""
+        for rid in self.waiting.request_ids:
+            stream = self.waiting.get(rid)
+            if not stream.finished:
+                continue
+            while not self._admit(stream, stream.buffered_frames + self.incoming.get(rid, 0)):
+                victim = next((s for s in reversed(self.live.values()) if not s.finished), None)
+                if victim is None:
+                    return
+                self._preempt(victim)
+            self.waiting.drop(rid)
+            self._count_admitted(stream)
+
+    def _count_admitted(self, stream: Stream) -> None:
+        waited = time.monotonic() - stream.waiting_since
+        stream.waiting_since = None
+        self.counters.admitted_from_queue += 1
+        self.counters.queue_wait_s_max = max(self.counters.queue_wait_s_max, waited)
+        logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
 
     def _preempt(self, victim: Stream) -> None:
         victim.saved = self.pool.save_slot(victim.slot)
@@ -187,6 +219,7 @@ class Scheduler:
                         waiting.buffered_frames,
                     )
                 self.waiting.drop(rid)
+                self.refused.pop(rid, None)
                 stream = self.live.pop(rid, None)
                 if stream is not None:
                     released.append(stream.slot)

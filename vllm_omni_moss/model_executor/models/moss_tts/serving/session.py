@@ -269,8 +269,9 @@ class CodecStreamSession:
         Returns:
             A :class:`ChunkResult` for every request id in ``requests`` (with ``error`` set for a refused chunk,
             ``queued`` while the stream waits), plus one for every waiting stream that got a slot and was decoded
-            in this call. A request whose id is not a string gets its error under that id (its ``repr`` if it
-            cannot key a dict). With :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
+            in this call. A request whose id is not a ``str`` gets its error under
+            ``InvalidRequestId(position, request_id)`` (``serving.requests``), a key no other request shares. With
+            :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
         Raises:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
@@ -325,6 +326,7 @@ class CodecStreamSession:
         scheduler, audio = self._scheduler, {}
         while True:
             scheduler.admit_waiting()
+            scheduler.admit_ending()
             ready = scheduler.ready()
             ending = scheduler.finished_live()
             if ready:
@@ -368,7 +370,7 @@ def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
     for req in requests:
         if not isinstance(req, ChunkRequest):
             raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
-    ids = [result_key(req.request_id) for req in requests]
+    ids = [result_key(req.request_id, i) for i, req in enumerate(requests)]
     named = [rid for rid in ids if isinstance(rid, str)]
     dupes = sorted(rid for rid, n in Counter(named).items() if n > 1)
     if dupes:
