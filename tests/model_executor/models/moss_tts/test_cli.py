@@ -62,6 +62,9 @@ def test_cli_errors(tmp_path, capsys):
     assert "no model.safetensors" in capsys.readouterr().err
     assert main(["decode", str(tmp_path / "ok.npy"), "-o", "x.wav", "--chunks", "1,a"]) == 2
     assert "--chunks must be comma-separated positive integers" in capsys.readouterr().err
+    # An empty item is refused by name, not skipped.
+    assert main(["decode", str(tmp_path / "ok.npy"), "-o", "x.wav", "--chunks", "1,,15"]) == 2
+    assert "--chunks must be comma-separated positive integers, got '1,,15'" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_output_device_and_preset_before_decoding(tmp_path, capsys):

@@ -400,17 +400,20 @@ def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
 
 
 @pytest.mark.parametrize(
-    "bad_id,key,message",
+    "bad_id,message",
     [
-        (None, None, "request_id must be a non-empty str, got None"),
-        (["x"], "['x']", "request_id must be a non-empty str, got ['x']"),
-        (7, 7, "request_id must be a non-empty str, got 7"),
+        (None, "request_id must be a non-empty str, got None"),
+        (["x"], "request_id must be a non-empty str, got ['x']"),
+        (7, "request_id must be a non-empty str, got 7"),
     ],
 )
-def test_a_bad_request_id_fails_alone(bad_id, key, message, ring_decoder):
+def test_a_bad_request_id_fails_alone(bad_id, message, ring_decoder):
+    from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
+
     s = CodecStreamSession(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     got = s.decode([ChunkRequest("good", good, True), ChunkRequest(bad_id, good)])
+    key = InvalidRequestId(1, bad_id)
     assert got[key].error == message and got[key].frames == 0
     _close(got["good"].audio, _solo(ring_decoder, good, [2]), "good beside a bad id")
     assert s.free_slots == 2
@@ -703,3 +706,56 @@ def test_call_traces_refuse_a_bad_length(bad, ring_decoder):
     with pytest.raises(ValueError, match=re.escape(message)):
         s.enable_call_traces(bad)
     assert s.call_traces is None
+
+
+# ----------------------------------------------------------------------------- refusals and ids
+
+
+@pytest.mark.parametrize("bound", ["streams", "frames"])
+def test_a_refused_request_stays_refused_until_it_ends(ring_decoder, bound):
+    """Once an admission bound refuses a request, its later chunks get the same error (before, the next chunk
+    started a fresh stream from zero state, and the request's audio silently lacked its beginning); its
+    terminal chunk ends the refusal, and the id may then start a new stream."""
+    bounds = {"max_waiting_streams": 0} if bound == "streams" else {"max_waiting_frames": 2}
+    s = CodecStreamSession(ring_decoder, 1, **bounds)
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])  # a holds the only slot
+    first = s.decode([ChunkRequest("b", _codes(ring_decoder, 3, 2))])["b"]
+    assert first.error is not None and first.error.startswith("all 1 decoder slots are busy")
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 0, 3), True)])  # a ends: its slot is free
+    later = s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 4))])["b"]
+    assert later.error == first.error and later.frames == 0
+    assert s.live_requests == {} and s.free_slots == 1  # no fresh stream started under b
+    last = s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 5), True)])["b"]
+    assert last.error == first.error and s.live_requests == {}
+    fresh = _codes(ring_decoder, 2, 6)
+    again = s.decode([ChunkRequest("b", fresh, True)])["b"]
+    assert again.error is None and again.frames == 2
+    _close(again.audio, _solo(ring_decoder, fresh, [2]), "a new stream under the id once the refused one ended")
+    assert s.stats()["request_errors"] == 3
+
+
+def test_on_requests_finished_ends_a_refusal(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 1, max_waiting_streams=0)
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
+    assert s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 2))])["b"].error is not None
+    s.on_requests_finished(["a", "b"])
+    assert s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 3))])["b"].error is None
+    assert set(s.live_requests) == {"b"}
+
+
+def test_ids_that_are_not_strings_get_keys_no_other_request_shares(ring_decoder):
+    """A list id (which cannot key a dict) and the string of its repr are two requests; ids that compare
+    equal (1, True, 1.0) get one result each (before, they shared one, and the repr collided with the string)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
+
+    s = CodecStreamSession(ring_decoder, 2)
+    good = _codes(ring_decoder, 2, 1)
+    requests = [ChunkRequest("['x']", good, True), ChunkRequest(["x"], good), ChunkRequest(1, good)]
+    requests += [ChunkRequest(True, good), ChunkRequest(1.0, good)]
+    got = s.decode(requests)
+    assert len(got) == 5 and got["['x']"].error is None and got["['x']"].frames == 2
+    for position, rid in (1, ["x"]), (2, 1), (3, True), (4, 1.0):
+        result = got[InvalidRequestId(position, rid)]
+        assert result.error == f"request_id must be a non-empty str, got {rid!r}" and result.frames == 0
+    assert InvalidRequestId(2, 1) != InvalidRequestId(3, True) != InvalidRequestId(4, 1.0)
+    assert InvalidRequestId(1, ["x"]) != "['x']" and s.stats()["request_errors"] == 4

@@ -95,7 +95,7 @@ def _load_codes(path: Path):
 
 def _parse_chunks(text: str) -> list[int]:
     try:
-        chunks = [int(part) for part in text.split(",") if part.strip()]
+        chunks = [int(part) for part in text.split(",")]  # an empty item ("1,,15") is refused, not skipped
     except ValueError as exc:
         raise CliError(f"--chunks must be comma-separated positive integers, got {text!r}") from exc
     if not chunks or min(chunks) < 1:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CODE_DTYPES", "ChunkRequest", "ChunkResult", "chunk_error", "result_key"]
+__all__ = ["CODE_DTYPES", "ChunkRequest", "ChunkResult", "InvalidRequestId", "chunk_error", "result_key"]
 
 #: Integer dtypes a chunk's codes may have (they are gathered into int64 when a step stages them).
 CODE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -51,13 +51,39 @@ class ChunkResult:
     queued: bool = False
 
 
-def result_key(request_id) -> object:
-    """The key of a request's result: its id, or the id's ``repr`` when the id cannot key a dict."""
-    try:
-        hash(request_id)
-    except TypeError:
-        return repr(request_id)
-    return request_id
+class InvalidRequestId:
+    """The result key of a request whose id is not a ``str``: its position in the batch with the id itself.
+
+    Such a request only gets an error. Its key never equals a string id nor another request's key (ids that
+    compare equal, such as ``1``, ``True`` and ``1.0``, or ids that cannot key a dict, such as lists, still
+    get one result each).
+
+    Attributes:
+        position: the request's index in the ``decode`` call's ``requests``.
+        request_id: the id as given.
+    """
+
+    __slots__ = ("position", "request_id")
+
+    def __init__(self, position: int, request_id: object):
+        self.position, self.request_id = position, request_id
+
+    def _identity(self) -> tuple:
+        return (self.position, type(self.request_id).__qualname__, repr(self.request_id))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, InvalidRequestId) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __repr__(self) -> str:
+        return f"InvalidRequestId({self.position}, {self.request_id!r})"
+
+
+def result_key(request_id, position: int) -> object:
+    """The key of a request's result: its id when it is a ``str``, else an :class:`InvalidRequestId`."""
+    return request_id if isinstance(request_id, str) else InvalidRequestId(position, request_id)
 
 
 def chunk_error(req: ChunkRequest, n_vq: int) -> str | None:
