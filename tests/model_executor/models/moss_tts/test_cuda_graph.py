@@ -132,6 +132,33 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
 
 
 @pytest.mark.cuda
+def test_graphs_of_a_frame_size_share_one_output_buffer_and_stay_within_their_budget(cuda_ring_decoder):
+    """Every bucket of one frame size replays into one buffer of the largest bucket (outside the graphs' pool);
+    a ladder whose buffers alone exceed the budget fails before any capture, naming the sizes and the budget."""
+    from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import GraphMemoryError
+
+    dec = cuda_ring_decoder
+    pool = _pool(dec, "compact")
+    runner = StreamingGraphRunner(pool, BUCKETS, FRAMES, n_vq=dec.config.num_quantizers)
+    runner.capture()
+    spf, channels = dec.config.samples_per_frame, dec.config.number_channels
+    for t in FRAMES:
+        ptrs = {runner.graphs[(b, t)].audio.data_ptr() for b in BUCKETS}
+        assert len(ptrs) == 1 and runner.graphs[(BUCKETS[-1], t)].audio.shape == (BUCKETS[-1], channels, t * spf)
+    assert runner.output_bytes() == sum(BUCKETS[-1] * channels * t * spf * 4 for t in FRAMES)
+    assert runner.memory_bytes >= runner.output_bytes()
+    small = StreamingGraphRunner(
+        _pool(dec, "compact"), BUCKETS, FRAMES, n_vq=dec.config.num_quantizers, memory_budget_bytes=1024
+    )
+    with pytest.raises(GraphMemoryError) as err:
+        small.capture()
+    assert str(err.value).startswith(
+        f"CUDA graphs of batch buckets {list(BUCKETS)} x frame sizes {list(FRAMES)} take 0.00 GiB after 0 of 4 graphs"
+    )
+    assert "over their memory budget of 0.00 GiB" in str(err.value) and not small.graphs
+
+
+@pytest.mark.cuda
 def test_legacy_runner_needs_scratch_for_every_padding_row(cuda_ring_decoder):
     pool = make_state_pool(cuda_ring_decoder, "legacy")
     pool.initialize(CAPACITY, 2)

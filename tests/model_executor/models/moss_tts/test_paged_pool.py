@@ -243,7 +243,11 @@ def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
         for r, res in session.decode([]).items():
             audio[r].append(res.audio)
     stats = session.stats()
-    assert stats["preemptions"] > 0
+    assert stats["preemptions"] > 0 and stats["preemption_seconds"] > 0
+    # Each saved state holds its frame counter (8 bytes) and the cells in use of every layer (rings of 5 and 10
+    # tokens, 2 heads of 64 dims, float32, keys and values): a whole number of (2 x 2 x 64 x 4)-byte cells.
+    cells = stats["preempted_bytes"] - 8 * stats["preemptions"]
+    assert cells > 0 and cells % (2 * 2 * 64 * 4) == 0
     for r in names:
         got, want = torch.cat(audio[r], -1), _solo(ring_decoder, codes[r], schedules[r])
         # Within GEMM rounding of other batch shapes (1e-5 of the peak, as the session's own tests).

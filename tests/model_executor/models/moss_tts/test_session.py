@@ -214,27 +214,24 @@ def test_reused_id_after_finish_starts_fresh(ring_decoder):
 
 
 @pytest.mark.parametrize("max_waiting_frames", [None, 5])
-def test_reusing_the_id_of_an_ended_waiting_stream_fails_alone(max_waiting_frames, ring_decoder):
-    # "b" sends its whole utterance (terminal) while the only slot is taken, so it waits; a chunk with codes
-    # under "b" before its audio is returned is refused by name, neither joining the ended stream nor, at the
-    # frame bound, dropping it. Once "a" ends, "b" decodes exactly its own frames; then the id is free again.
+def test_a_terminal_chunk_of_a_waiting_stream_is_decoded_in_its_call(max_waiting_frames, ring_decoder):
+    # "b" sends its whole utterance (terminal) while the only slot is taken. The engine finishes a request right
+    # after its terminal step, so "b" cannot wait: "a" is preempted (saved to the host), "b" decodes and ends, and
+    # "a" is restored into the freed slot in the same call. The id is free again at once; a later reuse of it is
+    # served the same way, and "a" decodes exactly as if it had never left its slot.
     bound = {} if max_waiting_frames is None else {"max_waiting_frames": max_waiting_frames}
     s = CodecStreamSession(ring_decoder, 1, **bound)
     a, b, reuse = (_codes(ring_decoder, n, seed) for n, seed in ((4, 1), (3, 2), (3, 3)))
     first = s.decode([ChunkRequest("a", a[:, :2])])["a"].audio
-    assert s.decode([ChunkRequest("b", b, True)])["b"].queued
-    got = s.decode([ChunkRequest("b", reuse, True)])["b"]
-    assert got.error == (
-        "request 'b': the stream that last used this id has ended but still waits for a slot (3 frames queued); "
-        "a new stream may use the id once that one's audio has been returned"
-    )
-    assert got.frames == 0 and s.waiting_requests == ["b"] and s.stats()["waiting_frames"] == 3
-    got = s.decode([ChunkRequest("a", a[:, 2:], True)])
-    _close(torch.cat([first, got["a"].audio], -1), _solo(ring_decoder, a, [2, 2]), "a")
-    _close(got["b"].audio, _solo(ring_decoder, b, [3]), "b, decoded alone after the refused reuse")
-    assert s.free_slots == 1 and not s.waiting_requests
+    got = s.decode([ChunkRequest("b", b, True)])["b"]
+    assert got.error is None and not got.queued and got.frames == 3
+    _close(got.audio, _solo(ring_decoder, b, [3]), "b, decoded in its terminal call")
+    assert s.live_requests == {"a": 0} and not s.waiting_requests and s.stats()["preemptions"] == 1
     again = s.decode([ChunkRequest("b", reuse, True)])["b"]
     _close(again.audio, _solo(ring_decoder, reuse, [3]), "the id reused once its stream's audio came back")
+    got = s.decode([ChunkRequest("a", a[:, 2:], True)])
+    _close(torch.cat([first, got["a"].audio], -1), _solo(ring_decoder, a, [2, 2]), "a, preempted twice")
+    assert s.free_slots == 1 and not s.waiting_requests and s.stats()["preemptions"] == 2
 
 
 # ----------------------------------------------------------------------------- admission queue

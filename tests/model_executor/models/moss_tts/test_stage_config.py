@@ -344,3 +344,19 @@ def test_h200_deploy_file_fits_stage_1_state_in_its_share():
     )
     # Upstream's 256 streams on 2 x 256 slots do not fit the same share.
     assert state_bytes_for(cfg, 512, "legacy") > share
+
+
+def test_the_stage_captures_the_graph_ladder_of_its_slots(tmp_path):
+    """Graph buckets follow the package's ladder up to max_num_seqs (vLLM's cudagraph_capture_sizes is not
+    read), and the graph-memory budget comes from codec_graph_memory_gib (default 24 GiB)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    stage = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, max_num_seqs=300, enforce_eager=False))
+    assert stage.graph_batch_sizes == batch_buckets(300) and stage.graph_batch_sizes[-1] == 300
+    assert stage.options.graph_memory_bytes == 24 * 2**30
+    sized = vllm_config(tmp_path, 11, max_num_seqs=300, enforce_eager=False, codec_graph_memory_gib=1.5)
+    assert MossTTSCodecDecoder(vllm_config=sized).options.graph_memory_bytes == 3 * 2**29
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_graph_memory_gib=0))
+    assert str(err.value) == "codec_graph_memory_gib must be a finite number of GiB > 0, got 0"

@@ -15,7 +15,12 @@ Invariants:
   ``B`` entries and restores the rest to the padding ids.
 * Pool tensors are never reallocated after capture (the graphs hold their addresses):
   :meth:`StreamingGraphRunner.state_data_ptrs` lets tests check it.
-* Returned audio is a clone: a later replay rewrites the static output in place.
+* Every graph of one frame size writes its audio into one output buffer of that frame size, sized for the
+  largest bucket and allocated outside the graphs' memory pool (so the static outputs of ``k`` buckets cost
+  one buffer, not ``k``). Returned audio is a clone: a later replay rewrites the buffer in place.
+* Capture stays within ``memory_budget_bytes``: the output buffers are counted before the first capture, the
+  device memory the captures reserve after each one; past the budget capture stops with an error naming the
+  sizes and the budget.
 * Capture leaves live state untouched: warm-up runs with every row invalid, and the
   slots the pool's padding policy names (``slots_dirtied_by_padding``) are reset after.
 * Each runner captures on its own stream into its own memory pool, so its graphs
@@ -34,13 +39,17 @@ import torch
 
 from .state import DecoderStatePool
 
-__all__ = ["StreamingGraphRunner"]
+__all__ = ["GraphMemoryError", "StreamingGraphRunner"]
 
 logger = logging.getLogger(__name__)
 
 #: Warm-up runs before capture: compiles (if a compiled callable is used), autotunes,
 #: and lets the caching allocator settle outside the graph pool.
 WARMUP_RUNS = 3
+
+
+class GraphMemoryError(RuntimeError):
+    """The CUDA graphs of a ladder do not fit their memory budget (the message names the sizes and the budget)."""
 
 
 @dataclass
@@ -51,8 +60,7 @@ class _Graph:
     slot_ids: torch.Tensor  # (bucket,) int64
     valid: torch.Tensor  # (bucket,) bool
     padding_ids: torch.Tensor  # (bucket,) int64, the ids padding rows carry
-    audio: torch.Tensor  # (bucket, channels, T * spf) float32, rewritten by every replay
-    audio_lengths: torch.Tensor  # (bucket,) int64
+    audio: torch.Tensor  # (bucket, channels, T * spf) float32: the frame size's output buffer, rewritten by replays
 
 
 class StreamingGraphRunner:
@@ -67,15 +75,21 @@ class StreamingGraphRunner:
             (e.g. :func:`~.compile.compile_decode`); default: the eager tensor step.
             If capturing with it fails, the runner switches to the eager step for that
             and every later key.
+        memory_budget_bytes: device memory the graphs may take (their output buffers and the memory their
+            captures reserve), or None for no bound.
 
     Attributes:
         graphs: captured keys -> graph entries.
+        memory_bytes: device memory the graphs took, known after :meth:`capture`: the growth of the memory the
+            process reserves over the capture (output buffers, the graphs' pool, and the blocks the warm-up
+            runs leave cached for later steps).
         failures: keys that fell back to eager -> reason (``repr`` of the exception).
         compiled_keys: keys captured with ``callable``.
 
     Raises:
         ValueError: pool not on CUDA or not initialised, empty sizes, or a pool whose
             padding policy cannot serve the largest bucket (e.g. too few legacy scratch slots).
+        GraphMemoryError: (from :meth:`capture`) the graphs do not fit ``memory_budget_bytes``.
     """
 
     def __init__(
@@ -85,6 +99,7 @@ class StreamingGraphRunner:
         frame_sizes: Iterable[int],
         n_vq: int,
         callable: Callable | None = None,
+        memory_budget_bytes: int | None = None,
     ):
         if pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA pool; this pool is on {pool.device}")
@@ -100,6 +115,9 @@ class StreamingGraphRunner:
         pool.padding_slot_ids(self.batch_sizes[-1])  # raises when the pool cannot pad the largest bucket
         self.n_vq = int(n_vq)
         self._compiled = callable
+        self.memory_budget_bytes = memory_budget_bytes
+        self.memory_bytes = 0
+        self._outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.failures: dict[tuple[int, int], str] = {}
         self.compiled_keys: set[tuple[int, int]] = set()
@@ -117,16 +135,48 @@ class StreamingGraphRunner:
         self._captured = True
         device = self.pool.device
         with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+            reserved = torch.cuda.memory_reserved(device)
+            self._allocate_outputs()
             self._mempool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device)
             for key in sorted(((b, t) for b in self.batch_sizes for t in self.frame_sizes), reverse=True):
                 self._capture_key(*key)
+                self._check_memory(torch.cuda.memory_reserved(device) - reserved, len(self.graphs) + len(self.failures))
         logger.info(
-            "streaming decoder CUDA graphs: %d/%d captured (%d compiled); eager for %s",
+            "streaming decoder CUDA graphs: %d/%d captured (%d compiled) in %.2f GiB; eager for %s",
             len(self.graphs),
             len(self.batch_sizes) * len(self.frame_sizes),
             len(self.compiled_keys),
+            self.memory_bytes / 2**30,
             sorted(self.failures) or "none",
+        )
+
+    def output_bytes(self) -> int:
+        """Bytes of the output buffers: one float32 ``(largest bucket, channels, T * spf)`` per frame size."""
+        cfg = self.pool.config
+        row = cfg.number_channels * cfg.samples_per_frame * 4
+        return sum(self.batch_sizes[-1] * t * row for t in self.frame_sizes)
+
+    def _allocate_outputs(self) -> None:
+        self._check_memory(self.output_bytes(), 0)
+        cfg, device = self.pool.config, self.pool.device
+        for t in self.frame_sizes:
+            shape = (self.batch_sizes[-1], cfg.number_channels, t * cfg.samples_per_frame)
+            self._outputs[t] = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def _check_memory(self, used: int, captured: int) -> None:
+        self.memory_bytes = used
+        budget = self.memory_budget_bytes
+        if budget is None or used <= budget:
+            return
+        keys = len(self.batch_sizes) * len(self.frame_sizes)
+        self.close()
+        raise GraphMemoryError(
+            f"CUDA graphs of batch buckets {self.batch_sizes} x frame sizes {self.frame_sizes} take "
+            f"{used / 2**30:.2f} GiB after {captured} of {keys} graphs (output buffers "
+            f"{self.output_bytes() / 2**30:.2f} GiB), over their memory budget of {budget / 2**30:.2f} GiB; "
+            "raise the budget (codec_graph_memory_gib) or lower max_num_seqs"
         )
 
     def _capture_key(self, bucket: int, frames: int) -> None:
@@ -166,10 +216,13 @@ class StreamingGraphRunner:
         self._reset_padding(bucket)
 
         graph = torch.cuda.CUDAGraph()
+        out = self._outputs[frames][:bucket]
         with torch.cuda.graph(graph, pool=self._mempool, stream=self._stream, capture_error_mode="thread_local"):
-            audio, audio_lengths = step(codes, lengths, slot_ids, valid)
+            audio, _ = step(codes, lengths, slot_ids, valid)
+            out.copy_(audio)
+        del audio  # its block goes back to the graphs' pool: only the output buffer is read after a replay
         torch.cuda.synchronize(device)
-        return _Graph(graph, codes, lengths, slot_ids, valid, padding, audio, audio_lengths)
+        return _Graph(graph, codes, lengths, slot_ids, valid, padding, out)
 
     def _reset_padding(self, bucket: int) -> None:
         dirtied = self.pool.slots_dirtied_by_padding(bucket)
@@ -224,8 +277,9 @@ class StreamingGraphRunner:
         return [t.data_ptr() for t in self.pool.rings + self.pool.offset_tensors()]
 
     def close(self) -> None:
-        """Drop the graphs and their memory pool."""
+        """Drop the graphs, their output buffers and their memory pool."""
         self.graphs.clear()
+        self._outputs.clear()
         self._mempool = None
         self._stream = None
         self._compiled = None

@@ -147,7 +147,7 @@ class MossTTSCodecDecoder(nn.Module):
             str(self._dtype).removeprefix("torch."), self.options.codec_dtype, self.state_capacity,
             self.graph_batch_sizes, self.graph_frame_sizes,
         )  # fmt: skip
-        self._state_spec = self._resolve_state_spec()
+        self._state_spec = _state_spec(self.options, codec, self._dtype)
         _check_state_fits_share(
             self.vllm_config, device, codec, self._state_spec, self.state_capacity, self._graph_rows()
         )
@@ -166,22 +166,6 @@ class MossTTSCodecDecoder(nn.Module):
         codec = load_checkpoint(directory, device=staging)
         return codec.to(device=device, dtype=self._dtype).eval()
 
-    def _resolve_state_spec(self) -> StateSpec:
-        """The pool's spec, from the options and the loaded codec (its version and precision)."""
-        options, codec = self.options, self._codec
-        backend = options.attention_backend
-        if backend == "triton" and codec.config.version != "v2":
-            # Upstream's triton attention replaces only v2 attention modules; v1 codecs keep SDPA there too.
-            logger.info("codec_attention_backend='triton' applies to v2 codecs; this v1 codec uses 'sdpa'")
-            backend = "sdpa"
-        seconds = options.expected_stream_seconds
-        # codec_expected_stream_seconds in code frames of this codec (12.5 frames/s for both MOSS codecs).
-        frames = None if seconds is None else max(1, round(seconds * codec.config.frame_rate))
-        return StateSpec.from_options(
-            codec, options.pool_kind, self._dtype, options.ring_semantics, backend,
-            state_budget_bytes=options.state_budget_bytes, expected_stream_frames=frames,
-        )  # fmt: skip
-
     def _graph_rows(self) -> int:
         # The largest graph bucket (what a legacy pool needs scratch slots for), 0 without graphs.
         return self.graph_batch_sizes[-1] if self.graph_batch_sizes and self.graph_frame_sizes else 0
@@ -195,7 +179,9 @@ class MossTTSCodecDecoder(nn.Module):
                 compile=vllm_compile_factory(self.vllm_config) if graphs else False, state_spec=self._state_spec,
                 # The engine sends at most max_num_seqs streams: none is ever refused for the queue's size.
                 max_waiting_streams=self.state_capacity, max_waiting_frames=self.state_capacity * WAITING_FRAMES_PER_SLOT,
+                graph_memory_bytes=self.options.graph_memory_bytes,
             )  # fmt: skip
+            _log_graphs(self._session.runner, self.options.graph_memory_bytes)
         return self._session
 
     # ------------------------------------------------------------------ output
@@ -443,3 +429,27 @@ def _check_state_fits_share(vllm_config, device, codec, spec: StateSpec, capacit
         largest_graph_bucket=graph_rows,
         state_budget_bytes=None if spec.paging is None else spec.paging.state_budget_bytes,
     )
+
+
+def _log_graphs(runner, budget: int) -> None:
+    if runner is not None:
+        logger.info(
+            "MOSS codec CUDA graphs: batch buckets %s x frame sizes %s, %d captured in %.2f GiB (budget %.2f GiB)",
+            runner.batch_sizes, runner.frame_sizes, len(runner.graphs), runner.memory_bytes / 2**30, budget / 2**30,
+        )  # fmt: skip
+
+
+def _state_spec(options: StageOptions, codec: CodecDecoder, dtype: torch.dtype) -> StateSpec:
+    """The pool's spec, from the stage's options and the loaded codec (its version) in ``dtype``."""
+    backend = options.attention_backend
+    if backend == "triton" and codec.config.version != "v2":
+        # Upstream's triton attention replaces only v2 attention modules; v1 codecs keep SDPA there too.
+        logger.info("codec_attention_backend='triton' applies to v2 codecs; this v1 codec uses 'sdpa'")
+        backend = "sdpa"
+    seconds = options.expected_stream_seconds
+    # codec_expected_stream_seconds in code frames of this codec (12.5 frames/s for both MOSS codecs).
+    frames = None if seconds is None else max(1, round(seconds * codec.config.frame_rate))
+    return StateSpec.from_options(
+        codec, options.pool_kind, dtype, options.ring_semantics, backend,
+        state_budget_bytes=options.state_budget_bytes, expected_stream_frames=frames,
+    )  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .attention import ATTENTION_BACKENDS
+from .graph_ladder import batch_buckets
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
 
@@ -25,6 +26,9 @@ __all__ = ["CODEC_DTYPES", "StageOptions", "codec_dtype_for", "connector_chunk_f
 
 DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
 DEFAULT_MAX_STEP_FRAMES = 100
+#: Device memory the codec's CUDA graphs may take unless ``codec_graph_memory_gib`` says otherwise: the graphs
+#: of 2,048 slots fit it (docs/memory.md, "CUDA graphs").
+DEFAULT_GRAPH_MEMORY_GIB = 24.0
 
 #: ``hf_overrides`` ``codec_dtype`` values: ``"auto"`` is upstream's policy (:func:`codec_dtype_for`).
 CODEC_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -150,8 +154,10 @@ class StageOptions:
         graph_frame_sizes: the connector's chunk sizes (:func:`connector_chunk_frames`).
         max_step_frames: the longest step without graphs: the largest chunk size, or 100.
         async_chunk / enforce_eager: the model config's (``enforce_eager`` defaults to true when absent).
-        graph_batch_sizes: ``compilation_config.cudagraph_capture_sizes`` up to the slot count; none under
-            ``enforce_eager``.
+        graph_batch_sizes: the graph ladder up to the slot count (``graph_ladder.batch_buckets``); none under
+            ``enforce_eager``. vLLM's ``cudagraph_capture_sizes`` is not read.
+        graph_memory_bytes: device memory the codec's graphs may take (``codec_graph_memory_gib``, default
+            :data:`DEFAULT_GRAPH_MEMORY_GIB`).
     """
 
     n_vq: int
@@ -169,6 +175,7 @@ class StageOptions:
     async_chunk: bool
     enforce_eager: bool
     graph_batch_sizes: list[int]
+    graph_memory_bytes: int
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> StageOptions:
@@ -208,10 +215,6 @@ class StageOptions:
             n_vq, codec_path, codec_dtype, backend, semantics, pool_kind, budget, seconds, capacity,
             int(tokens) if tokens else None, frame_sizes, max(frame_sizes, default=DEFAULT_MAX_STEP_FRAMES),
             bool(getattr(model_config, "async_chunk", False)), enforce_eager,
-            [] if enforce_eager else _capture_sizes(vllm_config, capacity),
+            [] if enforce_eager else batch_buckets(capacity),
+            int((_hf_positive(hf, "codec_graph_memory_gib", "GiB") or DEFAULT_GRAPH_MEMORY_GIB) * 2**30),
         )  # fmt: skip
-
-
-def _capture_sizes(vllm_config, capacity: int) -> list[int]:
-    sizes = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_capture_sizes", None) or []
-    return sorted({int(b) for b in sizes if 0 < int(b) <= capacity})

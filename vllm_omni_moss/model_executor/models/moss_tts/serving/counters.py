@@ -18,7 +18,9 @@ class SessionCounters:
         steps_graph / steps_eager: pool steps by path.
         decoded_frames: real frames decoded; padded_frames: padding frames of real rows in steps.
         admitted_from_queue: streams that got a slot after waiting; queue_wait_s_max: the longest wait (s).
-        preemptions: streams whose state was saved to the host to free pages.
+        preemptions: streams whose state was saved to the host to free pages; preempted_bytes: the host bytes
+            of those saved states; preemption_s: host seconds spent saving and restoring them (the device copies
+            included: both wait for them).
         request_errors: chunks refused.
         clamped_codes: codes clamped into the codebook, counted so far on the host.
         clamped_on_device: counts of steps whose codes were on the device, not read yet (a lazy sum).
@@ -30,6 +32,8 @@ class SessionCounters:
     padded_frames: int = 0
     admitted_from_queue: int = 0
     preemptions: int = 0
+    preempted_bytes: int = 0
+    preemption_s: float = 0.0
     queue_wait_s_max: float = 0.0
     request_errors: int = 0
     clamped_codes: int = 0

@@ -77,8 +77,10 @@ class Scheduler:
             return False
         stream.slot = slot
         if stream.saved is not None:  # a preempted stream resumes exactly where it stopped
+            started = time.perf_counter()
             self.pool.restore_slot(slot, stream.saved)
             stream.saved = None
+            self.counters.preemption_s += time.perf_counter() - started
         self.live[stream.request_id] = stream
         return True
 
@@ -183,8 +185,11 @@ class Scheduler:
         logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
 
     def _preempt(self, victim: Stream) -> None:
+        started = time.perf_counter()
         victim.saved = self.pool.save_slot(victim.slot)
         self.pool.release([victim.slot])
+        self.counters.preemption_s += time.perf_counter() - started
+        self.counters.preempted_bytes += victim.saved.nbytes
         victim.slot = None
         del self.live[victim.request_id]
         self.waiting.push_front(victim)

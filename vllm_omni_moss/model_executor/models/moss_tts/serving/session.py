@@ -82,6 +82,8 @@ class CodecStreamSession:
         expected_stream_frames: with ``state_budget_bytes``, split the budget by the groups' fill over a
             stream of this many frames (:class:`~..state.PagedDecoderStatePool`).
         state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
+        graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
+            (``cuda_graph.StreamingGraphRunner``).
 
     Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty.
 
@@ -91,6 +93,7 @@ class CodecStreamSession:
             pool); a ``page_fraction`` or ``state_budget_bytes`` refused by the paged pool, e.g. a budget too
             small for one stream (the message names the minimum).
         RuntimeError: ``attention_backend="triton"`` without the ``triton`` package.
+        GraphMemoryError: the CUDA graphs do not fit ``graph_memory_bytes`` (the message names the sizes).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class CodecStreamSession:
         state_budget_bytes: int | None = None,
         expected_stream_frames: int | None = None,
         state_spec: StateSpec | None = None,
+        graph_memory_bytes: int | None = None,
     ):
         self._check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq)
         cfg = decoder.config
@@ -135,7 +139,7 @@ class CodecStreamSession:
         self._tracer = CallTracer()
         self._steps = StepRunner(
             self.pool, self.n_vq, self.graph_batch_sizes, self.graph_frame_sizes, max_step_frames, compile,
-            self._counters, self._tracer,
+            self._counters, self._tracer, graph_memory_bytes,
         )  # fmt: skip
         self._scheduler = Scheduler(self.pool, state_capacity, max_waiting_streams, max_waiting_frames, self._counters)
         self._closed = False
@@ -201,8 +205,9 @@ class CodecStreamSession:
     def stats(self) -> dict[str, object]:
         """Counters since construction: steps by path (``graph``/``eager``), decoded and padded frames (padding
         frames of rows in steps), the admission queue (streams and frames waiting now, streams admitted after
-        waiting, the longest wait in seconds), streams preempted for state memory (paged pools), clamped codes
-        and refused requests."""
+        waiting, the longest wait in seconds), streams preempted for state memory (paged pools) with the host
+        bytes of their saved states and the seconds saving and restoring took, clamped codes and refused
+        requests."""
         c, waiting = self._counters, self._scheduler.waiting
         return {
             "steps_by_path": {"graph": c.steps_graph, "eager": c.steps_eager},
@@ -212,6 +217,8 @@ class CodecStreamSession:
             "waiting_frames": waiting.buffered_frames,
             "admitted_from_queue": c.admitted_from_queue,
             "preemptions": c.preemptions,
+            "preempted_bytes": c.preempted_bytes,
+            "preemption_seconds": c.preemption_s,
             "queue_wait_s_max": c.queue_wait_s_max,
             "clamped_codes": self.clamped_codes,
             "request_errors": c.request_errors,

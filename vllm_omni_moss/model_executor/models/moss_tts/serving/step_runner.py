@@ -34,6 +34,10 @@ class StepRunner:
         compile: ``False``, ``True`` (:func:`~..compile.compile_decode`) or a factory ``pool -> callable``
             (as ``CodecStreamSession``).
         counters: the session's counters; tracer: the session's call tracer.
+        graph_memory_bytes: device memory the CUDA graphs may take (``cuda_graph.StreamingGraphRunner``), or None.
+
+    Raises:
+        GraphMemoryError: the graphs do not fit ``graph_memory_bytes``.
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class StepRunner:
         compile: bool | Callable,
         counters: SessionCounters,
         tracer: CallTracer,
+        graph_memory_bytes: int | None = None,
     ):
         cfg = pool.config
         self.pool, self.n_vq, self.device = pool, n_vq, pool.device
@@ -54,6 +59,7 @@ class StepRunner:
         self.graph_batch_sizes, self.graph_frame_sizes = graph_batch_sizes, graph_frame_sizes
         self.max_step_frames = max_step_frames
         self.counters, self.tracer = counters, tracer
+        self._graph_memory_bytes = graph_memory_bytes
         self._compiled = self._compiled_step(compile)
         self._eager_step = self._compiled if compile is True else None
         use_graphs = self.device.type == "cuda" and bool(graph_batch_sizes) and bool(graph_frame_sizes)
@@ -85,8 +91,9 @@ class StepRunner:
         from ..cuda_graph import StreamingGraphRunner
 
         runner = StreamingGraphRunner(
-            self.pool, self.graph_batch_sizes, self.graph_frame_sizes, self.n_vq, callable=self._compiled
-        )
+            self.pool, self.graph_batch_sizes, self.graph_frame_sizes, self.n_vq, callable=self._compiled,
+            memory_budget_bytes=self._graph_memory_bytes,
+        )  # fmt: skip
         runner.capture()
         return runner if runner.graphs else None
 

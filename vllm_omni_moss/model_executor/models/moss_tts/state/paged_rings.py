@@ -11,6 +11,7 @@ The host keeps its own copy of every page table, so allocation never reads the d
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .rings import group_tensors
@@ -46,9 +47,12 @@ class PagedRings:
             shapes.append((2, pages, spec.num_heads, self.page_size, spec.head_dim))
             self.page_tables.append(torch.zeros(num_slots, n, dtype=torch.long, device=self.device))
             self.host_tables.append([[] for _ in range(num_slots)])
+            self.tokens_per_frame.append(spec.tokens_per_frame)
+            self.pages_per_ring.append(n)
             self.free.append(list(range(pages - 1, 0, -1)))  # page 1 is allocated first
             self.group_layers.append(range(first, first + spec.num_layers))
             first += spec.num_layers
+        self.held = np.zeros((len(self.config.groups), num_slots), dtype=np.int64)
         self.groups, self.layers = group_tensors(self.config, shapes, self.budget.dtype, self.device)
 
     def drop(self) -> None:
@@ -58,6 +62,9 @@ class PagedRings:
         self.host_tables: list[list[list[int]]] = []  # per group, per slot: its physical pages in order
         self.free: list[list[int]] = []  # per group, LIFO
         self.group_layers: list[range] = []
+        self.tokens_per_frame: list[int] = []
+        self.pages_per_ring: list[int] = []
+        self.held = np.zeros((0, 0), dtype=np.int64)  # (groups, slots): pages each slot holds
 
     def free_counts(self) -> list[int]:
         return [len(free) for free in self.free]
@@ -72,11 +79,15 @@ class PagedRings:
     def extra_by_slot(self, targets: dict[int, int]) -> list[dict[int, int]]:
         """Per group, slot -> pages it must still allocate to hold the context of ``targets`` (slot -> frames
         it will have decoded); only the slots that need some."""
+        slots = np.fromiter(targets.keys(), dtype=np.int64, count=len(targets))
+        frames = np.fromiter(targets.values(), dtype=np.int64, count=len(targets))
         plan = []
-        for g, spec in enumerate(self.config.groups):
-            held = self.host_tables[g]
-            extra = {s: self.budget.pages_needed(spec, f) - len(held[s]) for s, f in targets.items()}
-            plan.append({s: n for s, n in extra.items() if n > 0})
+        for g, (tpf, per_ring) in enumerate(zip(self.tokens_per_frame, self.pages_per_ring)):
+            # PageBudget.pages_needed over every slot at once: the scheduler asks for thousands of slots a call.
+            needed = np.minimum(-(-(frames * tpf) // self.page_size), per_ring)
+            extra = needed - self.held[g, slots]
+            keep = extra > 0
+            plan.append(dict(zip(slots[keep].tolist(), extra[keep].tolist())))
         return plan
 
     def short(self, plan: list[dict[int, int]]) -> int | None:
@@ -97,6 +108,7 @@ class PagedRings:
                 cols += range(len(held), len(held) + n)
                 held += taken
                 pages += taken
+                self.held[g, slot] += n
             if rows:
                 entries = self._to_device(torch.tensor([rows, cols, pages], dtype=torch.long))
                 self.page_tables[g].index_put_((entries[0], entries[1]), entries[2])
@@ -109,6 +121,7 @@ class PagedRings:
             for slot in host_ids:
                 freed += self.host_tables[g][slot]
                 self.host_tables[g][slot] = []
+                self.held[g, slot] = 0
             if freed:  # the group's rings (L, 2, pages, H, page, Dh): pages are dim 2
                 self.groups[g].index_fill_(2, self._to_device(torch.tensor(freed, dtype=torch.long)), 0)
                 self.free[g].extend(reversed(freed))
