@@ -22,7 +22,8 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
-  vLLM a stand-in module exposing ``triton`` and ``tl`` is registered first.
+  vLLM a stand-in module exposing ``triton`` and ``tl`` serves the import while it loads
+  (``vllm_omni_moss.testing.upstream_files.load_streaming_attention``).
 
 Our arms share one decoder (same weights); each upstream arm has its own randomly initialised model (upstream
 keeps one pool per model). Weights and pools are built once, sized to the largest ``--batch``. Modes:
@@ -67,6 +68,7 @@ import torch  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
+from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
 ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")
 #: Arms of the default ``--arms``.
@@ -160,50 +162,13 @@ def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int, name: str = "u
     return Arm(name, codec.step, common.upstream_state_bytes(codec.model), codec.close_pool)
 
 
-def _upstream_masked_attention():
-    """Upstream's ``masked_attention`` custom op, from ``streaming_attention.py`` next to its codec files.
-
-    The file is loaded by path once per process (it registers ``moss_streaming::masked_attention``). It
-    imports ``tl`` and ``triton`` from ``vllm.triton_utils``; when vLLM is not installed, a stand-in
-    ``vllm.triton_utils`` module holding the real ``triton`` and ``triton.language`` is registered first.
-    """
-    import importlib.util
-    import types
-
-    name = "_moss_upstream_streaming_attention"
-    if name in sys.modules:
-        return sys.modules[name].masked_attention
-    directory = common.oracle.upstream_dir()
-    path = None if directory is None else directory / "streaming_attention.py"
-    if path is None or not path.is_file():
-        raise RuntimeError("upstream's streaming_attention.py was not found next to its codec files")
-    if importlib.util.find_spec("vllm") is None:
-        import triton
-        import triton.language as tl
-
-        stand_in = types.ModuleType("vllm.triton_utils")
-        stand_in.triton, stand_in.tl = triton, tl
-        package = types.ModuleType("vllm")
-        package.__path__ = []
-        package.triton_utils = stand_in
-        sys.modules.setdefault("vllm", package)
-        sys.modules["vllm.triton_utils"] = stand_in
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module.masked_attention
-
-
 def _install_upstream_triton(codec: common.UpstreamCodecArm) -> int:
     """Give every attention module of ``codec``'s decoder upstream's masked Triton attention, as upstream's
     stage does for ``codec_attention_backend: triton`` (``load_weights`` of ``modeling_moss_tts_codec.py``).
-    Returns the number of modules changed."""
-    attention = _upstream_masked_attention()
+    The wheel's ``streaming_attention.py`` is loaded once per process by
+    :func:`vllm_omni_moss.testing.upstream_files.load_streaming_attention` (a stand-in ``vllm.triton_utils``
+    during the load where vLLM is not installed). Returns the number of modules changed."""
+    attention = load_streaming_attention().masked_attention
     modules = [
         m for m in codec.model.decoder.modules() if isinstance(m, codec.module.MossAudioTokenizerMultiheadAttention)
     ]

@@ -546,7 +546,7 @@ def test_upstream_stage_plan_follows_upstream_policy():
 
 
 def test_upstream_stage_streams_match_single_stream_decode():
-    """Batched streams through the driver (slot leasing, LIFO reuse, terminal resets) decode exactly as
+    """Batched streams through the driver (slots taken and freed, LIFO reuse, terminal resets) decode exactly as
     each stream alone on a fresh upstream pool (fp32 CPU; rows differ only by GEMM batch shape)."""
     bench = _load("bench_codec_stage")
     common, torch, us = bench.common, bench.torch, bench.upstream_stage
@@ -614,17 +614,20 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
     oracle = pytest.importorskip("vllm_omni_moss.testing.upstream")
     if oracle.upstream_dir() is None or not (oracle.upstream_dir() / "streaming_attention.py").is_file():
         pytest.skip("vllm-omni 0.30.0 moss_tts files missing")
+    # One loader of the file for the tests and both benchmarks that use it (bench_codec_step.py, upstream_stage.py).
     out = _run_python(
         "import sys\n"
         "sys.path.insert(0, 'benchmarks/tts')\n"
-        "import upstream_stage\n"
-        "from vllm_omni_moss.testing import upstream\n"
-        "module = upstream_stage.load_streaming_attention(upstream.upstream_dir(), stand_in=True)\n"
-        "again = upstream_stage.load_streaming_attention(upstream.upstream_dir(), stand_in=True)\n"
+        "import bench_codec_step, upstream_stage\n"
+        "from vllm_omni_moss.testing import upstream, upstream_files\n"
+        "module = upstream_files.load_streaming_attention(upstream.upstream_dir(), stand_in=True)\n"
+        "again = upstream_files.load_streaming_attention(stand_in=True)\n"
         "left = [m for m in sys.modules if m.split('.')[0] == 'vllm']\n"
-        "print(type(module.masked_attention).__name__, again is module, left)\n"
+        "same = upstream_stage.load_streaming_attention is bench_codec_step.load_streaming_attention\n"
+        "same = same and upstream.load_streaming_attention is upstream_files.load_streaming_attention\n"
+        "print(type(module.masked_attention).__name__, again is module, left, same)\n"
     )
-    assert out.strip() == "CustomOpDef True []"
+    assert out.strip() == "CustomOpDef True [] True"
 
 
 def test_stage_append_merges_a_split_sweep(tmp_path):
