@@ -269,10 +269,14 @@ def test_cuda_only_benchmarks_refuse_a_machine_without_cuda(name, argv, message,
 def test_common_helpers():
     common = _load("bench_codec_step").common
     assert common.parse_int_list("1, 8,8,64") == [1, 8, 64]
-    with pytest.raises(ValueError):
-        common.parse_int_list("0")
-    with pytest.raises(ValueError):
-        common.parse_str_list("eager,warp", ("eager", "graph"))
+    for text, message in (("0", "expected positive integers"), ("4,,8", "empty item"), ("4,", "empty item"),
+                          ("x", "'x' is not an integer"), ("", "empty item")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            common.parse_int_list(text)
+    assert common.parse_str_list("graph, eager,graph", ("eager", "graph")) == ["graph", "eager"]
+    for text in ("eager,warp", "eager,,graph", ""):
+        with pytest.raises(ValueError, match=r"not in \['eager', 'graph'\]"):
+            common.parse_str_list(text, ("eager", "graph"))
     stats = common.summarize_ms([4.0, 1.0, 3.0, 2.0])
     assert stats["median_ms"] == 2.5 and stats["p10_ms"] == pytest.approx(1.3) and stats["samples_ms"][0] == 4.0
     codes = common.random_codes(3, 12, 2, 5, 1024, common.torch.device("cpu"), seed=1)
@@ -727,3 +731,73 @@ def test_main_job_names_a_bad_list_argument_without_a_traceback(argv, message, t
         _load("bench_codec_stage").main(["--device", "cpu", *argv, "--out", str(out)])
     assert str(exc.value.code).startswith(message)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        ("bench_codec_memory", ["--arms", "foo"], "--arms 'foo': 'foo' not in ['legacy', 'v2', 'v2-paged', 'upstream']"),
+        ("bench_codec_memory", ["--streams", "x"], "--streams 'x': 'x' is not an integer"),
+        ("bench_codec_memory", ["--streams", "64,,128"], "--streams '64,,128': empty item in '64,,128'"),
+        ("bench_codec_memory", ["--context-frames", "0"], "--context-frames '0': expected positive integers"),
+        ("bench_codec_step", ["--batch", "0"], "--batch '0': expected positive integers, got 0 in '0'"),
+        ("bench_codec_step", ["--frames", "1,,15"], "--frames '1,,15': empty item in '1,,15'"),
+        ("bench_codec_step", ["--modes", "warp"], "--modes 'warp': 'warp' not in ['eager', 'graph', 'compiled']"),
+        ("bench_codec_step", ["--arms", "v2,bogus"], "--arms 'v2,bogus': 'bogus' not in"),
+        ("bench_codec_step", ["--n-vq", "0"], "--n-vq must be >= 1, got 0"),
+        ("bench_codec_startup", ["--checkpoint", "/nonexistent/codec"], "--checkpoint '/nonexistent/codec': no such directory"),
+        ("bench_codec_startup", ["--checkpoint", ".", "--graph-batch-sizes", "1,,2"], "--graph-batch-sizes '1,,2': empty item"),
+        ("bench_gemm_shapes", ["--batch", "64,"], "--batch '64,': empty item in '64,'"),
+        ("bench_ring_attention", ["--frames", "x"], "--frames 'x': 'x' is not an integer"),
+    ],
+)  # fmt: skip
+def test_benchmarks_name_a_bad_flag_and_exit_2(name, argv, message, tmp_path, capsys):
+    # A usage error naming the flag and the value, before any work: no traceback, nothing written.
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as exc:
+        _load(name).main([*argv, "--json", str(out)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_benchmarks_refuse_cuda_on_a_machine_without_it(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("bench_codec_memory", "bench_codec_step"):
+        with pytest.raises(SystemExit) as exc:
+            _load(name).main(["--device", "cuda"])
+        assert exc.value.code == 2 and "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_plot_results_names_files_after_the_device_and_skips_empty_modes(tmp_path, capsys, monkeypatch):
+    plots = _load("plot_results")
+    assert plots.device_slug("NVIDIA H200") == "h200" and plots.device_slug("cpu") == "cpu"
+    assert plots.device_slug("NVIDIA A100-SXM4-80GB") == "a100_sxm4_80gb"
+    step = _load("bench_codec_step").main(
+        "--preset tiny-v2 --batch 1 --frames 1 --modes eager --arms legacy,v2,v2-sdpa,v2-triton --repeats 1 "
+        "--steps-per-round 1 --warmup 0 --device cpu".split()
+        + ["--json", str(tmp_path / "step.json")]
+    )
+    memory = tmp_path / "memory.json"
+    _load("bench_codec_memory").main(
+        ["--preset", "tiny-v2", "--streams", "2", "--device", "cpu", "--json", str(memory)]
+    )
+    written = plots.main(["--step", str(tmp_path / "step.json"), "--memory", str(memory), "--out", str(tmp_path)])
+    # A CPU run: cpu_* files; no graph-mode data on a CPU: no graph plot, and a line saying so.
+    assert [p.name for p in written] == ["cpu_step_eager.png", "cpu_memory.png"]
+    assert not list(tmp_path.glob("h200_*")) and not (tmp_path / "cpu_step_graph.png").exists()
+    assert "no graph mode data in" in capsys.readouterr().out
+
+    import matplotlib.figure
+    from matplotlib.container import BarContainer
+
+    captured = {}
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: captured.setdefault(path.name, fig)
+    )
+    plots.plot_step(tmp_path / "step.json", tmp_path, "eager")
+    ax = captured["cpu_step_eager.png"].axes[0]
+    assert ax.get_title().startswith("MOSS tiny-v2 codec decode step on cpu")  # the JSON's preset, not "v2"
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    colors = {tuple(p.get_facecolor()) for c in bars for p in c.patches}
+    assert len(colors) == len(step["arms"]) == 4  # one colour per arm
