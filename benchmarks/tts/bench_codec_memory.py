@@ -20,8 +20,8 @@ CUDA-graph batch bucket equals C:
   How the pages are obtained: on CUDA, by REAL DECODE STEPS (``pool.decode_streaming_batch`` on random
   codes, which calls ``pool.prepare_step(slots, frames)`` before writing, exactly as the session's ``_step``
   does). Without a GPU the pool lives on the meta device (no values, nothing allocated) and each step
-  instead calls the pool's own page reservation (``PagedDecoderStatePool._reserve``, which ``prepare_step``
-  calls with ``frames_decoded + frames`` per slot) with the frame counts kept on the host: the same page
+  instead calls ``pool.prepare_step(slots, frames, frames_decoded)`` with the frame counts kept on the host
+  (so it never reads the device's counters): the same page
   arithmetic, ``min(ceil(F x tokens_per_frame / page_size), window / page_size)`` pages per group and slot,
   without decoding (decoding the v2 preset's C streams on a CPU would take hours). ``paged_context_bytes``
   runs either way on any real device, so the tests check one against the other on a tiny codec.
@@ -108,6 +108,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0.0 < args.page_fraction <= 1.0:
         parser.error(f"--page-fraction must be in (0, 1], got {args.page_fraction}")
+    args.stream_counts = common.int_list_flag(parser, "--streams", args.streams)
+    args.arm_names = common.str_list_flag(parser, "--arms", args.arms, ARMS)
+    args.context_frames = common.int_list_flag(parser, "--context-frames", args.context_frames)
+    args.chunk_sizes = common.int_list_flag(parser, "--chunks", args.chunks)
+    if args.n_vq < 1:
+        parser.error(f"--n-vq must be >= 1, got {args.n_vq}")
+    try:
+        args.device = common.resolve_device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
     return args
 
 
@@ -160,6 +170,29 @@ def paged_group_pages(pool: PagedDecoderStatePool) -> list[int]:
     return [int(pool.rings[layer].shape[1]) for layer in first]
 
 
+def _advance_streams(pool, held: int, pieces: list[int], n_vq: int, seed: int) -> int:
+    """Take ``held`` fresh slots of ``pool`` through ``pieces`` frames per step; returns the decode steps run
+    (0 on the meta device, where each step only reserves its pages). Raises ``PagesExhausted`` when short."""
+    decode = pool.device.type != "meta"
+    gen = torch.Generator().manual_seed(int(seed))
+    slots = [pool.acquire() for _ in range(held)]
+    frames, steps = 0, 0
+    for piece in pieces:
+        if decode:
+            codes = torch.randint(0, pool.config.codebook_size, (n_vq, held, piece), generator=gen)
+            pool.decode_streaming_batch(
+                codes.to(pool.device),
+                torch.full((held,), piece, dtype=torch.long, device=pool.device),
+                torch.tensor(slots, dtype=torch.long, device=pool.device),
+                torch.ones(held, dtype=torch.bool, device=pool.device),
+            )
+            steps += 1
+        else:
+            pool.prepare_step(slots, [piece] * held, [frames] * held)
+        frames += piece
+    return steps
+
+
 def paged_context_bytes(
     decoder,
     streams: int,
@@ -176,8 +209,8 @@ def paged_context_bytes(
     ``streams`` slots; the streams take fresh slots and advance together, one step per piece of
     :func:`piece_frames`. On a real device every step is a real ``pool.decode_streaming_batch`` on random
     codes (``n_vq`` codebooks), which allocates the step's pages through ``pool.prepare_step`` as the
-    session's steps do. On the meta device every step only reserves the pages: ``pool._reserve`` with each
-    slot's frame count after the step, the call ``prepare_step`` makes. When a step is short of pages
+    session's steps do. On the meta device every step only reserves the pages: ``pool.prepare_step`` with
+    each slot's frame count kept on the host. When a step is short of pages
     (``page_fraction`` < 1) the whole run starts again in a fresh pool with one stream fewer: the pages the
     other streams hold do not depend on the dropped stream, so this equals the session preempting its
     youngest stream (a meta pool cannot release a slot: releasing reads the slot's page list on the device).
@@ -188,27 +221,11 @@ def paged_context_bytes(
         ``state_in_use_bytes`` (bytes, the pool's own counts) and ``decode_steps`` (steps of the last run,
         0 on the meta device).
     """
-    decode = decoder.device.type != "meta"
     for held in range(streams, 0, -1):
         pool = make_state_pool(decoder, "paged", dtype=dtype, page_fraction=page_fraction)
         pool.initialize(streams, streams)
         try:
-            gen = torch.Generator().manual_seed(int(seed))
-            slots = [pool.acquire() for _ in range(held)]
-            frames, steps = 0, 0
-            for piece in piece_frames(context_frames, chunk_sizes):
-                if decode:
-                    codes = torch.randint(0, pool.config.codebook_size, (n_vq, held, piece), generator=gen)
-                    pool.decode_streaming_batch(
-                        codes.to(pool.device),
-                        torch.full((held,), piece, dtype=torch.long, device=pool.device),
-                        torch.tensor(slots, dtype=torch.long, device=pool.device),
-                        torch.ones(held, dtype=torch.bool, device=pool.device),
-                    )
-                    steps += 1
-                else:
-                    pool._reserve({slot: frames + piece for slot in slots})
-                frames += piece
+            steps = _advance_streams(pool, held, piece_frames(context_frames, chunk_sizes), n_vq, seed)
         except PagesExhausted:
             continue  # one stream fewer
         finally:
@@ -282,6 +299,40 @@ def _measure_upstream(codec: common.UpstreamCodecArm, streams: int, device: torc
     return entry
 
 
+def _print_paged_table(result: dict[str, Any]) -> None:
+    paged = result["arms"]["v2-paged"]
+    compact = result["arms"].get("v2", {})
+    prows = []
+    for count, e in paged.items():
+        for f, used in e["in_use_by_context_frames"].items():
+            prows.append(
+                [
+                    count,
+                    f,
+                    f"{used['context_seconds']:.2f}",
+                    used["streams_held"],
+                    f"{common.gib(used['pages_in_use_bytes']):.3f}",
+                    f"{common.gib(used['state_in_use_bytes']):.3f}",
+                    f"{common.gib(e['state_bytes']):.2f}",
+                    f"{common.gib(compact[count]['state_bytes']):.2f}" if count in compact else "-",
+                ]
+            )
+    fraction = next(iter(paged.values()))["page_fraction"]
+    mode = next(iter(paged.values()))["in_use_mode"]
+    print(f"\n### v2-paged: state held after F frames per stream (page fraction {fraction:g}, {mode})\n")
+    headers = [
+        "streams",
+        "context frames",
+        "context s",
+        "streams held",
+        "pages in use GiB",
+        "state in use GiB",
+        "paged allocated GiB",
+        "v2 state GiB",
+    ]
+    print(common.markdown_table(headers, prows))
+
+
 def _print_table(result: dict[str, Any]) -> None:
     rows = []
     for arm, per_count in result["arms"].items():
@@ -316,49 +367,73 @@ def _print_table(result: dict[str, Any]) -> None:
         )
     print("\n### weights\n")
     print(common.markdown_table(["model", "parameter+buffer GiB", "allocated GiB", "note"], wrows))
-    paged = result["arms"].get("v2-paged", {})
-    if paged:
-        compact = result["arms"].get("v2", {})
-        prows = []
-        for count, e in paged.items():
-            for f, used in e["in_use_by_context_frames"].items():
-                prows.append(
-                    [
-                        count,
-                        f,
-                        f"{used['context_seconds']:.2f}",
-                        used["streams_held"],
-                        f"{common.gib(used['pages_in_use_bytes']):.3f}",
-                        f"{common.gib(used['state_in_use_bytes']):.3f}",
-                        f"{common.gib(e['state_bytes']):.2f}",
-                        f"{common.gib(compact[count]['state_bytes']):.2f}" if count in compact else "-",
-                    ]
-                )
-        fraction = next(iter(paged.values()))["page_fraction"]
-        mode = next(iter(paged.values()))["in_use_mode"]
-        print(f"\n### v2-paged: state held after F frames per stream (page fraction {fraction:g}, {mode})\n")
-        headers = [
-            "streams",
-            "context frames",
-            "context s",
-            "streams held",
-            "pages in use GiB",
-            "state in use GiB",
-            "paged allocated GiB",
-            "v2 state GiB",
-        ]
-        print(common.markdown_table(headers, prows))
+    if result["arms"].get("v2-paged"):
+        _print_paged_table(result)
     for arm, reason in result["skipped"].items():
         print(f"\nskipped {arm}: {reason}")
 
 
+def _measure_our_arms(ours_arms: list[str], args, device, build_device, result: dict[str, Any]) -> None:
+    """Our decoder's weights, then every (arm, stream count) of our pools, into ``result``."""
+    streams = args.stream_counts
+    common.free_memory(device)
+    before = common.cuda_memory(device) if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    decoder = common.random_decoder(args.preset, build_device, args.seed)
+    weights: dict[str, Any] = {
+        "param_bytes": common.module_bytes(decoder),
+        "note": "decoder only (bf16 weights + bf16 decode table)",
+    }
+    if before is not None:
+        weights.update(common.memory_delta(before, common.cuda_memory(device)))
+        weights["allocated_bytes"] = weights["allocated_delta_bytes"]
+        weights["build_s"] = round(time.perf_counter() - t0, 3)
+    result["weights"]["ours"] = weights
+    for arm in ours_arms:
+        result["arms"][arm] = {}
+        for count in streams:
+            if arm == "v2-paged":
+                entry = _measure_paged(decoder, count, build_device, args)
+            else:
+                entry = _measure_ours(decoder, arm, count, build_device)
+            result["arms"][arm][str(count)] = entry
+            common.write_json(args.json, result)
+    del decoder
+    common.free_memory(device)
+
+
+def _measure_upstream_arm(args, device, n_vq: int, result: dict[str, Any]) -> None:
+    """Upstream's weights and pools at every stream count (GPU only; the reason into ``result`` otherwise)."""
+    ok, reason = common.upstream_status(args.preset, device)
+    if ok and device.type != "cuda":
+        ok, reason = False, "needs a GPU (meta accounting covers only our pools; upstream allocates for real)"
+    if not ok:
+        result["skipped"]["upstream"] = reason
+        result["weights"]["upstream"] = {"skipped": reason}
+        return
+    before = common.cuda_memory(device)
+    t0 = time.perf_counter()
+    codec = common.build_upstream_codec(args.preset, device, args.seed, n_vq)
+    delta = common.memory_delta(before, common.cuda_memory(device))
+    result["weights"]["upstream"] = {
+        "param_bytes": codec.total_bytes,
+        "decoder_param_bytes": codec.decoder_bytes,
+        "allocated_bytes": delta["allocated_delta_bytes"],
+        **delta,
+        "build_s": round(time.perf_counter() - t0, 3),
+        "note": "full codec: fp32 encoder + fp32 quantizer + bf16 decoder + bf16 decode table",
+    }
+    result["arms"]["upstream"] = {}
+    for count in args.stream_counts:
+        result["arms"]["upstream"][str(count)] = _measure_upstream(codec, count, device)
+        common.write_json(args.json, result)
+    del codec
+    common.free_memory(device)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
-    streams = common.parse_int_list(args.streams)
-    arms = common.parse_str_list(args.arms, ARMS)
-    args.context_frames = common.parse_int_list(args.context_frames)
-    args.chunk_sizes = common.parse_int_list(args.chunks)
-    device = common.resolve_device(args.device)
+    streams, arms, device = args.stream_counts, args.arm_names, args.device
     accounting = "cuda" if device.type == "cuda" else "meta"
     build_device = device if device.type == "cuda" else torch.device("meta")
     config = preset_config(args.preset)
@@ -383,57 +458,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["skipped"][arm] = f"preset {args.preset!r} is a {config.version} codec; the {pool} serves v2 codecs"
             ours_arms.remove(arm)
     if ours_arms:
-        common.free_memory(device)
-        before = common.cuda_memory(device) if device.type == "cuda" else None
-        t0 = time.perf_counter()
-        decoder = common.random_decoder(args.preset, build_device, args.seed)
-        weights: dict[str, Any] = {
-            "param_bytes": common.module_bytes(decoder),
-            "note": "decoder only (bf16 weights + bf16 decode table)",
-        }
-        if before is not None:
-            weights.update(common.memory_delta(before, common.cuda_memory(device)))
-            weights["allocated_bytes"] = weights["allocated_delta_bytes"]
-            weights["build_s"] = round(time.perf_counter() - t0, 3)
-        result["weights"]["ours"] = weights
-        for arm in ours_arms:
-            result["arms"][arm] = {}
-            for count in streams:
-                if arm == "v2-paged":
-                    entry = _measure_paged(decoder, count, build_device, args)
-                else:
-                    entry = _measure_ours(decoder, arm, count, build_device)
-                result["arms"][arm][str(count)] = entry
-                common.write_json(args.json, result)
-        del decoder
-        common.free_memory(device)
-
+        _measure_our_arms(ours_arms, args, device, build_device, result)
     if "upstream" in arms:
-        ok, reason = common.upstream_status(args.preset, device)
-        if ok and device.type != "cuda":
-            ok, reason = False, "needs a GPU (meta accounting covers only our pools; upstream allocates for real)"
-        if not ok:
-            result["skipped"]["upstream"] = reason
-            result["weights"]["upstream"] = {"skipped": reason}
-        else:
-            before = common.cuda_memory(device)
-            t0 = time.perf_counter()
-            codec = common.build_upstream_codec(args.preset, device, args.seed, n_vq)
-            delta = common.memory_delta(before, common.cuda_memory(device))
-            result["weights"]["upstream"] = {
-                "param_bytes": codec.total_bytes,
-                "decoder_param_bytes": codec.decoder_bytes,
-                "allocated_bytes": delta["allocated_delta_bytes"],
-                **delta,
-                "build_s": round(time.perf_counter() - t0, 3),
-                "note": "full codec: fp32 encoder + fp32 quantizer + bf16 decoder + bf16 decode table",
-            }
-            result["arms"]["upstream"] = {}
-            for count in streams:
-                result["arms"]["upstream"][str(count)] = _measure_upstream(codec, count, device)
-                common.write_json(args.json, result)
-            del codec
-            common.free_memory(device)
+        _measure_upstream_arm(args, device, n_vq, result)
 
     if "legacy" in result["arms"] and "v2" in result["arms"]:
         result["saving_bytes"] = {

@@ -50,7 +50,8 @@ def _process_start_seconds_ago() -> float | None:
         return None
 
 
-def main(argv=None) -> int:
+def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device]:
+    """(flags, graph buckets, graph frame sizes, device); a bad flag is a usage error (exit 2) naming it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--device", default="cuda")
@@ -59,19 +60,24 @@ def main(argv=None) -> int:
     p.add_argument("--graph-frame-sizes", default="1,15", help="CUDA-graph frame sizes (1,15)")
     p.add_argument("--json", type=Path, help="write the phases here")
     args = p.parse_args(argv)
-    try:
-        buckets = common.parse_int_list(args.graph_batch_sizes)
-    except ValueError as exc:
-        p.error(f"--graph-batch-sizes: {exc}")
-    try:
-        frame_sizes = common.parse_int_list(args.graph_frame_sizes)
-    except ValueError as exc:
-        p.error(f"--graph-frame-sizes: {exc}")
+    buckets = common.int_list_flag(p, "--graph-batch-sizes", args.graph_batch_sizes)
+    frame_sizes = common.int_list_flag(p, "--graph-frame-sizes", args.graph_frame_sizes)
+    if not (args.checkpoint / "config.json").is_file():
+        what = "no such directory" if not args.checkpoint.is_dir() else "no config.json in it"
+        p.error(f"--checkpoint {str(args.checkpoint)!r}: {what} (make one with vllm-omni-moss make-checkpoint)")
     if args.capacity < max(buckets):
         p.error(f"--capacity {args.capacity} is below the largest bucket {max(buckets)}")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        p.error(f"--device {args.device!r}: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+        p.error(f"--device {args.device}: no CUDA device is available")
+    return args, buckets, frame_sizes, device
+
+
+def main(argv=None) -> int:
+    args, buckets, frame_sizes, device = _parse(argv)
 
     def sync() -> float:
         if device.type == "cuda":

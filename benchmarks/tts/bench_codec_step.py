@@ -22,7 +22,8 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
-  vLLM a stand-in module exposing ``triton`` and ``tl`` is registered first.
+  vLLM a stand-in module exposing ``triton`` and ``tl`` serves the import while it loads
+  (``vllm_omni_moss.testing.upstream_files.load_streaming_attention``).
 
 Our arms share one decoder (same weights); each upstream arm has its own randomly initialised model (upstream
 keeps one pool per model). Weights and pools are built once, sized to the largest ``--batch``. Modes:
@@ -67,6 +68,7 @@ import torch  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
+from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
 ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")
 #: Arms of the default ``--arms``.
@@ -112,9 +114,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name in ("repeats", "steps_per_round", "code_sets"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.n_vq < 1:
+        parser.error(f"--n-vq must be >= 1, got {args.n_vq}")
+    args.batches = common.int_list_flag(parser, "--batch", args.batch)
+    args.frames_list = common.int_list_flag(parser, "--frames", args.frames)
+    args.mode_names = common.str_list_flag(parser, "--modes", args.modes, MODES)
+    args.arm_names = common.str_list_flag(parser, "--arms", args.arms, ARMS)
+    try:
+        args.device = common.resolve_device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
     return args
 
 
@@ -160,50 +172,13 @@ def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int, name: str = "u
     return Arm(name, codec.step, common.upstream_state_bytes(codec.model), codec.close_pool)
 
 
-def _upstream_masked_attention():
-    """Upstream's ``masked_attention`` custom op, from ``streaming_attention.py`` next to its codec files.
-
-    The file is loaded by path once per process (it registers ``moss_streaming::masked_attention``). It
-    imports ``tl`` and ``triton`` from ``vllm.triton_utils``; when vLLM is not installed, a stand-in
-    ``vllm.triton_utils`` module holding the real ``triton`` and ``triton.language`` is registered first.
-    """
-    import importlib.util
-    import types
-
-    name = "_moss_upstream_streaming_attention"
-    if name in sys.modules:
-        return sys.modules[name].masked_attention
-    directory = common.oracle.upstream_dir()
-    path = None if directory is None else directory / "streaming_attention.py"
-    if path is None or not path.is_file():
-        raise RuntimeError("upstream's streaming_attention.py was not found next to its codec files")
-    if importlib.util.find_spec("vllm") is None:
-        import triton
-        import triton.language as tl
-
-        stand_in = types.ModuleType("vllm.triton_utils")
-        stand_in.triton, stand_in.tl = triton, tl
-        package = types.ModuleType("vllm")
-        package.__path__ = []
-        package.triton_utils = stand_in
-        sys.modules.setdefault("vllm", package)
-        sys.modules["vllm.triton_utils"] = stand_in
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module.masked_attention
-
-
 def _install_upstream_triton(codec: common.UpstreamCodecArm) -> int:
     """Give every attention module of ``codec``'s decoder upstream's masked Triton attention, as upstream's
     stage does for ``codec_attention_backend: triton`` (``load_weights`` of ``modeling_moss_tts_codec.py``).
-    Returns the number of modules changed."""
-    attention = _upstream_masked_attention()
+    The wheel's ``streaming_attention.py`` is loaded once per process by
+    :func:`vllm_omni_moss.testing.upstream_files.load_streaming_attention` (a stand-in ``vllm.triton_utils``
+    during the load where vLLM is not installed). Returns the number of modules changed."""
+    attention = load_streaming_attention().masked_attention
     modules = [
         m for m in codec.model.decoder.modules() if isinstance(m, codec.module.MossAudioTokenizerMultiheadAttention)
     ]
@@ -398,6 +373,22 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     return round(a["median_ms"] / b["median_ms"], 4)
 
 
+def _ratios(a: dict[str, Any]) -> dict[str, float | None]:
+    """Median ratios of one (B, T, mode): v2/legacy, v2/upstream, legacy/upstream, and each of our V2 arms
+    against the faster upstream arm (``<arm>/upstream-best``)."""
+    ratios = {
+        "v2/legacy": _ratio(a.get("v2"), a.get("legacy")),
+        "v2/upstream": _ratio(a.get("v2"), a.get("upstream")),
+        "legacy/upstream": _ratio(a.get("legacy"), a.get("upstream")),
+    }
+    upstreams = [a[name] for name in UPSTREAM_ARMS if name in a]
+    best = min(upstreams, key=lambda stats: stats["median_ms"]) if upstreams else None
+    for name in ("v2", *TRITON_ARMS, "v2-paged"):
+        if name in a:
+            ratios[f"{name}/upstream-best"] = _ratio(a[name], best)
+    return ratios
+
+
 def _bench_shape(
     arms: list[Arm], modes: list[str], batch: int, frames: int, args, config, device: torch.device
 ) -> dict[str, Any]:
@@ -445,17 +436,7 @@ def _bench_shape(
             entry["arms"][name] = {**common.summarize_ms(samples[name]), **runner.info}
             runner.close()
         runners.clear()
-        a = entry["arms"]
-        entry["ratios"] = {
-            "v2/legacy": _ratio(a.get("v2"), a.get("legacy")),
-            "v2/upstream": _ratio(a.get("v2"), a.get("upstream")),
-            "legacy/upstream": _ratio(a.get("legacy"), a.get("upstream")),
-        }
-        upstreams = [a[name] for name in UPSTREAM_ARMS if name in a]
-        best = min(upstreams, key=lambda stats: stats["median_ms"]) if upstreams else None
-        for name in ("v2", *TRITON_ARMS, "v2-paged"):
-            if name in a:
-                entry["ratios"][f"{name}/upstream-best"] = _ratio(a[name], best)
+        entry["ratios"] = _ratios(entry["arms"])
         if not entry["errors"]:
             del entry["errors"]
         record["modes"][mode] = entry
@@ -494,6 +475,17 @@ def _print_tables(result: dict[str, Any]) -> None:
                 f"{prof['kernel_ms']:.2f} ms in {prof['kernels']} kernels\n"
             )
             print(common.markdown_table(["category", "ms"], [[k, f"{v:.2f}"] for k, v in prof["categories"].items()]))
+    _print_compile_and_best(result)
+    for key, reason in result["skipped"].items():
+        print(f"\nskipped {key}: {reason}")
+    for rec in result["results"]:
+        for mode, entry in rec["modes"].items():
+            for arm, err in entry.get("errors", {}).items():
+                print(f"\nerror B={rec['batch']} T={rec['frames']} {mode} {arm}: {err.splitlines()[0][:300]}")
+
+
+def _print_compile_and_best(result: dict[str, Any]) -> None:
+    arms = result["arms"]
     compile_rows = [
         [rec["batch"], rec["frames"]]
         + [rec["modes"]["compiled"]["arms"].get(a, {}).get("compile_s", "-") for a in arms]
@@ -521,113 +513,101 @@ def _print_tables(result: dict[str, Any]) -> None:
             for mode, e in rec["modes"].items()
         ]
         print(common.markdown_table(["B", "T", "mode", *best_keys], best_rows))
-    for key, reason in result["skipped"].items():
-        print(f"\nskipped {key}: {reason}")
-    for rec in result["results"]:
-        for mode, entry in rec["modes"].items():
-            for arm, err in entry.get("errors", {}).items():
-                print(f"\nerror B={rec['batch']} T={rec['frames']} {mode} {arm}: {err.splitlines()[0][:300]}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parse(argv)
-    batches = common.parse_int_list(args.batch)
-    frames_list = common.parse_int_list(args.frames)
-    modes = common.parse_str_list(args.modes, MODES)
-    arm_names = common.parse_str_list(args.arms, ARMS)
-    device = common.resolve_device(args.device)
-    if args.preset == "auto":
-        args.preset = "v2" if device.type == "cuda" else "tiny-v2"
-    if args.profile and device.type != "cuda":
-        print("bench_codec_step.py: --profile times CUDA kernels; ignored on this device", file=sys.stderr)
-    config = preset_config(args.preset)
-    max_batch = max(batches)
+def _select(args, config, device) -> tuple[list[str], list[str], dict[str, str]]:
+    """(modes, arms) that can run here, and the reason for each one skipped."""
+    modes, arm_names = list(args.mode_names), list(args.arm_names)
     skipped: dict[str, str] = {}
-
     if device.type != "cuda":
         for mode in [m for m in modes if m != "eager"]:
             skipped[mode] = "needs CUDA (CUDA graphs)"
         modes = [m for m in modes if m == "eager"]
-    if "v2" in arm_names and config.version != "v2":
-        skipped["v2"] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
-        arm_names.remove("v2")
-    for name in [a for a in (*TRITON_ARMS, "v2-paged") if a in arm_names]:
+    for name in [a for a in ("v2", *TRITON_ARMS, "v2-paged") if a in arm_names]:
         if config.version != "v2":
             skipped[name] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
-            arm_names.remove(name)
-        elif not ring_ops.HAS_TRITON:
+        elif name != "v2" and not ring_ops.HAS_TRITON:
             skipped[name] = "needs the triton package"
-            arm_names.remove(name)
     for name in [a for a in UPSTREAM_ARMS if a in arm_names]:
         ok, reason = common.upstream_status(args.preset, device)
         if ok and name == "upstream-triton" and device.type != "cuda":
             ok, reason = False, "upstream's Triton attention runs on CUDA only (as its stage requires)"
         if not ok:
             skipped[name] = reason
-            arm_names.remove(name)
-    if device.type == "cuda":
-        # Each (arm, B, T) is a separate static-shape compile of the same function.
-        for key in (
-            "recompile_limit",
-            "cache_size_limit",
-            "accumulated_recompile_limit",
-            "accumulated_cache_size_limit",
-        ):
-            if hasattr(torch._dynamo.config, key):
-                setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 1024))
+    return modes, [a for a in arm_names if a not in skipped], skipped
 
+
+def _raise_compile_limits() -> None:
+    # Each (arm, B, T) is a separate static-shape compile of the same function.
+    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 1024))
+
+
+def _build_arms(args, arm_names: list[str], device, result: dict[str, Any], models: dict[str, Any]) -> list[Arm]:
+    """Weights (into ``models``: ``ours``, ``upstream``, ``upstream-triton``) and one :class:`Arm` per name, pools
+    sized to the largest batch; build seconds, weight and state bytes go into ``result``."""
+    max_batch = result["pool_capacity"]
+    if any(a in arm_names for a in ("legacy", "v2", *TRITON_ARMS, "v2-paged")):
+        t0 = time.perf_counter()
+        models["ours"] = common.random_decoder(args.preset, device, args.seed)
+        result["build_s"]["ours"] = round(time.perf_counter() - t0, 3)
+        result["weights_bytes"]["ours"] = common.module_bytes(models["ours"])
+    for name in [a for a in UPSTREAM_ARMS if a in arm_names]:
+        t0 = time.perf_counter()
+        models[name] = common.build_upstream_codec(args.preset, device, args.seed, result["n_vq"])
+        if name == "upstream-triton":
+            result["upstream_triton_modules"] = _install_upstream_triton(models[name])
+        result["build_s"][name] = round(time.perf_counter() - t0, 3)
+        result["weights_bytes"][name] = models[name].total_bytes
+    arms = []
+    for name in arm_names:
+        if name in UPSTREAM_ARMS:
+            arm = _upstream_arm(models[name], max_batch, name)
+        else:
+            arm = _our_arm(models["ours"], name, max_batch)
+        arms.append(arm)
+        result["state_bytes"][name] = arm.state_bytes
+    return arms
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    device = args.device
+    if args.preset == "auto":
+        args.preset = "v2" if device.type == "cuda" else "tiny-v2"
+    if args.profile and device.type != "cuda":
+        print("bench_codec_step.py: --profile times CUDA kernels; ignored on this device", file=sys.stderr)
+    config = preset_config(args.preset)
+    modes, arm_names, skipped = _select(args, config, device)
+    if device.type == "cuda":
+        _raise_compile_limits()
     result: dict[str, Any] = {
         "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "n_vq": min(args.n_vq, config.num_quantizers),
-        "batches": batches,
-        "frames": frames_list,
+        "batches": args.batches,
+        "frames": args.frames_list,
         "modes": modes,
         "arms": arm_names,
         "repeats": args.repeats,
         "steps_per_round": args.steps_per_round,
-        "pool_capacity": max_batch,
+        "pool_capacity": max(args.batches),
         "skipped": skipped,
         "weights_bytes": {},
         "build_s": {},
         "state_bytes": {},
         "results": [],
     }
-
     arms: list[Arm] = []
-    decoder = codec = triton_codec = None
+    models: dict[str, Any] = {}
     try:
-        if any(a in arm_names for a in ("legacy", "v2", *TRITON_ARMS, "v2-paged")):
-            t0 = time.perf_counter()
-            decoder = common.random_decoder(args.preset, device, args.seed)
-            result["build_s"]["ours"] = round(time.perf_counter() - t0, 3)
-            result["weights_bytes"]["ours"] = common.module_bytes(decoder)
-        if "upstream" in arm_names:
-            t0 = time.perf_counter()
-            codec = common.build_upstream_codec(args.preset, device, args.seed, result["n_vq"])
-            result["build_s"]["upstream"] = round(time.perf_counter() - t0, 3)
-            result["weights_bytes"]["upstream"] = codec.total_bytes
-        if "upstream-triton" in arm_names:
-            t0 = time.perf_counter()
-            triton_codec = common.build_upstream_codec(args.preset, device, args.seed, result["n_vq"])
-            result["upstream_triton_modules"] = _install_upstream_triton(triton_codec)
-            result["build_s"]["upstream-triton"] = round(time.perf_counter() - t0, 3)
-            result["weights_bytes"]["upstream-triton"] = triton_codec.total_bytes
-        for name in arm_names:
-            if name == "upstream":
-                arm = _upstream_arm(codec, max_batch)
-            elif name == "upstream-triton":
-                arm = _upstream_arm(triton_codec, max_batch, name)
-            else:
-                arm = _our_arm(decoder, name, max_batch)
-            arms.append(arm)
-            result["state_bytes"][name] = arm.state_bytes
+        arms = _build_arms(args, arm_names, device, result, models)
         if device.type == "cuda":
             result["allocated_after_setup_bytes"] = int(torch.cuda.memory_allocated(device))
-
-        for batch in batches:
-            for frames in frames_list:
+        for batch in args.batches:
+            for frames in args.frames_list:
                 t0 = time.perf_counter()
                 record = _bench_shape(arms, modes, batch, frames, args, config, device)
                 record["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -637,7 +617,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for arm in arms:
             arm.close()
-        del arms, decoder, codec, triton_codec
+        del arms
+        models.clear()
         common.free_memory(device)
 
     common.write_json(args.json, result)

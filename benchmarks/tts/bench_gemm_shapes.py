@@ -93,12 +93,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     p.add_argument("--json", type=Path, help='write {"run": ..., "records": [...]} here (rewritten after each shape)')
     args = p.parse_args(argv)
+    batches = common.int_list_flag(p, "--batch", args.batch)
+    frame_counts = common.int_list_flag(p, "--frames", args.frames)
     if not torch.cuda.is_available():
         p.error("this script times cuBLAS GEMMs on a CUDA device; none is available")
     config = preset_config(args.preset)
     run = common.run_block(args.preset, ffn_row_chunk=decoder.FFN_ROW_CHUNK)
     records = []
-    for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
+    for batch, frames in itertools.product(batches, frame_counts):
         step_ms, step_flops = 0.0, 0
         for index, group in itertools.groupby(step_gemms(config, batch, frames), key=lambda g: g.group):
             group_ms, group_flops = 0.0, 0

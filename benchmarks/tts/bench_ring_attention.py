@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
     p.add_argument("--json", type=Path, help='write {"run": ..., "records": [...]} here (rewritten after each shape)')
     args = p.parse_args(argv)
+    batches = common.int_list_flag(p, "--batch", args.batch)
+    frame_counts = common.int_list_flag(p, "--frames", args.frames)
     if not torch.cuda.is_available():
         p.error("this script times Triton kernels on a CUDA device; none is available")
     config = preset_config(args.preset)
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     run = common.run_block(args.preset, semantics=semantics)
     records = []
     grid = GRID if args.grid == "launch" else []
-    for batch, frames in itertools.product(common.parse_int_list(args.batch), common.parse_int_list(args.frames)):
+    for batch, frames in itertools.product(batches, frame_counts):
         step_ms = 0.0
         for index, group in enumerate(config.groups):
             rec = sweep_shape(group, batch, frames, semantics, args.seed, grid, args.write, not args.prerotated)

@@ -49,6 +49,7 @@ __all__ = [
     "gib",
     "git_commit",
     "graph_launch_ms",
+    "int_list_flag",
     "markdown_table",
     "module_bytes",
     "parse_int_list",
@@ -58,6 +59,7 @@ __all__ = [
     "pool_kind",
     "resolve_device",
     "run_block",
+    "str_list_flag",
     "summarize_ms",
     "upstream_state_bytes",
     "upstream_status",
@@ -69,29 +71,50 @@ __all__ = [
 
 
 def parse_int_list(text: str) -> list[int]:
-    """``"1,8,64"`` -> ``[1, 8, 64]`` (positive integers, order kept, duplicates dropped)."""
+    """``"1,8,64"`` -> ``[1, 8, 64]`` (positive integers, order kept, duplicates dropped).
+
+    Raises:
+        ValueError: an empty item (``"4,,8"``, ``"4,"``), a non-integer or a value below 1.
+    """
     values: list[int] = []
     for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        value = int(part)
+        if not part.strip():
+            raise ValueError(f"empty item in {text!r}")
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not an integer") from None
         if value < 1:
             raise ValueError(f"expected positive integers, got {value} in {text!r}")
         if value not in values:
             values.append(value)
-    if not values:
-        raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
     return values
 
 
 def parse_str_list(text: str, allowed: Sequence[str]) -> list[str]:
-    """``"eager,graph"`` -> ``["eager", "graph"]``, each checked against ``allowed``."""
-    values = [p.strip() for p in text.split(",") if p.strip()]
+    """``"eager,graph"`` -> ``["eager", "graph"]``, each checked against ``allowed`` (no empty item)."""
+    values = [p.strip() for p in text.split(",")]
     bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        raise ValueError(f"expected a comma-separated subset of {list(allowed)}, got {text!r}")
+    if bad:
+        raise ValueError(f"{', '.join(repr(v) for v in bad)} not in {list(allowed)}")
     return list(dict.fromkeys(values))
+
+
+def int_list_flag(parser, flag: str, text: str) -> list[int]:
+    """:func:`parse_int_list` of a flag's value; a bad value is a usage error (``parser.error``, exit 2)
+    naming the flag and the value."""
+    try:
+        return parse_int_list(text)
+    except ValueError as exc:
+        parser.error(f"{flag} {text!r}: {exc}")
+
+
+def str_list_flag(parser, flag: str, text: str, allowed: Sequence[str]) -> list[str]:
+    """:func:`parse_str_list` of a flag's value; a bad value is a usage error (exit 2) naming the flag and value."""
+    try:
+        return parse_str_list(text, allowed)
+    except ValueError as exc:
+        parser.error(f"{flag} {text!r}: {exc}")
 
 
 # ------------------------------------------------------------------------------------------ devices

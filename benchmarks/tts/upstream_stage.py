@@ -8,8 +8,8 @@ wheel's ``modeling_moss_tts_codec.py`` and ``cuda_graph_streaming_decoder_wrappe
 
 * **Slots.** ``initialize_decoder_state_pool(N, S)`` with ``N`` = the stage's ``max_num_seqs`` (here the
   benchmark's concurrency) and, on CUDA, ``S`` = the largest graph batch bucket scratch slots for graph
-  padding rows (``S = N`` when a bucket equals ``N``: the "2N slots"); ``S = 0`` on CPU. A request leases a
-  slot (LIFO free list, first leases 0, 1, 2, ...) on its first chunk and returns it after its terminal
+  padding rows (``S = N`` when a bucket equals ``N``: the "2N slots"); ``S = 0`` on CPU. A request takes a
+  slot (LIFO free list, first taken 0, 1, 2, ...) on its first chunk and returns it after its terminal
   chunk, whose slot is reset right after that step.
 * **Steps.** A chunk longer than ``max_step_frames`` (upstream: the connector's ``codec_chunk_frames``) is
   decoded at once as consecutive single-row steps of at most that many frames. The other chunks are grouped
@@ -37,14 +37,13 @@ Audio per chunk: float32 ``(channels, frames * samples_per_frame)`` on CPU, cut 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from vllm_omni_moss.testing.upstream_files import load_streaming_attention
 
 __all__ = [
     "PlannedStep",
@@ -54,9 +53,6 @@ __all__ = [
     "load_streaming_attention",
     "plan_steps",
 ]
-
-_ATTENTION_MODULE = "_moss_upstream_streaming_attention"
-
 
 # ------------------------------------------------------------------------------------------ planning
 
@@ -137,57 +133,10 @@ def plan_steps(
 # ------------------------------------------------------------------------------------------ attention
 
 
-def load_streaming_attention(directory: Path, stand_in: bool | None = None) -> types.ModuleType:
-    """Load the wheel's ``streaming_attention.py`` by path (cached), without needing vLLM.
-
-    The file takes ``triton`` and ``tl`` from ``vllm.triton_utils``. With ``stand_in`` True, or None (the
-    default) on a machine without vLLM, stand-in ``vllm`` / ``vllm.triton_utils`` modules exposing the
-    installed ``triton`` and ``triton.language`` are placed in ``sys.modules`` for the duration of the load
-    only (never while a ``vllm`` module is imported already); otherwise vLLM's own module is imported.
-
-    Raises:
-        FileNotFoundError: the directory has no ``streaming_attention.py``.
-        ImportError: triton is not installed.
-    """
-    cached = sys.modules.get(_ATTENTION_MODULE)
-    if cached is not None:
-        return cached
-    path = Path(directory) / "streaming_attention.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (vLLM-Omni 0.30.0 ships it next to audio_tokenizer_v2.py)")
-    stand_ins: dict[str, types.ModuleType] = {}
-    if stand_in is None:
-        stand_in = importlib.util.find_spec("vllm") is None
-    if stand_in and "vllm.triton_utils" not in sys.modules and "vllm" not in sys.modules:
-        import triton
-        import triton.language as tl
-
-        utils = types.ModuleType("vllm.triton_utils")
-        utils.triton, utils.tl = triton, tl
-        parent = types.ModuleType("vllm")
-        parent.__path__ = []  # a package, so that the submodule import resolves
-        parent.triton_utils = utils
-        stand_ins = {"vllm": parent, "vllm.triton_utils": utils}
-    spec = importlib.util.spec_from_file_location(_ATTENTION_MODULE, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot build an import spec for {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.update(stand_ins)
-    sys.modules[_ATTENTION_MODULE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(_ATTENTION_MODULE, None)
-        raise
-    finally:
-        for name, stand_in_module in stand_ins.items():
-            if sys.modules.get(name) is stand_in_module:
-                del sys.modules[name]
-    return module
-
-
-def enable_triton_attention(model: torch.nn.Module, attention_class: type, directory: Path) -> int:
-    """Give every decoder attention module of upstream's model the wheel's Triton masked attention.
+def enable_triton_attention(model: torch.nn.Module, attention_class: type, directory: Path | None = None) -> int:
+    """Give every decoder attention module of upstream's model the wheel's Triton masked attention
+    (:func:`vllm_omni_moss.testing.upstream_files.load_streaming_attention`; ``directory`` defaults to the
+    located ``moss_tts`` files).
 
     This is what upstream's codec stage does for ``codec_attention_backend: triton`` (CUDA only).
 

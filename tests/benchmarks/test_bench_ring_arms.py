@@ -70,9 +70,11 @@ spec.loader.exec_module(bench)
 import triton
 codec = bench.common.build_upstream_codec("tiny-v2", torch.device("cpu"), 0, 12)
 count = bench._install_upstream_triton(codec)
-assert sys.modules["vllm.triton_utils"].triton is triton, "stand-in does not hold triton"
+loaded = sys.modules["_moss_upstream_streaming_attention"]
+assert loaded.triton is triton, "the stand-in did not hand the file the real triton"
+assert not [m for m in sys.modules if m.split(".")[0] == "vllm"], "a stand-in vllm module was left behind"
 layers = [m for m in codec.model.decoder.modules() if hasattr(m, "_streaming_attention")]
-assert all(m._streaming_attention is sys.modules["_moss_upstream_streaming_attention"].masked_attention for m in layers)
+assert all(m._streaming_attention is loaded.masked_attention for m in layers)
 print(count, len(layers))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -3,10 +3,11 @@
 
 Import-light on purpose: importing this module imports torch and the standard library only, never vLLM,
 vLLM-Omni or our codec package. It drives upstream's own codec files (``audio_tokenizer.py`` = v1,
-``audio_tokenizer_v2.py`` + its configuration = v2), loaded by file path on first use so that
-``vllm_omni/__init__.py`` (which needs vLLM) never runs; ``transformers`` is imported only then.
-The parity tests and the benchmarks' upstream arm both use it (``from vllm_omni_moss.testing import
-upstream``).
+``audio_tokenizer_v2.py`` + its configuration = v2), loaded by file path on first use
+(:mod:`.upstream_files`); ``transformers`` is imported only then. The official format at toy widths (tiny
+configurations, checkpoint names) lives in :mod:`.upstream_format`; both modules' public names are
+re-exported here. The parity tests and the benchmarks' upstream arm both use it (``from vllm_omni_moss.testing
+import upstream``).
 
 Typical use in a comparison test::
 
@@ -29,15 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.metadata
-import importlib.util
-import io
 import itertools
 import json
 import math
 import os
 import re
-import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,378 +42,24 @@ from typing import Any
 
 import torch
 
-UPSTREAM_VERSION = "0.30.0"
-"""The only vllm-omni release whose codec semantics this oracle encodes."""
+from .upstream_files import (
+    UPSTREAM_VERSION,
+    load_streaming_attention,
+    load_upstream_module,
+    upstream_available,
+    upstream_dir,
+)
+from .upstream_format import (
+    TINY_LATENT_DIM,
+    loader_target_name,
+    official_name,
+    tiny_v1_config,
+    tiny_v2_config,
+)
 
-_DIR_ENV = "MOSS_UPSTREAM_MOSS_TTS_DIR"
-_PKG = "_moss_upstream_oracle_pkg"
-_MODULE_FILES = ("audio_tokenizer", "audio_tokenizer_v2", "configuration_moss_audio_tokenizer_v2")
 _VERSIONS = ("v1", "v2")
 
 
-# ---------------------------------------------------------------------------------------------
-# Locating and loading upstream's files
-# ---------------------------------------------------------------------------------------------
-
-
-def upstream_dir() -> Path | None:
-    """Directory holding upstream's ``moss_tts`` codec files, or None when it cannot be found.
-
-    The installed package is located with ``importlib.util.find_spec`` on the top-level name, which
-    reads the spec without executing ``vllm_omni/__init__.py``. An installed vllm-omni of another
-    release is rejected because the oracle encodes 0.30.0 behaviour (ring layout, offset bank).
-    """
-    override = os.environ.get(_DIR_ENV)
-    if override:
-        candidate = Path(override)
-    else:
-        try:
-            spec = importlib.util.find_spec("vllm_omni")
-        except (ImportError, ValueError):
-            return None
-        if spec is None:
-            return None
-        if spec.submodule_search_locations:
-            root = Path(next(iter(spec.submodule_search_locations)))
-        elif spec.origin:
-            root = Path(spec.origin).parent
-        else:
-            return None
-        try:
-            installed = importlib.metadata.version("vllm-omni")
-        except importlib.metadata.PackageNotFoundError:
-            installed = None
-        if installed is not None and installed != UPSTREAM_VERSION:
-            return None
-        candidate = root / "model_executor" / "models" / "moss_tts"
-    if all((candidate / f"{name}.py").is_file() for name in _MODULE_FILES):
-        return candidate
-    return None
-
-
-def upstream_available() -> bool:
-    """True when upstream 0.30.0's codec files are locatable and ``transformers`` imports."""
-    if upstream_dir() is None:
-        return False
-    try:
-        import transformers  # noqa: F401
-        import transformers.modeling_utils  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _ensure_package(directory: Path) -> types.ModuleType:
-    # A synthetic parent package lets the v2 file's relative import of its configuration resolve
-    # to our by-path copy instead of to ``vllm_omni.model_executor...`` (which would import vLLM).
-    pkg = sys.modules.get(_PKG)
-    if pkg is None:
-        pkg = types.ModuleType(_PKG)
-        pkg.__path__ = [str(directory)]
-        pkg.__package__ = _PKG
-        sys.modules[_PKG] = pkg
-    return pkg
-
-
-def load_upstream_module(name: str) -> types.ModuleType:
-    """Load one of upstream's codec files by path (cached in ``sys.modules``).
-
-    ``name`` is one of ``"audio_tokenizer"`` (v1), ``"audio_tokenizer_v2"`` or
-    ``"configuration_moss_audio_tokenizer_v2"``. The modules are registered as
-    ``_moss_upstream_oracle_pkg.<name>``.
-    """
-    if name not in _MODULE_FILES:
-        raise ValueError(f"unknown upstream codec module {name!r}; expected one of {_MODULE_FILES}")
-    qualified = f"{_PKG}.{name}"
-    if qualified in sys.modules:
-        return sys.modules[qualified]
-    directory = upstream_dir()
-    if directory is None:
-        raise RuntimeError(f"vllm-omni {UPSTREAM_VERSION} moss_tts files not found (set {_DIR_ENV}?)")
-
-    import transformers.modeling_utils as modeling_utils
-
-    # transformers releases without this base class still run the v2 file unchanged when it aliases
-    # PreTrainedModel (the codec uses no audio-tokenizer-specific base behaviour).
-    if not hasattr(modeling_utils, "PreTrainedAudioTokenizerBase"):
-        modeling_utils.PreTrainedAudioTokenizerBase = modeling_utils.PreTrainedModel
-
-    _ensure_package(directory)
-    if name == "audio_tokenizer_v2":
-        load_upstream_module("configuration_moss_audio_tokenizer_v2")
-    spec = importlib.util.spec_from_file_location(qualified, directory / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot build an import spec for {directory / name}.py")
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = _PKG
-    # Registered before execution: dataclasses resolve their module through sys.modules.
-    sys.modules[qualified] = module
-    captured = io.StringIO()
-    try:
-        # transformers' auto_docstring prints a "[ERROR] Config not found" line for files living
-        # outside its own model tree; that is noise here, anything else is passed through.
-        with contextlib.redirect_stdout(captured):
-            spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(qualified, None)
-        raise
-    finally:
-        for line in captured.getvalue().splitlines():
-            if not line.startswith("[ERROR] Config not found for"):
-                print(line)
-    return module
-
-
-# ---------------------------------------------------------------------------------------------
-# Tiny official-format configurations
-# ---------------------------------------------------------------------------------------------
-
-
-def _transformer_spec(
-    input_dimension: int,
-    output_dimension: int,
-    *,
-    d_model: int = 32,
-    num_heads: int = 2,
-    num_layers: int = 1,
-    dim_feedforward: int = 64,
-    context_duration: float | None = None,
-) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "module_type": "Transformer",
-        "input_dimension": input_dimension,
-        "output_dimension": output_dimension,
-        "d_model": d_model,
-        "num_heads": num_heads,
-        "num_layers": num_layers,
-        "dim_feedforward": dim_feedforward,
-        "causal": True,
-        "norm": "layer_norm",
-        "positional_embedding": "rope",
-        "max_period": 10000,
-        "gating": "none",
-        "layer_scale": 0.01,
-        "conv_layout": True,
-    }
-    if context_duration is not None:
-        spec["context_duration"] = context_duration
-    return spec
-
-
-def _patch(size: int) -> dict[str, Any]:
-    return {"module_type": "PatchedPretransform", "patch_size": size}
-
-
-def _quantizer_kwargs(latent_dim: int) -> dict[str, Any]:
-    # latent_dim != rvq_dim so that the outer weight-normalised projections exist, as in the real
-    # checkpoints (768 vs 512); equal dims would make upstream substitute Identity for them.
-    return {
-        "input_dim": latent_dim,
-        "rvq_dim": 16,
-        "output_dim": latent_dim,
-        "num_quantizers": 4,
-        "codebook_size": 16,
-        "codebook_dim": 4,
-        "quantizer_type": "rlfq",
-    }
-
-
-TINY_LATENT_DIM = 24
-"""Decoder input width (= quantizer input/output dim) of the tiny presets (768 in the real codecs)."""
-
-
-def tiny_v2_config(context_durations: tuple[float, ...] = (0.8, 0.8, 0.4, 0.2, 0.1, 0.05)) -> dict[str, Any]:
-    """Official-format ``config.json`` dict with the v2 structure at toy widths.
-
-    48 kHz stereo interleaved (96 kHz internal), downsample 3840 per channel (12.5 Hz frames),
-    six decoder transformers (d_model 32, 2 heads of 16, FFN 64; 2 layers in the first, 1 in the
-    others) separated by patches 2, 2, 2, 2, 2, 240. ``context_durations`` are the per-module
-    windows in seconds in decoder order; the default gives rings of 10, 20, 20, 20, 20, 20 tokens
-    at stage rates 12.5, 25, 50, 100, 200, 400 Hz. Note the last stage emits 32 tokens per frame,
-    so with the default every streaming chunk is larger than its 20-token ring.
-    """
-    if len(context_durations) != 6:
-        raise ValueError("tiny v2 has six decoder transformers")
-    d = TINY_LATENT_DIM
-    c = context_durations
-    decoder = [
-        _transformer_spec(d, 32, num_layers=2, context_duration=c[0]),
-        _patch(2),
-        _transformer_spec(16, 32, context_duration=c[1]),
-        _patch(2),
-        _transformer_spec(16, 32, context_duration=c[2]),
-        _patch(2),
-        _transformer_spec(16, 32, context_duration=c[3]),
-        _patch(2),
-        _transformer_spec(16, 32, context_duration=c[4]),
-        _patch(2),
-        _transformer_spec(16, 240, context_duration=c[5]),
-        _patch(240),
-    ]
-    # Mirror image: the encoder must end at the decoder's starting rate or upstream refuses to build.
-    encoder = [
-        _patch(240),
-        _transformer_spec(240, 16, context_duration=c[5]),
-        _patch(2),
-        _transformer_spec(32, 16, context_duration=c[4]),
-        _patch(2),
-        _transformer_spec(32, 16, context_duration=c[3]),
-        _patch(2),
-        _transformer_spec(32, 16, context_duration=c[2]),
-        _patch(2),
-        _transformer_spec(32, 16, context_duration=c[1]),
-        _patch(2),
-        _transformer_spec(32, d, num_layers=2, context_duration=c[0]),
-    ]
-    return {
-        "model_type": "moss-audio-tokenizer",
-        "sampling_rate": 48000,
-        "downsample_rate": 3840,
-        "number_channels": 2,
-        "enable_channel_interleave": True,
-        "causal_transformer_context_duration": 10.0,
-        "encoder_kwargs": encoder,
-        "decoder_kwargs": decoder,
-        "quantizer_type": "rlfq",
-        "quantizer_kwargs": _quantizer_kwargs(d),
-    }
-
-
-def tiny_v1_config(context_duration: float = 0.8) -> dict[str, Any]:
-    """Official-format ``config.json`` dict with the v1 structure at toy widths.
-
-    24 kHz mono, downsample 1920 (12.5 Hz frames), four decoder transformers (d_model 32, 2 heads,
-    FFN 64; 2 layers in the first) separated by patches 2, 2, 2, 240, one global
-    ``causal_transformer_context_duration`` (default 0.8 s: rings of 10, 20, 40, 80 tokens at
-    12.5, 25, 50, 100 Hz). Widths follow upstream's v1 default layout, so decoder stages whose
-    output width equals d_model and encoder stages whose input width equals d_model have no
-    projection tensor (upstream v1 builds Identity there).
-    """
-    d = TINY_LATENT_DIM
-    decoder = [
-        _transformer_spec(d, 32, num_layers=2),
-        _patch(2),
-        _transformer_spec(16, 32),
-        _patch(2),
-        _transformer_spec(16, 32),
-        _patch(2),
-        _transformer_spec(16, 240),
-        _patch(240),
-    ]
-    encoder = [
-        _patch(240),
-        _transformer_spec(240, 16),
-        _patch(2),
-        _transformer_spec(32, 16),
-        _patch(2),
-        _transformer_spec(32, 16),
-        _patch(2),
-        _transformer_spec(32, d, num_layers=2),
-    ]
-    return {
-        "model_type": "moss-audio-tokenizer",
-        "sampling_rate": 24000,
-        "downsample_rate": 1920,
-        "number_channels": 1,
-        "enable_channel_interleave": True,
-        "causal_transformer_context_duration": context_duration,
-        "encoder_kwargs": encoder,
-        "decoder_kwargs": decoder,
-        "quantizer_type": "rlfq",
-        "quantizer_kwargs": _quantizer_kwargs(d),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Official checkpoint naming
-# ---------------------------------------------------------------------------------------------
-
-_STAGE = r"(?P<stage>(?:encoder|decoder)\.\d+)"
-_LAYER = _STAGE + r"\.transformer\.layers\.(?P<layer>\d+)"
-
-# Upstream parameter name -> official checkpoint name, per codec version. Quantizer parameters
-# (weight-norm g/v, biases, codebooks) are named identically on both sides and pass through.
-_TO_OFFICIAL: dict[str, list[tuple[re.Pattern[str], str]]] = {
-    "v1": [
-        (re.compile(_STAGE + r"\.in_proj\.weight$"), r"\g<stage>.input_proj.weight"),
-        (re.compile(_STAGE + r"\.out_proj\.weight$"), r"\g<stage>.output_proj.weight"),
-        (
-            re.compile(_LAYER + r"\.attn\.in_proj\.weight$"),
-            r"\g<stage>.transformer.layers.\g<layer>.self_attn.in_projs.0.weight",
-        ),
-        (
-            re.compile(_LAYER + r"\.attn\.out_proj\.weight$"),
-            r"\g<stage>.transformer.layers.\g<layer>.self_attn.out_projs.0.weight",
-        ),
-        (re.compile(_LAYER + r"\.ff1\.weight$"), r"\g<stage>.transformer.layers.\g<layer>.linear1.weight"),
-        (re.compile(_LAYER + r"\.ff2\.weight$"), r"\g<stage>.transformer.layers.\g<layer>.linear2.weight"),
-        (re.compile(_LAYER + r"\.ls1\.scale$"), r"\g<stage>.transformer.layers.\g<layer>.layer_scale_1.scale"),
-        (re.compile(_LAYER + r"\.ls2\.scale$"), r"\g<stage>.transformer.layers.\g<layer>.layer_scale_2.scale"),
-        (re.compile(_LAYER + r"\.norm[12]\.(?:weight|bias)$"), r"\g<0>"),
-        (re.compile(r"^quantizer\..+$"), r"\g<0>"),
-    ],
-    "v2": [
-        (re.compile(_STAGE + r"\.(?:input|output)_proj\.weight$"), r"\g<0>"),
-        (
-            re.compile(_LAYER + r"\.self_attn\.in_projs\.0\.weight$"),
-            r"\g<stage>.transformer.layers.\g<layer>.self_attn.in_proj.weight",
-        ),
-        (
-            re.compile(_LAYER + r"\.self_attn\.out_projs\.0\.weight$"),
-            r"\g<stage>.transformer.layers.\g<layer>.self_attn.out_proj.weight",
-        ),
-        (re.compile(_LAYER + r"\.linear1\.weight$"), r"\g<stage>.transformer.layers.\g<layer>.ffn.0.weight"),
-        (re.compile(_LAYER + r"\.linear2\.weight$"), r"\g<stage>.transformer.layers.\g<layer>.ffn.2.weight"),
-        (re.compile(_LAYER + r"\.layer_scale_[12]\.scale$"), r"\g<0>"),
-        (re.compile(_LAYER + r"\.norm[12]\.(?:weight|bias)$"), r"\g<0>"),
-        (re.compile(r"^quantizer\..+$"), r"\g<0>"),
-    ],
-}
-
-# The name rewriting upstream's stage loader applies to a checkpoint key that is not already an
-# exact parameter name: the FIRST (substring -> replacement) pair whose substring occurs wins and
-# is applied once. One ordered table serves both codec versions; it is restated here (not
-# imported: its module needs vLLM) so a checkpoint we write is accepted exactly as upstream would.
-_LOADER_RULES: tuple[tuple[str, str], ...] = (
-    (".self_attn.in_projs.0.", ".attn.in_proj."),
-    (".self_attn.out_projs.0.", ".attn.out_proj."),
-    (".linear1.", ".ff1."),
-    (".linear2.", ".ff2."),
-    (".self_attn.in_proj.", ".self_attn.in_projs.0."),
-    (".self_attn.out_proj.", ".self_attn.out_projs.0."),
-    (".ffn.0.", ".linear1."),
-    (".ffn.2.", ".linear2."),
-    (".layer_scale_1.", ".ls1."),
-    (".layer_scale_2.", ".ls2."),
-    (".input_proj.", ".in_proj."),
-    (".output_proj.", ".out_proj."),
-)
-
-
-def official_name(upstream_name: str, version: str) -> str:
-    """Official checkpoint key for one of upstream's parameter names (``version`` "v1"/"v2")."""
-    for pattern, replacement in _TO_OFFICIAL[version]:
-        match = pattern.match(upstream_name)
-        if match is not None:
-            return match.expand(replacement)
-    raise KeyError(f"no official name known for upstream {version} parameter {upstream_name!r}")
-
-
-def loader_target_name(checkpoint_name: str, parameter_names: set[str] | dict[str, Any]) -> str:
-    """Parameter a checkpoint key lands in under upstream 0.30.0's codec loader rules.
-
-    Exact parameter names win; otherwise the first matching rewrite rule is applied. The result
-    may still be absent from ``parameter_names``: upstream then rejects the checkpoint.
-    """
-    if checkpoint_name in parameter_names:
-        return checkpoint_name
-    for source, target in _LOADER_RULES:
-        if source in checkpoint_name:
-            return checkpoint_name.replace(source, target)
-    return checkpoint_name
-
-
-# ---------------------------------------------------------------------------------------------
 # Deterministic randomisation
 # ---------------------------------------------------------------------------------------------
 
@@ -843,6 +486,7 @@ def load_official_checkpoint(path: str | os.PathLike[str], version: str | None =
 __all__ = [
     "TINY_LATENT_DIM",
     "UPSTREAM_VERSION",
+    "load_streaming_attention",
     "UpstreamCodec",
     "UpstreamPool",
     "build_upstream",

@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``results.md`` of one schedule, ``sweep.md`` of a ``--chunks`` sweep, and the line printed after each run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import common
+
+from .metrics import holds_slo, run_entries
+
+__all__ = ["fmt", "limit_text", "plural", "progress_line", "results_markdown", "sweep_markdown"]
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 request"``, ``"2 requests"``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def where(key: str) -> str:
+    """``"C=8"`` for a concurrency key, ``"rate=2"`` for a rate key."""
+    return f"C={key}" if key.isdigit() else key
+
+
+def _pair(values: dict[str, Any], keys: tuple[str, ...], spec: str = ".1f") -> str:
+    return " / ".join(fmt(values.get(k), spec) for k in keys)
+
+
+def progress_line(arm: str, key: str, f: dict[str, Any], d: dict[str, Any], slo_ms: float) -> str:
+    if "error" in d:
+        return f"{arm} {where(key)}: {d['error']}"
+    lat = f["codec_latency_ms"]
+    return (
+        f"{arm} {where(key)}: codec p50/p99 {fmt(lat['p50'])}/{fmt(lat['p99'])} ms, "
+        f"TTFP p50 {fmt(f['ttfp_ms']['p50'])} ms, C100 {fmt(f['continuity']['c100'], '.3f')}, "
+        f"{fmt(f['audio_seconds_per_second'], '.2f')} audio-s/s, steps graph/eager "
+        f"{f['steps_by_path']['graph']}/{f['steps_by_path']['eager']}, SLO {'held' if holds_slo(f, d, slo_ms) else 'missed'}"
+        + (" (stopped early)" if d.get("stopped_early") else "")
+    )
+
+
+def limit_text(entry: dict[str, Any], name: str) -> str:
+    """``entry[name]`` as the limit it is: ``"at least N"`` when every run held the SLO (the largest run tried
+    is a lower bound), ``"none"`` when none did."""
+    value = entry.get(name)
+    if value is None:
+        return "none"
+    text = f"{value:g}"
+    return f"at least {text}" if entry.get("slo_held_by_every_run") else text
+
+
+def _range(lat: dict[str, Any]) -> str:
+    return "-" if lat.get("p10") is None else f"{fmt(lat['p10'])}-{fmt(lat.get('p90'))}"
+
+
+def _status(f: dict[str, Any], d: dict[str, Any], slo: float) -> str:
+    if "error" in d:
+        return d["error"].split(":")[0]
+    return ("held" if holds_slo(f, d, slo) else "missed") + (" (stopped early)" if d.get("stopped_early") else "")
+
+
+def _codec_rows(result: dict[str, Any], slo: float) -> list[str]:
+    rows = []
+    for arm, entry in result["arms"].items():
+        for key, f in run_entries(entry).items():
+            d = result["details"][arm][key]
+            lat, first = f["codec_latency_ms"], f["first_chunk_latency_ms"]
+            peak, peak_state = f["peak_memory_bytes"], d.get("peak_state_bytes")
+            requests = d.get("requests", result["run"]["requests"].get(key))
+            rows.append(
+                f"| {arm} | {key.removeprefix('rate=')} | {requests} | {fmt(f['audio_seconds_per_second'], '.2f')} | "
+                f"{_pair(lat, ('p50', 'p95', 'p99'))} | {_range(lat)} | "
+                f"{_pair(first, ('p50', 'p99'))} | {f['steps_by_path']['graph']} / {f['steps_by_path']['eager']} | "
+                f"{fmt(f['padded_frame_fraction'], '.3f')} | {fmt(None if peak is None else common.gib(peak), '.2f')} "
+                f"| {fmt(None if peak_state is None else common.gib(peak_state), '.4g')} | {_status(f, d, slo)} |"
+            )
+    return rows
+
+
+def _playback_rows(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm, entry in result["arms"].items():
+        for key, f in run_entries(entry).items():
+            if "ttfp_ms" not in f:
+                continue
+            rows.append(
+                f"| {arm} | {key.removeprefix('rate=')} | {_pair(f['ttfp_ms'], ('p50', 'p99'))} | "
+                f"{_pair(f['underrun_ms'], ('p50', 'p99'))} | {_pair(f['continuity'], ('c50', 'c100', 'c200'), '.3f')} | "
+                f"{_pair(f['live_streams'], ('mean', 'max'))} | {f['queued_requests']} | "
+                f"{_pair(f['queue_wait_ms'], ('p50', 'p99'))} |"
+            )
+    return rows
+
+
+def _header(run: dict[str, Any]) -> list[str]:
+    arrival = run.get("arrival", "wave")
+    if arrival == "poisson":
+        load = (
+            f"Open-loop arrivals at rates {run['request_rate']} requests/s (gamma gaps, burstiness "
+            f"{run['burstiness']:g}), at most {run['max_concurrency']} live streams of {run['concurrency'][0]} slots; "
+            f"figures over the requests arriving in the measurement window ({run['warmup_seconds']:g} s of warm-up, "
+            f"then {run['measure_seconds']:g} s)."
+        )
+    else:
+        load = (
+            f"Arrival {arrival}: {run['requests_per_stream']} requests per stream (requests = concurrency x that), "
+            "closed loop."
+        )
+    return [
+        f"# Codec stage under load: {run['preset']} codec geometry on {run['device_name']}",
+        "",
+        f"Commit `{run['commit']}`, {run['date']}. Command: `{run['command']}`.",
+        "",
+        f"{load} Chunks {run['chunks']} (ramp, last repeated); the talker generates at "
+        f"{run['frame_rate'] / run.get('talker_rtf', 1.0):g} frames/s (talker RTF {run.get('talker_rtf', 1.0):g}), "
+        f"n_vq {run['n_vq']}, CUDA graphs {run['cuda_graphs']} (frame sizes {run['graph_frame_sizes']}). "
+        f"Lengths: {run['length_model']}.",
+        f"SLO: codec-added latency p99 <= {run['slo']['codec_latency_p99_ms']:g} ms (every chunk, the first included).",
+        "",
+    ]
+
+
+def results_markdown(result: dict[str, Any]) -> str:
+    run = result["run"]
+    slo = run["slo"]["codec_latency_p99_ms"]
+    poisson = run.get("arrival") == "poisson"
+    col = "rate req/s" if poisson else "C"
+    lines = _header(run) + [
+        f"| arm | {col} | requests | audio-s/s | codec p50 / p95 / p99 ms | codec p10-p90 ms | first chunk p50 / p99 ms "
+        "| steps graph / eager | padded frames | peak GiB | peak state GiB | SLO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *_codec_rows(result, slo),
+    ]
+    playback = _playback_rows(result)
+    if playback:
+        lines += [
+            "",
+            f"| arm | {col} | TTFP p50 / p99 ms | underrun p50 / p99 ms | C50 / C100 / C200 | live streams mean / max "
+            "| queued | queue wait p50 / p99 ms |",
+            "|---|---|---|---|---|---|---|---|",
+            *playback,
+        ]
+    if poisson:
+        lines += ["", "| arm | max rate at SLO (req/s) | live streams at that rate |", "|---|---|---|"]
+        lines += [
+            f"| {arm} | {limit_text(e, 'max_rate_at_slo')} | {fmt(e.get('live_streams_at_max_rate'))} |"
+            for arm, e in result["arms"].items()
+        ]
+    else:
+        lines += ["", "| arm | max streams at SLO |", "|---|---|"]
+        lines += [f"| {arm} | {limit_text(e, 'max_streams_at_slo')} |" for arm, e in result["arms"].items()]
+    for arm, reason in run["skipped"].items():
+        lines += ["", f"Skipped arm `{arm}`: {reason}"]
+    lines += [""] + [f"- {w}" for w in result["warnings"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def sweep_markdown(sweep: dict[str, Any], results: dict[str, dict[str, Any]]) -> str:
+    """One table over every schedule of a ``--chunks`` sweep: per schedule, arm and run, the playback and
+    codec headline figures (``results`` maps each schedule's directory to its results)."""
+    lines = [
+        f"# Chunk schedules: {sweep['arrival']} arrival, commit `{sweep['commit']}`",
+        "",
+        f"Command: `{sweep['command']}`. One directory per schedule: {', '.join(sweep['schedules'].values())}.",
+        "",
+        "| chunks | arm | run | TTFP p50 / p99 ms | underrun p99 ms | C50 / C100 / C200 | codec p99 ms | SLO |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for chunks, directory in sweep["schedules"].items():
+        result = results.get(directory)
+        if result is None:
+            lines.append(f"| {chunks} | - | - | - | - | - | - | not run |")
+            continue
+        slo = result["run"]["slo"]["codec_latency_p99_ms"]
+        for arm, entry in result["arms"].items():
+            for key, f in run_entries(entry).items():
+                d = result["details"][arm][key]
+                lines.append(
+                    f"| {chunks} | {arm} | {where(key)} | {_pair(f['ttfp_ms'], ('p50', 'p99'))} | "
+                    f"{fmt(f['underrun_ms']['p99'])} | {_pair(f['continuity'], ('c50', 'c100', 'c200'), '.3f')} | "
+                    f"{fmt(f['codec_latency_ms']['p99'])} | {_status(f, d, slo)} |"
+                )
+    return "\n".join(lines) + "\n"

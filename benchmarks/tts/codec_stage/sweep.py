@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The sweep: every arm through every schedule and load, results written after each run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+import torch
+
+from .arms import arm_builder
+from .cli import Load, Settings, parse_args, resolve
+from .metrics import NO_STEPS, downsample_max, summarize
+from .report import sweep_markdown
+from .results import (
+    load_latencies,
+    merge_previous,
+    new_result,
+    record,
+    run_header,
+    save_latencies,
+    schedule_dir,
+    write_reports,
+)
+from .simulate import Run, simulate, warm_up
+from .trace import FRAME_RATE, Trace, closed_loop_trace, poisson_trace
+
+__all__ = ["main", "make_trace", "run_arm"]
+
+
+@dataclass
+class Schedule:
+    """One chunk schedule of the sweep: its traces, results and output directory."""
+
+    sizes: list[int]
+    out: Path
+    traces: dict[str, Trace]
+    result: dict[str, Any] = field(default_factory=dict)
+    latencies: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # arm -> key -> ms per chunk
+
+
+def make_trace(settings: Settings, load: Load, sizes: list[int]) -> Trace:
+    """The trace of one load: closed loop at ``load.concurrency`` (wave, staggered) or open loop at ``load.rate``."""
+    args = settings.args
+    if settings.poisson:
+        return poisson_trace(
+            load.rate, args.burstiness, args.warmup_seconds, args.measure_seconds, args.max_concurrency, args.seed
+        )
+    steady = sizes[-1] * args.talker_rtf / FRAME_RATE  # seconds to generate one steady chunk
+    requests = load.concurrency * args.requests_per_stream
+    return closed_loop_trace(args.arrival, load.concurrency, requests, steady, args.seed)
+
+
+def run_arm(name: str, make_arm, trace: Trace, load: Load, sizes: list[int], settings: Settings):
+    """(figures, details, raw run) of arm ``name`` on ``trace``: build, warm up, simulate, close."""
+    device, cfg = settings.device, settings.cfg
+    t0 = time.perf_counter()
+    arm = make_arm(load.concurrency, sizes)
+    try:
+        warm_up(arm, load.concurrency, sizes, settings.n_vq, cfg.codebook_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        setup_s = time.perf_counter() - t0
+        described = {**arm.describe(), "graph_batch_sizes": list(arm.ladder)}
+        arm.reset_state_peak()
+        before = arm.stats()
+        label = f"{name} {load.key if settings.poisson else 'C=' + load.key}"
+        run = simulate(arm, trace, sizes, cfg, settings.args, device, label, settings.n_vq)
+        after = arm.stats()
+        described["peak_state_bytes"] = arm.state_peak_bytes()
+        peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    finally:
+        arm.close()
+        del arm
+        common.free_memory(device)
+    delta = {
+        "steps_by_path": {p: after["steps_by_path"][p] - before["steps_by_path"][p] for p in ("graph", "eager")},
+        "decoded_frames": after["decoded_frames"] - before["decoded_frames"],
+        "padded_frames": after["padded_frames"] - before["padded_frames"],
+    }
+    figures, details = summarize(run, delta, peak)
+    details["setup_seconds"] = round(setup_s, 3)
+    details["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)  # our sessions count them
+    details.update(described)
+    details["state_bytes_over_time"] = downsample_max(run.state_trace)
+    return figures, details, run
+
+
+def _schedules(settings: Settings, command: list[str]) -> list[Schedule]:
+    out, sweep = Path(settings.args.out), len(settings.schedules) > 1
+    schedules = []
+    for sizes in settings.schedules:
+        traces = {load.key: make_trace(settings, load, sizes) for load in settings.loads}
+        requests = {key: trace.measured_count for key, trace in traces.items()}
+        s = Schedule(sizes, schedule_dir(out, sizes, sweep), traces)
+        s.result = new_result(run_header(settings, sizes, requests, command), settings.arms)
+        s.latencies = {arm: {} for arm in settings.arms}
+        if settings.args.append:
+            try:
+                s.latencies = merge_previous(s.result, s.out)
+            except ValueError as exc:
+                settings.error(f"--append: {exc}")
+        s.out.mkdir(parents=True, exist_ok=True)
+        schedules.append(s)
+    return schedules
+
+
+def _run_one(name: str, make_arm, s: Schedule, load: Load, settings: Settings) -> None:
+    t_run = time.perf_counter()
+    try:
+        figures, details, run = run_arm(name, make_arm, s.traces[load.key], load, s.sizes, settings)
+    except torch.cuda.OutOfMemoryError as exc:
+        run = Run()
+        figures, details = summarize(run, NO_STEPS, None)[0], {"error": f"OutOfMemoryError: {str(exc)[:300]}"}
+        common.free_memory(settings.device)
+    details["wall_seconds"] = round(time.perf_counter() - t_run, 1)  # setup, warm-up and run
+    record(s.result, name, load.key, figures, details)
+    s.latencies[name][load.key] = np.asarray(run.codec_latency, dtype=np.float64) * 1e3
+    common.write_json(s.out / "results.json", s.result)
+    save_latencies(s.latencies, s.out / "latencies.npz")
+
+
+def _write_sweep(settings: Settings, schedules: list[Schedule]) -> dict[str, Any]:
+    out = Path(settings.args.out)
+    first = schedules[0].result["run"]
+    sweep = {
+        "commit": first["commit"],
+        "date": first["date"],
+        "command": first["command"],
+        "arrival": settings.args.arrival,
+        "schedules": {",".join(map(str, s.sizes)): s.out.name for s in schedules},
+    }
+    common.write_json(out / "sweep.json", sweep)
+    md = sweep_markdown(sweep, {s.out.name: s.result for s in schedules})
+    (out / "sweep.md").write_text(md)
+    print(md)
+    return {"sweep": sweep, "results": {s.out.name: s.result for s in schedules}}
+
+
+def _report_only(out: Path, error) -> dict[str, Any]:
+    if (out / "sweep.json").is_file():
+        sweep = json.loads((out / "sweep.json").read_text())
+        results = {}
+        for directory in sweep["schedules"].values():
+            results[directory] = json.loads((out / directory / "results.json").read_text())
+            write_reports(results[directory], load_latencies(out / directory), out / directory)
+        (out / "sweep.md").write_text(sweep_markdown(sweep, results))
+        return {"sweep": sweep, "results": results}
+    if not (out / "results.json").is_file():
+        error(f"--report-only: {out / 'results.json'} does not exist")
+    result = json.loads((out / "results.json").read_text())
+    write_reports(result, load_latencies(out), out)
+    return result
+
+
+def main(argv: list[str] | None, description: str) -> dict[str, Any]:
+    """Run the benchmark; returns the results of the one schedule, or for a ``--chunks`` sweep
+    ``{"sweep": sweep.json, "results": {directory: results}}``."""
+    command = [sys.executable, "benchmarks/tts/bench_codec_stage.py", *(sys.argv[1:] if argv is None else argv)]
+    args, parser = parse_args(argv, description)
+    if args.report_only:
+        return _report_only(Path(args.out), parser.error)
+    settings = resolve(args, parser)
+    if settings.device.type == "cpu":
+        torch.set_num_threads(1)  # tiny kernels: a second intra-op thread only adds contention
+    for arm, reason in settings.skipped.items():
+        print(f"skipped arm {arm}: {reason}")
+    schedules = _schedules(settings, command)
+    models: dict[str, Any] = {}
+    t_all = time.perf_counter()
+    for name in settings.arms:
+        for s in schedules:
+            make_arm = arm_builder(name, settings, models)
+            for load in settings.loads:
+                _run_one(name, make_arm, s, load, settings)
+    models.clear()
+    common.free_memory(settings.device)
+    for s in schedules:
+        s.result["run"]["invocations"][-1]["wall_seconds"] = round(time.perf_counter() - t_all, 1)
+        common.write_json(s.out / "results.json", s.result)
+        write_reports(s.result, s.latencies, s.out)
+    if len(schedules) == 1:
+        return schedules[0].result
+    return _write_sweep(settings, schedules)

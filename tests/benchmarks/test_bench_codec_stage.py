@@ -1,0 +1,631 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU tests of the main job, ``bench_codec_stage.py`` and its ``codec_stage`` package: the results layout, the
+arrival models, the playback figures (checked against the ideal arm's closed forms), the SLO lines, the state
+plans, ``--append``, ``--chunks`` sweeps and every bad flag (exit 2 before any arm runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+
+pytestmark = [pytest.mark.cpu]
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+FIGURE_KEYS = {
+    "audio_seconds_per_second",
+    "codec_latency_ms",
+    "first_chunk_latency_ms",
+    "ttfp_ms",
+    "underrun_ms",
+    "continuity",
+    "live_streams",
+    "queued_requests",
+    "queue_wait_ms",
+    "steps_by_path",
+    "padded_frame_fraction",
+    "peak_memory_bytes",
+}
+
+
+def _bench():
+    name = "_bench_bench_codec_stage"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_codec_stage.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _cpu(flags: str = "", *, out: Path) -> list[str]:
+    """argv of a quiet tiny-v2 CPU run writing into ``out``: ``flags`` split on spaces."""
+    return ["--device", "cpu", "--preset", "tiny-v2", "--quiet", *flags.split(), "--out", str(out)]
+
+
+# ------------------------------------------------------------------------------------------ the default layout
+
+
+def _check_run(arm: str, c: str, figures: dict, details: dict, requests: int) -> None:
+    assert set(figures) == FIGURE_KEYS
+    assert list(figures["codec_latency_ms"]) == ["p10", "p50", "p90", "p95", "p99"]
+    lat = figures["codec_latency_ms"]
+    assert 0 <= lat["p10"] <= lat["p50"] <= lat["p90"] <= lat["p95"] <= lat["p99"]
+    assert figures["steps_by_path"]["graph"] == 0 and figures["peak_memory_bytes"] is None  # no graphs on CPU
+    padded, decoded = details["padded_frames"], details["decoded_frames"]
+    assert figures["padded_frame_fraction"] == round(padded / (decoded + padded), 6)
+    if arm == "ideal":
+        assert lat["p99"] == 0.0 and figures["steps_by_path"]["eager"] == 0 and padded == 0
+        assert details["slots"] == int(c) and details["state_bytes"] == details["peak_state_bytes"] == 0
+    elif arm == "upstream":
+        # Upstream without graphs: one step per distinct chunk length, every row at its own length.
+        assert figures["steps_by_path"]["eager"] >= details["steps"] > 0 and padded == 0 and lat["p50"] > 0
+        assert details["graph_batch_sizes"] == [b for b in (1, 2) if b < int(c)] + [int(c)]
+    else:
+        # Ours: one step per decode call, every chunk padded to the step's graph frame size.
+        assert figures["steps_by_path"]["eager"] == details["steps"] > 0 and padded > 0 and lat["p50"] > 0
+        assert details["graph_batch_sizes"] == batch_buckets(int(c))
+    if arm != "ideal":
+        # Slots: compact pool N + 1 (the null slot); legacy and upstream have no scratch slots without graphs.
+        assert details["slots"] == int(c) + (arm == "v2") and details["graphs"] == 0
+        assert details["peak_state_bytes"] == details["state_bytes"] > 0  # full rings for every slot
+    # First audio includes generating the 1-frame first chunk: 0.5 x 80 ms at the default talker RTF.
+    first = figures["first_chunk_latency_ms"]
+    assert 40.0 <= first["p50"] <= first["p99"] and figures["ttfp_ms"] == first  # closed loop: arrival = start
+    assert figures["queued_requests"] == 0 and figures["queue_wait_ms"] == {"p50": 0.0, "p99": 0.0}
+    assert figures["live_streams"]["max"] == int(c) and 0 < figures["live_streams"]["mean"] <= int(c)
+    assert not details["stopped_early"] and details["finished_requests"] == details["requests"] == requests
+    trace = details["state_bytes_over_time"]  # one point per decode call (fewer than 200 here)
+    assert len(trace) == details["steps"] <= 200 and all(b == details["state_bytes"] for _, b in trace)
+    assert [t for t, _ in trace] == sorted(t for t, _ in trace) and trace[-1][0] <= details["serving_seconds"]
+    aps = figures["audio_seconds_per_second"]
+    assert aps == pytest.approx(details["audio_seconds"] / details["serving_seconds"], rel=1e-3)
+    assert 0 < aps <= int(c) / 0.5  # each live stream's talker makes 2 s of audio per second
+
+
+def test_stage_cpu_tiny_trace(tmp_path, capsys):
+    bench = _bench()
+    argv = "--device cpu --preset tiny-v2 --concurrency 2,3 --requests-per-stream 2 --chunks 1,4,15 --quiet"
+    result = bench.main([*argv.split(), "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "results.json").read_text()) == result
+    for name in ("results.md", "latency_cdf.png", "concurrency.png", "playback.png", "state_over_time.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+    upstream_ok = bench.common.upstream_status("tiny-v2", bench.torch.device("cpu"))[0]
+    arms = ["v2", "legacy", "upstream", "ideal"] if upstream_ok else ["v2", "legacy", "ideal"]
+    assert list(result["arms"]) == arms and ("upstream" in result["run"]["skipped"]) == (not upstream_ok)
+    run = result["run"]
+    assert run["preset"] == "tiny-v2" and run["device"] == "cpu" and run["cuda_graphs"] is False
+    assert (run["arrival"], run["burstiness"], run["talker_rtf"], run["request_rate"]) == ("wave", None, 0.5, None)
+    assert run["requests"] == {"2": 4, "3": 6} and run["chunks"] == [1, 4, 15] and run["keys"] == ["2", "3"]
+    assert run["graph_frame_sizes"] == [1, 4, 15] and "graph_batch_sizes" not in run
+    assert run["command"].endswith(argv + f" --out {tmp_path}") and run["date"].endswith("+00:00")
+
+    frames = {}
+    for arm in arms:
+        entry = result["arms"][arm]
+        assert list(entry) == ["2", "3", "max_streams_at_slo", "slo_held_by_every_run"]
+        for c in ("2", "3"):
+            _check_run(arm, c, entry[c], result["details"][arm][c], run["requests"][c])
+            frames.setdefault(c, set()).add(result["details"][arm][c]["decoded_frames"])
+        held = [int(c) for c in ("2", "3") if entry[c]["codec_latency_ms"]["p99"] <= 150.0]
+        assert entry["max_streams_at_slo"] == (max(held) if held else None)
+        assert entry["slo_held_by_every_run"] == (held == [2, 3])
+    # One trace per concurrency: every arm decoded exactly the same frames.
+    assert all(len(f) == 1 for f in frames.values()) and frames["2"] != frames["3"]
+    printed = capsys.readouterr().out
+    assert "| arm | C | requests | audio-s/s |" in printed and "| v2 | 2 | 4 |" in printed
+    assert "| peak GiB | peak state GiB | SLO |" in printed and "| arm | C | TTFP p50 / p99 ms |" in printed
+    peak_v2 = result["details"]["v2"]["3"]["peak_state_bytes"] / 2**30
+    assert f"| - | {peak_v2:.4g} | " in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ playback
+
+
+def test_playback_accounts_each_stall_and_the_one_a_cut_off_request_is_in():
+    playback = _bench().Playback(2)
+    playback.on_audio(0, 1.0, 1)  # plays until 1.08
+    playback.on_audio(0, 1.5, 5)  # stall 0.42, plays until 1.9
+    playback.on_audio(0, 1.7, 5)  # on time: plays until 2.3
+    playback.on_audio(0, 2.4, 1)  # stall 0.1
+    assert playback.first_audio[0] == 1.0 and playback.play_end[0] == pytest.approx(2.48)
+    assert playback.worst_stall[0] == pytest.approx(0.42)
+    playback.on_audio(1, 0.5, 15)  # plays until 1.7
+    playback.cut_off(1, 1.2)  # still playing: no stall
+    assert playback.worst_stall[1] == 0.0
+    playback.cut_off(1, 2.7)  # out of audio for 1.0 s when the run stopped
+    assert playback.worst_stall[1] == pytest.approx(1.0)
+
+
+def _ideal_worst_stall(frames: int, sizes: list[int], rtf: float) -> float:
+    """Closed form of the ideal arm's worst stall: chunk [a, b) comes out when generated, at b * rtf / 12.5,
+    and the client has played the a frames before it from the first chunk's arrival on unless it stalled."""
+    ramp = _bench().ramp_schedule(frames, sizes)
+    play_end, worst = (ramp[0][1] * rtf + ramp[0][1]) / 12.5, 0.0
+    for a, b in ramp[1:]:
+        gap = b * rtf / 12.5 - play_end
+        worst = max(worst, gap)
+        play_end = max(play_end, b * rtf / 12.5) + (b - a) / 12.5
+    return worst if worst > 1e-9 else 0.0
+
+
+def test_ideal_arm_stalls_are_the_schedule_and_the_talker_and_a_chunk_sweep_keeps_each_schedule(tmp_path):
+    bench = _bench()
+    argv = _cpu("--arms ideal --concurrency 3 --requests-per-stream 4", out=tmp_path)
+    swept = bench.main([*argv, "--chunks", "1,15", "--chunks", "1,2,4,8,15;1,15"])  # repeated and ';', deduplicated
+    assert swept["sweep"]["schedules"] == {"1,15": "chunks_1_15", "1,2,4,8,15": "chunks_1_2_4_8_15"}
+    assert json.loads((tmp_path / "sweep.json").read_text()) == swept["sweep"]
+    assert "| 1,2,4,8,15 | ideal | C=3 |" in (tmp_path / "sweep.md").read_text()
+    lengths = bench.request_lengths(12, seed=0)
+    for sizes, directory in (([1, 15], "chunks_1_15"), ([1, 2, 4, 8, 15], "chunks_1_2_4_8_15")):
+        result = swept["results"][directory]
+        assert json.loads((tmp_path / directory / "results.json").read_text()) == result
+        assert result["run"]["chunks"] == sizes and (tmp_path / directory / "playback.png").is_file()
+        f = result["arms"]["ideal"]["3"]
+        stalls = [_ideal_worst_stall(int(n), sizes, 0.5) * 1e3 for n in lengths]
+        assert f["ttfp_ms"] == {"p50": 40.0, "p99": 40.0}  # a 1-frame chunk generated at 25 frames/s
+        assert f["underrun_ms"]["p50"] == pytest.approx(np.percentile(stalls, 50), abs=1e-3)
+        assert f["underrun_ms"]["p99"] == pytest.approx(np.percentile(stalls, 99), abs=1e-3)
+        for bound in (50, 100, 200):
+            assert f["continuity"][f"c{bound}"] == round(float(np.mean(np.array(stalls) <= bound)), 4)
+    # 1,15 at RTF 0.5: the 15-frame chunk takes 600 ms to generate after 80 ms of audio: a 520 ms stall for
+    # streams of 16 frames or more. The doubling ramp is generated exactly as fast as it plays: no stall.
+    assert max(_ideal_worst_stall(int(n), [1, 15], 0.5) for n in lengths) == pytest.approx(0.52)
+    assert swept["results"]["chunks_1_2_4_8_15"]["arms"]["ideal"]["3"]["continuity"]["c50"] == 1.0
+    # At RTF 1 (the talker only as fast as real time) the same ramp stalls once, before its second chunk.
+    slow = bench.main([*argv, "--chunks", "1,15", "--talker-rtf", "1"])["arms"]["ideal"]["3"]
+    assert slow["ttfp_ms"]["p50"] == 80.0 and slow["underrun_ms"]["p99"] == pytest.approx(1120.0)
+    assert "max streams at SLO |\n|---|---|\n| ideal | at least 3 |" in (tmp_path / "results.md").read_text()
+
+
+def test_staggered_arrivals_spread_the_first_streams_over_one_steady_chunk():
+    bench = _bench()
+    trace = bench.trace.closed_loop_trace("staggered", 4, 10, 0.6, seed=0)
+    assert trace.arrivals[:4] == pytest.approx([0.0, 0.15, 0.3, 0.45]) and np.isnan(trace.arrivals[4:]).all()
+    wave = bench.trace.closed_loop_trace("wave", 4, 10, 0.6, seed=0)
+    assert (wave.arrivals[:4] == 0).all() and (wave.lengths == trace.lengths).all() and trace.limit == 4
+    arm = bench.IdealArm(4, channels=2, samples_per_frame=3840, max_frames=15)
+    codes = bench.CodeSource(trace, 12, 1024)
+    kw = {"talker_rtf": 0.5, "give_up_s": 5.0, "channels": 2, "samples_per_frame": 3840, "sync": lambda: None}
+    driver = bench.Driver(arm, trace, codes, [1, 15], **kw)
+    run = driver.simulate()
+    # Each of the first four streams starts at its arrival; its first audio comes 40 ms later.
+    assert driver.playback.first_audio[:4] == pytest.approx([0.04, 0.19, 0.34, 0.49])
+    assert run.finished_requests == 10 and run.queue_wait == [0.0] * 10 and not run.stopped_early
+    assert run.ttfp == pytest.approx([0.04] * 10) and run.codec_latency == [0.0] * len(run.codec_latency)
+    assert max(n for _, n in run.live_trace) == 4
+
+
+def test_staggered_run_of_our_arm(tmp_path):
+    result = _bench().main(_cpu("--arrival staggered --arms v2 --concurrency 2 --requests-per-stream 1", out=tmp_path))
+    f, d = result["arms"]["v2"]["2"], result["details"]["v2"]["2"]
+    assert result["run"]["arrival"] == "staggered" and d["finished_requests"] == 2 and d["chunks"] > 2
+    assert f["ttfp_ms"] == f["first_chunk_latency_ms"] and f["ttfp_ms"]["p50"] > 40.0
+
+
+# ------------------------------------------------------------------------------------------ poisson
+
+
+def test_poisson_arrivals_have_the_rate_and_the_burstiness():
+    arrivals = _bench().trace.poisson_arrivals
+    for shape in (1.0, 0.25):
+        times = arrivals(50.0, shape, 400.0, seed=3)
+        gaps = np.diff(times)
+        assert times[0] == 0.0 and times[-1] < 400.0 and (gaps >= 0).all()  # shape < 1: gaps may underflow
+        assert np.mean(gaps) == pytest.approx(1 / 50.0, rel=0.03)
+        assert np.var(gaps) / np.mean(gaps) ** 2 == pytest.approx(1 / shape, rel=0.1)  # gamma: CV^2 = 1/shape
+    short, long = arrivals(50.0, 1.0, 10.0, seed=3), arrivals(50.0, 1.0, 400.0, seed=3)
+    assert (long[: len(short)] == short).all()  # a longer window adds arrivals, it changes none
+
+
+def test_poisson_queues_past_max_concurrency_and_counts_the_measurement_window(tmp_path):
+    bench = _bench()
+    flags = "--arrival poisson --arms ideal --concurrency 3 --max-concurrency 1 --request-rate 0.25,0.5,4"
+    argv = _cpu(flags + " --burstiness 0.5 --warmup-seconds 4 --measure-seconds 16 --give-up-ms 20000", out=tmp_path)
+    result = bench.main(argv)
+    run, entry, details = result["run"], result["arms"]["ideal"], result["details"]["ideal"]
+    assert (run["arrival"], run["burstiness"], run["talker_rtf"]) == ("poisson", 0.5, 0.5)
+    assert run["request_rate"] == [0.25, 0.5, 4.0] and run["keys"] == ["rate=0.25", "rate=0.5", "rate=4"]
+    assert (run["max_concurrency"], run["concurrency"], run["requests_per_stream"]) == (1, [3], None)
+    assert (run["warmup_seconds"], run["measure_seconds"]) == (4.0, 16.0)
+    for key, rate in (("rate=0.25", 0.25), ("rate=0.5", 0.5), ("rate=4", 4.0)):
+        trace = bench.trace.poisson_trace(rate, 0.5, 4.0, 16.0, 1, seed=0)
+        assert run["requests"][key] == trace.measured_count == details[key]["requests"] > 0
+        assert details[key]["window_seconds"][0] == 4.0 and entry[key]["live_streams"]["max"] == 1
+    # One stream at a time, streams of about 2 s: 4 requests/s queue until a wait passes --give-up-ms.
+    fast = entry["rate=4"]
+    assert details["rate=4"]["stopped_early"] and fast["queued_requests"] > 0 and fast["queue_wait_ms"]["p99"] > 1000
+    complete = [k for k in ("rate=0.25", "rate=0.5") if not details[k]["stopped_early"]]
+    assert complete and entry["max_rate_at_slo"] == float(complete[-1].removeprefix("rate="))
+    assert entry["live_streams_at_max_rate"] == entry[complete[-1]]["live_streams"]["mean"]
+    for key in complete:
+        # TTFP counts from the arrival, so the queue shows in it: the ideal arm's first audio comes 40 ms after
+        # the start, so TTFP is each request's queue wait plus 40 ms; first-chunk latency counts from the start.
+        f = entry[key]
+        assert f["first_chunk_latency_ms"] == {"p50": 40.0, "p99": 40.0}
+        assert f["ttfp_ms"]["p99"] == pytest.approx(f["queue_wait_ms"]["p99"] + 40.0, abs=2e-3)
+        assert f["ttfp_ms"]["p50"] == pytest.approx(f["queue_wait_ms"]["p50"] + 40.0, abs=2e-3)
+    assert entry["rate=0.5"]["queued_requests"] > 0 and entry["rate=0.5"]["ttfp_ms"]["p99"] > 40.0
+    assert entry["slo_held_by_every_run"] is False
+    assert list(entry)[-3:] == ["max_rate_at_slo", "live_streams_at_max_rate", "slo_held_by_every_run"]
+    assert (tmp_path / "request_rate.png").is_file() and not (tmp_path / "concurrency.png").exists()
+    assert "| ideal | 0.5 |" in (tmp_path / "results.md").read_text()
+
+
+def test_poisson_run_of_our_arm(tmp_path):
+    flags = "--arrival poisson --arms v2 --concurrency 2 --request-rate 3 --warmup-seconds 0.5 --measure-seconds 1"
+    argv = _cpu(flags, out=tmp_path)
+    result = _bench().main(argv)
+    f, d = result["arms"]["v2"]["rate=3"], result["details"]["v2"]["rate=3"]
+    assert d["requests"] == result["run"]["requests"]["rate=3"] > 0 and d["finished_requests"] == d["requests"]
+    assert f["ttfp_ms"]["p99"] >= f["first_chunk_latency_ms"]["p99"] > 40.0 and f["live_streams"]["max"] <= 2
+    assert d["graph_batch_sizes"] == [1, 2] and d["slots"] == 3
+
+
+# ------------------------------------------------------------------------------------------ SLO lines, helpers
+
+
+def test_stage_trace_and_slo_helpers():
+    bench = _bench()
+    assert bench.ramp_schedule(21, [1, 4, 15]) == [(0, 1), (1, 5), (5, 20), (20, 21)]
+    assert bench.ramp_schedule(40, [1, 15]) == [(0, 1), (1, 16), (16, 31), (31, 40)]
+    assert bench.ramp_schedule(3, [5]) == [(0, 3)]
+    assert bench.upstream_batch_sizes(3) == [1, 2, 3]
+    assert bench.upstream_batch_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 512]
+    lengths = bench.request_lengths(4000, seed=0)
+    assert lengths.min() >= 13 and lengths.max() <= 256 and 48 <= int(sorted(lengths)[2000]) <= 52
+
+    def figures(p99, live=1.0):
+        return {"codec_latency_ms": {"p50": 1.0, "p95": 2.0, "p99": p99}, "live_streams": {"mean": live}}
+
+    per_c = {"64": figures(40.0), "128": figures(150.0), "256": figures(150.5), "512": figures(None)}
+    details = {c: {"stopped_early": False} for c in per_c}
+    assert bench.max_streams_at_slo(per_c, details, 150.0) == 128
+    details["128"] = {"stopped_early": True}  # stopped runs never hold the SLO, whatever their p99
+    assert bench.max_streams_at_slo(per_c, details, 150.0) == 64
+    assert bench.max_streams_at_slo(per_c, details, 10.0) is None
+    rates = {"rate=2": figures(10.0, 3.5), "rate=16": figures(20.0, 30.1), "rate=4.5": figures(200.0, 9.0)}
+    assert bench.max_rate_at_slo(rates, {k: {} for k in rates}, 150.0) == (16.0, 30.1)
+    assert bench.max_rate_at_slo(rates, {k: {} for k in rates}, 5.0) == (None, None)
+    assert (
+        bench.limit_text({"max_streams_at_slo": 8, "slo_held_by_every_run": True}, "max_streams_at_slo") == "at least 8"
+    )
+    assert bench.limit_text({"max_streams_at_slo": 8, "slo_held_by_every_run": False}, "max_streams_at_slo") == "8"
+    assert bench.limit_text({"max_rate_at_slo": None}, "max_rate_at_slo") == "none"
+    assert bench.plural(1, "request") == "1 request" and bench.plural(0, "request") == "0 requests"
+    assert bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.0}}) is None
+    warning = bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.5}})
+    assert warning.startswith("warning: v2 C=64: step time max 100.5 ms > 10x its p50 10.0 ms")
+    slowest = {"step_ms": {"p50": 10.0, "max": 100.5}, "slowest_step": {"chunks": 61, "max_frames": 15}}
+    assert bench.stall_warning("v2", "rate=8", slowest).startswith("warning: v2 rate=8: step time max")
+
+
+def test_live_streams_are_a_time_weighted_mean_over_the_window():
+    stats = _bench().live_stream_stats
+    trace = [(0.0, 0), (1.0, 2), (3.0, 1), (5.0, 0)]  # 2 streams for 2 s, 1 for 2 s
+    assert stats(trace, (0.0, 5.0)) == {"mean": 1.2, "max": 2}
+    assert stats(trace, (3.0, 5.0)) == {"mean": 1.0, "max": 1}
+    assert stats(trace, (2.0, 10.0)) == {"mean": 0.5, "max": 2}  # nothing live after 5 s
+    assert stats(trace, (4.0, 4.0)) == {"mean": None, "max": None}
+
+
+def test_stage_summary_splits_decode_calls_into_replay_and_host_time():
+    bench = _bench()
+    run = bench.Run(codec_latency=[0.01], first_latency=[0.1], serving_s=1.0, audio_s=1.0)
+    run.step_wall, run.step_chunks, run.step_frames = [0.010, 0.050, 0.020], [1, 8, 2], [1, 15, 15]
+    stats = {"decoded_frames": 10, "padded_frames": 0, "steps_by_path": {"graph": 3, "eager": 0}}
+    figures, details = bench.summarize(run, stats, None)
+    assert figures["audio_seconds_per_second"] == 1.0 and figures["ttfp_ms"] == {"p50": None, "p99": None}
+    assert details["slowest_step"] == {"chunks": 8, "max_frames": 15}
+    assert "replay_ms" not in details  # not timed without --time-replays
+    run.step_replay = [0.004, 0.030, 0.015]
+    _, details = bench.summarize(run, stats, None)
+    assert details["slowest_step"] == {"chunks": 8, "max_frames": 15, "replay_ms": 30.0}
+    assert details["replay_ms"]["p50"] == 15.0 and details["host_ms"]["p50"] == 6.0
+    assert details["host_ms"]["p99"] == pytest.approx(19.72)  # numpy percentile of [6, 20, 5] ms
+
+
+def test_stage_state_over_time_keeps_every_bucket_maximum():
+    bench = _bench()
+    points = [(0.1 * i, (i * 37) % 101) for i in range(1000)]
+    points[613] = (61.3, 500)  # the peak, inside a bucket
+    kept = bench.downsample_max(points)
+    assert len(kept) == bench.STATE_TRACE_POINTS == 200
+    assert max(b for _, b in kept) == 500 and [61.3, 500] in kept
+    for i, (seconds, value) in enumerate(kept):  # 1000 points: buckets of exactly 5
+        bucket = points[5 * i : 5 * i + 5]
+        assert value == max(b for _, b in bucket) and (seconds, value) in [(round(t, 4), b) for t, b in bucket]
+    assert bench.downsample_max(points[:3]) == [[0.0, 0], [0.1, 37], [0.2, 74]]
+    assert bench.downsample_max([]) == []
+    assert len(bench.downsample_max(points[:401])) == 200  # buckets of 2 or 3 points
+
+
+def test_every_arm_of_a_plot_has_its_own_style():
+    sys.path.insert(0, str(BENCH_DIR))
+    from plotting import arm_styles
+
+    arms = ["v2", "legacy", "upstream", "ideal", "v2-paged", "v2-triton", "v2-sdpa", "upstream-triton"]
+    styles = arm_styles(arms)
+    for key in ("color", "marker", "linewidth"):
+        values = [styles[a][key] for a in arms]
+        assert len(set(values)) == len(values), key
+    assert styles["ideal"]["linestyle"] == "--" and {styles[a]["linestyle"] for a in arms if a != "ideal"} == {"-"}
+    assert styles["v2"]["color"] == "tab:blue" and arm_styles(["v2-triton"])["v2-triton"]["color"] != "tab:blue"
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+def test_stage_state_plan_buys_whole_pools_or_pages():
+    bench = _bench()
+    meta = bench.common.random_decoder("tiny-v2", "meta")
+    slot = meta.config.state_bytes_per_slot(4)  # float32 rings on CPU
+    kw = {"meta_decoder": meta, "state_dtype": bench.torch.float32, "graphs": False}
+    # 2.5 slots of rings: the compact pool's null slot counts, so two live slots (three in all) do not fit.
+    budget = 2.5 * slot / 2**30
+    assert bench.state_plan("v2", 4, budget_gib=budget, **kw) == bench.StatePlan(1)
+    assert bench.state_plan("legacy", 4, budget_gib=budget, **kw) == bench.StatePlan(2)
+    # With CUDA graphs the legacy pool adds a scratch slot per padding row: the largest bucket, its slots.
+    assert bench.state_plan("legacy", 4, budget_gib=budget, **{**kw, "graphs": True}) == bench.StatePlan(1)
+    for name in ("v2", "legacy"):
+        slots = bench.state_plan(name, 64, budget_gib=10 * budget, **kw).slots
+        pool = bench.arms.make_state_pool(meta, bench.common.pool_kind(name), bench.torch.float32)
+        for n, fits in ((slots, True), (slots + 1, False)):  # the most slots whose whole pool fits
+            pool.initialize(n, 0)
+            assert (pool.state_bytes() <= 10 * budget * 2**30) == fits, (name, n)
+            pool.close()
+    paged = bench.state_plan("v2-paged", 4, budget_gib=budget, expected_stream_seconds=2.0, **kw)
+    assert paged == bench.StatePlan(
+        4, paged_budget={"state_budget_bytes": int(2.5 * slot), "expected_stream_frames": 25}
+    )
+    assert bench.state_plan("v2-paged", 4, page_fraction=0.5, **kw) == bench.StatePlan(4, page_fraction=0.5)
+    assert bench.state_plan("v2", 4, **kw) == bench.StatePlan(4)
+    with pytest.raises(ValueError, match="is below one stream's pool"):
+        bench.state_plan("v2", 4, budget_gib=1.5 * slot / 2**30, **kw)  # one slot plus the null slot: 2 slots
+    with pytest.raises(ValueError, match=r"a state budget of \d+ bytes holds no stream"):
+        bench.state_plan("v2-paged", 4, budget_gib=slot / 2**30, **kw)  # the null pages too
+    with pytest.raises(ValueError, match="page_fraction 0.01 gives group"):
+        bench.state_plan("v2-paged", 4, page_fraction=0.01, **kw)
+    # The paged arm's pool pays its null pages from the budget.
+    decoder = bench.common.random_decoder("tiny-v2", "cpu")
+    arm = bench.OurArm(decoder, 4, "v2-paged", False, [1, 15], 12, paged_budget={"state_budget_bytes": int(2.5 * slot)})
+    pool = arm.session.pool
+    assert pool.page_fraction == pytest.approx(
+        (int(2.5 * slot) - pool.budget.null_bytes()) / (4 * pool.budget.stream_bytes())
+    )
+    assert arm.ladder == batch_buckets(4)
+    arm.close()
+
+
+def test_stage_paged_arm_reports_the_state_its_streams_hold(tmp_path):
+    argv = _cpu("--arms v2,v2-paged --concurrency 3 --requests-per-stream 1 --give-up-ms 600000", out=tmp_path)
+    result = _bench().main(argv)
+    v2, paged = result["details"]["v2"]["3"], result["details"]["v2-paged"]["3"]
+    assert v2["decoded_frames"] == paged["decoded_frames"]
+    assert v2["peak_state_bytes"] == v2["state_bytes"]
+    # Pages only for the context streams reach (tiny-v2 windows of a few seconds fill within the trace).
+    assert 0 < paged["peak_state_bytes"] < v2["peak_state_bytes"]
+    # The held state rises and falls with the streams' contexts; the trace keeps its peak.
+    trace = paged["state_bytes_over_time"]
+    assert len(trace) <= 200 and max(b for _, b in trace) == paged["peak_state_bytes"]
+    assert min(b for _, b in trace) < paged["peak_state_bytes"] < paged["state_bytes"]
+    assert (tmp_path / "state_over_time.png").stat().st_size > 0
+
+
+def test_stage_paged_arm_short_of_pages_preempts_and_still_decodes_every_frame(tmp_path):
+    flags = "--arms v2,v2-paged --concurrency 4 --requests-per-stream 1 --page-fraction 0.45 --give-up-ms 600000"
+    argv = _cpu(flags, out=tmp_path)
+    result = _bench().main(argv)
+    v2, paged = result["details"]["v2"]["4"], result["details"]["v2-paged"]["4"]
+    assert paged["preemptions"] > 0 and v2["preemptions"] == 0
+    assert not paged["stopped_early"] and paged["finished_requests"] == v2["finished_requests"] == 4
+    assert paged["decoded_frames"] == v2["decoded_frames"]
+    assert paged["chunks"] == v2["chunks"]  # every chunk's latency counted once, when its audio came back
+    assert paged["peak_state_bytes"] < paged["state_bytes"] < v2["state_bytes"]
+
+
+def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatch):
+    bench = _bench()
+    seen = {}
+    original = bench.arms.CodecStreamSession
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            seen.setdefault(kwargs.get("pool_kind"), kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench.arms, "CodecStreamSession", Recording)
+    flags = "--arms v2-paged --concurrency 2 --requests-per-stream 1 --state-budget-gib 0.0003"
+    argv = _cpu(flags + " --expected-stream-seconds 4.3 --give-up-ms 600000", out=tmp_path)
+    result = bench.main(argv)
+    kwargs = seen["paged"]
+    assert kwargs["state_budget_bytes"] == int(0.0003 * 2**30) and kwargs["expected_stream_frames"] == 54
+    assert kwargs["page_fraction"] is None and kwargs["graph_batch_sizes"] == ()  # no graphs on CPU
+    details = result["details"]["v2-paged"]["2"]
+    assert not details["stopped_early"] and details["finished_requests"] == 2
+
+
+def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
+    # --trace-calls: one session.CallTrace per decode call of our arm, summarised per phase, and the
+    # slowest call's own trace, whose phases add up to its total and fit inside the call's wall time.
+    bench = _bench()
+    argv = _cpu("--arms v2 --concurrency 3 --requests-per-stream 2 --trace-calls", out=tmp_path)
+    details = bench.main(argv)["details"]["v2"]["3"]
+    phases = ("plan_ms", "stage_ms", "run_ms", "to_host_ms", "finish_ms", "wait_ms", "total_ms", "gc_ms")
+    assert list(details["call_trace_ms"]) == list(phases)
+    for phase in phases:
+        assert 0 <= details["call_trace_ms"][phase]["p50"] <= details["call_trace_ms"][phase]["p99"]
+    slowest = details["slowest_step"]
+    trace = slowest["trace"]
+    assert trace["chunks"] == slowest["chunks"] and trace["steps"] == 1 and trace["failed"] is False
+    assert sum(trace[p] for p in phases[:6]) == pytest.approx(trace["total_ms"], abs=0.01)
+    assert 0 < trace["run_ms"] < trace["total_ms"] <= details["step_ms"]["max"]
+    # Without the flag, nothing is traced.
+    plain = bench.main(_cpu("--arms v2 --concurrency 2 --requests-per-stream 1", out=tmp_path / "p"))
+    details = plain["details"]["v2"]["2"]
+    assert "call_trace_ms" not in details and "trace" not in details["slowest_step"]
+
+
+# ------------------------------------------------------------------------------------------ --append
+
+
+def test_stage_append_merges_a_split_sweep(tmp_path, capsys):
+    bench = _bench()
+    base = _cpu(out=tmp_path)
+    first = bench.main([*base, "--requests-per-stream", "1", "--concurrency", "2", "--arms", "v2"])
+    merged = bench.main([*base, "--requests-per-stream", "1", "--concurrency", "3", "--arms", "v2,ideal", "--append"])
+    run = merged["run"]
+    assert run["concurrency"] == [2, 3] and run["requests"] == {"2": 2, "3": 3} and run["keys"] == ["2", "3"]
+    assert [i["command"] for i in run["invocations"]] == [first["run"]["command"], run["command"]]
+    assert list(merged["arms"]["v2"]) == ["2", "3", "max_streams_at_slo", "slo_held_by_every_run"]
+    assert list(merged["arms"]["ideal"]) == ["3", "max_streams_at_slo", "slo_held_by_every_run"]
+    assert merged["arms"]["v2"]["2"] == first["arms"]["v2"]["2"] and merged["arms"]["ideal"]["max_streams_at_slo"] == 3
+    held = [c for c in (2, 3) if merged["arms"]["v2"][str(c)]["codec_latency_ms"]["p99"] <= 150.0]
+    assert merged["arms"]["v2"]["max_streams_at_slo"] == (max(held) if held else None)
+    with bench.np.load(tmp_path / "latencies.npz") as stored:
+        assert sorted(stored.files) == ["ideal/3", "v2/2", "v2/3"]
+        assert len(stored["v2/2"]) == merged["details"]["v2"]["2"]["chunks"]
+    capsys.readouterr()
+    # Settings that change what a run measures must agree (a usage error naming them, nothing run).
+    for extra, message in (
+        (["--requests-per-stream", "2"], "requests_per_stream 1 != 2"),
+        (["--requests-per-stream", "1", "--state-budget-gib", "0.001"], "state_budget_gib None != 0.001"),
+        (["--requests-per-stream", "1", "--page-fraction", "0.5"], "page_fraction 1.0 != 0.5"),
+        (["--requests-per-stream", "1", "--trace-calls"], "trace_calls False != True"),
+        (["--requests-per-stream", "1", "--talker-rtf", "1"], "talker_rtf 0.5 != 1.0"),
+        (["--requests-per-stream", "1", "--arrival", "staggered"], "arrival 'wave' != 'staggered'"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            bench.main([*base, "--concurrency", "4", "--arms", "ideal", *extra, "--append"])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "results.md").unlink()
+    assert bench.main(["--out", str(tmp_path), "--report-only"]) == merged
+    assert "| ideal | 3 | 3 |" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ bad flags
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--page-fraction", "0"], "--page-fraction must be in (0, 1], got 0.0"),
+        (["--page-fraction", "nan"], "--page-fraction must be in (0, 1], got nan"),
+        (["--page-fraction", "1.5"], "--page-fraction must be in (0, 1], got 1.5"),
+        (["--state-budget-gib", "nan"], "--state-budget-gib must be a positive number, got nan"),
+        (["--state-budget-gib", "-1"], "--state-budget-gib must be a positive number, got -1.0"),
+        (["--expected-stream-seconds", "0"], "--expected-stream-seconds must be a positive number, got 0.0"),
+        (["--expected-stream-seconds", "4.3"], "--expected-stream-seconds 4.3 splits a state budget: give --state"),
+        (["--slo-ms", "nan"], "--slo-ms must be a positive number, got nan"),
+        (["--talker-rtf", "0"], "--talker-rtf must be a positive number, got 0.0"),
+        (["--talker-rtf", "-0.5"], "--talker-rtf must be a positive number, got -0.5"),
+        (["--arrival", "bursty"], "argument --arrival: invalid choice: 'bursty'"),
+        (["--request-rate", "2"], "--request-rate 2 applies to --arrival poisson, not --arrival wave"),
+        (["--max-concurrency", "2", "--arrival", "staggered"], "--max-concurrency 2 applies to --arrival poisson"),
+        (["--arrival", "poisson", "--request-rate", "0"], "--request-rate '0': expected positive numbers, got '0'"),
+        (["--arrival", "poisson", "--request-rate", "nan"], "--request-rate 'nan': expected positive numbers"),
+        (["--arrival", "poisson", "--request-rate", "-1"], "--request-rate '-1': expected positive numbers"),
+        (["--arrival", "poisson", "--request-rate", "1,,2"], "--request-rate '1,,2': empty item in '1,,2'"),
+        (["--arrival", "poisson", "--burstiness", "0"], "--burstiness must be a positive number, got 0.0"),
+        (["--arrival", "poisson", "--measure-seconds", "0"], "--measure-seconds must be a positive number, got 0"),
+        (["--arrival", "poisson", "--warmup-seconds", "-1"], "--warmup-seconds must be a non-negative number"),
+        (["--arrival", "poisson", "--concurrency", "4,8"], "--concurrency '4,8': poisson takes one value"),
+        (["--arrival", "poisson", "--concurrency", "4", "--max-concurrency", "5"], "--max-concurrency 5 exceeds"),
+        (["--arrival", "poisson", "--requests-per-stream", "2"], "--requests-per-stream 2 applies to closed-loop"),
+        (["--concurrency", "0"], "--concurrency '0': expected positive integers"),
+        (["--concurrency", "abc"], "--concurrency 'abc': 'abc' is not an integer"),
+        (["--concurrency", "4,,8"], "--concurrency '4,,8': empty item in '4,,8'"),
+        (["--chunks", "1.5"], "--chunks '1.5': "),
+        (["--chunks", "1,,15"], "--chunks '1,,15': "),
+        (["--chunks", "1,15;1,0"], "--chunks '1,15;1,0': chunk sizes must be >= 1 frame, got '1,0'"),
+        (["--arms", "bogus"], "--arms 'bogus': 'bogus' not in"),
+        (["--arms", "v2-paged", "--preset", "tiny-v1"], "no arm left to run (v2-paged: preset 'tiny-v1' is a v1 codec"),
+        (["--arms", "v2-paged", "--page-fraction", "0.01"], "--page-fraction 0.01 for v2-paged at 4 streams: "),
+        (["--arms", "v2", "--state-budget-gib", "1e-9"], "--state-budget-gib 1e-09 for v2 at 4 streams: is below"),
+        (["--n-vq", "13"], "--n-vq 13 exceeds the codec's 12 codebooks"),
+    ],
+)
+def test_main_job_refuses_bad_flags_before_any_arm_runs(argv, message, tmp_path, capsys):
+    # A usage error (exit 2) naming the flag and the value, and nothing written: the arms would refuse some of
+    # these values only when built, after the arms before them had run and written their results.
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(["--device", "cpu", "--concurrency", "4", *argv, "--out", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not out.exists()
+
+
+def test_main_job_refuses_cuda_on_a_machine_without_it_and_an_out_it_cannot_write(tmp_path, capsys, monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cuda", "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "--device cuda: no CUDA device is available" in capsys.readouterr().err
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cpu", "--arms", "ideal", "--out", str(tmp_path / "file" / "out")])
+    assert exc.value.code == 2
+    assert re.search(r"--out '.*/file/out': cannot write there \(", capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--out", str(tmp_path / "none"), "--report-only"])
+    assert exc.value.code == 2 and "results.json does not exist" in capsys.readouterr().err
+
+
+def test_main_job_trace_memory_stays_with_the_live_streams():
+    # The codes of a request are drawn when it starts and dropped when it ends, in request order, so every arm
+    # gets the same codes whatever order its chunks are sent in.
+    bench = _bench()
+    trace = bench.trace.closed_loop_trace("wave", 2, 6, 0.6, seed=5)
+    a, b = bench.CodeSource(trace, 12, 1024), bench.CodeSource(trace, 12, 1024)
+    third = a.take(3)
+    assert sorted(a._kept) == [0, 1, 2, 3] and third.shape == (12, trace.lengths[3])
+    for r in range(3):
+        a.drop(r)
+    assert sorted(a._kept) == [3] and bench.torch.equal(b.take(3), third)
+    assert bench.torch.equal(a.take(5), b.take(5)) and not bench.torch.equal(a.take(4)[:, :13], a.take(5)[:, :13])
+
+
+def test_ideal_arm_returns_zero_audio_of_each_chunk_and_holds_no_state():
+    bench = _bench()
+    cfg = preset_config("tiny-v2")
+    arm = bench.IdealArm(2, cfg.number_channels, cfg.samples_per_frame, 15)
+    codes = bench.torch.zeros(12, 15, dtype=bench.torch.long)
+    audio = arm.decode(
+        [bench.upstream_stage.StageChunk("a", codes[:, :1]), bench.upstream_stage.StageChunk("b", codes)]
+    )
+    assert audio["a"].shape == (2, cfg.samples_per_frame) and audio["b"].shape == (2, 15 * cfg.samples_per_frame)
+    assert not audio["b"].any() and arm.timed is False and arm.state_peak_bytes() == 0
+    assert arm.stats() == {"steps_by_path": {"graph": 0, "eager": 0}, "decoded_frames": 16, "padded_frames": 0}
+
+
+def test_a_run_out_of_device_memory_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    # The CUDA-only error path, on the CPU: the run's figures are empty, its details name the error, the SLO
+    # line leaves it out and the reports still render.
+    bench = _bench()
+    sweep = sys.modules["codec_stage.sweep"]
+    real = sweep.run_arm
+
+    def run_arm(name, make_arm, trace, load, sizes, settings):
+        if load.key == "3":
+            raise bench.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(name, make_arm, trace, load, sizes, settings)
+
+    monkeypatch.setattr(sweep, "run_arm", run_arm)
+    result = bench.main(_cpu("--arms ideal --concurrency 2,3 --requests-per-stream 1", out=tmp_path))
+    entry, details = result["arms"]["ideal"], result["details"]["ideal"]
+    assert details["3"]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert entry["3"]["codec_latency_ms"]["p99"] is None and entry["3"]["live_streams"] == {"mean": None, "max": None}
+    assert entry["max_streams_at_slo"] == 2 and entry["slo_held_by_every_run"] is False
+    assert "| ideal | 3 | 3 | - | - / - / - | - | - / - | 0 / 0 |" in (tmp_path / "results.md").read_text()
+    assert "| OutOfMemoryError |" in (tmp_path / "results.md").read_text()
