@@ -265,7 +265,7 @@ def test_upstream_files_come_from_a_wheel(tmp_path):
         (["--frames", "30"], "--frames 30 is below every mark of --marks 43,94,171,400,1000,4000"),
         (["--window", "50"], "--window 50 is longer than the first mark, 43 frames"),
         (["--marks", "94,43"], "--marks must increase, got '94,43'"),
-        (["--arms", "v3"], "--arms 'v3': expected a comma-separated subset of"),
+        (["--arms", "v3"], "--arms 'v3': 'v3' not in ['v2', 'upstream', 'v2-exact', 'legacy']"),
         (["--preset", "tiny-v1"], "--preset 'tiny-v1' is a v1 codec; these arms stream a v2 codec"),
         (["--n-vq", "13"], "--n-vq must be in 1..12 for preset 'tiny-v2', got 13"),
         (["--streams", "abc"], "argument --streams: invalid int value: 'abc'"),
