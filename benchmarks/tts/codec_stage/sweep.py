@@ -87,7 +87,11 @@ def run_arm(name: str, make_arm, trace: Trace, load: Load, sizes: list[int], set
     }
     figures, details = summarize(run, delta, peak)
     details["setup_seconds"] = round(setup_s, 3)
-    details["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)  # our sessions count them
+    # Our sessions count preemptions, the host bytes of the states they saved and the seconds saving and
+    # restoring took (upstream's stage never preempts).
+    for key in ("preemptions", "preempted_bytes", "preemption_seconds"):
+        details[key] = after.get(key, 0) - before.get(key, 0)
+    details["preemption_seconds"] = round(details["preemption_seconds"], 4)
     details.update(described)
     details["state_bytes_over_time"] = downsample_max(run.state_trace)
     return figures, details, run

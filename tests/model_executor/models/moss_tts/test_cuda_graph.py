@@ -147,15 +147,18 @@ def test_graphs_of_a_frame_size_share_one_output_buffer_and_stay_within_their_bu
         assert len(ptrs) == 1 and runner.graphs[(BUCKETS[-1], t)].audio.shape == (BUCKETS[-1], channels, t * spf)
     assert runner.output_bytes() == sum(BUCKETS[-1] * channels * t * spf * 4 for t in FRAMES)
     assert runner.memory_bytes >= runner.output_bytes()
-    small = StreamingGraphRunner(
-        _pool(dec, "compact"), BUCKETS, FRAMES, n_vq=dec.config.num_quantizers, memory_budget_bytes=1024
-    )
-    with pytest.raises(GraphMemoryError) as err:
-        small.capture()
-    assert str(err.value).startswith(
-        f"CUDA graphs of batch buckets {list(BUCKETS)} x frame sizes {list(FRAMES)} take 0.00 GiB after 0 of 4 graphs"
-    )
-    assert "over their memory budget of 0.00 GiB" in str(err.value) and not small.graphs
+    # Buffers alone over the budget: refused before the first capture. Buffers within it, the first graph's pool
+    # over it: refused after that graph. Either way the runner is left without graphs.
+    for budget, captured in ((runner.output_bytes() - 1, 0), (runner.output_bytes(), 1)):
+        small = StreamingGraphRunner(
+            _pool(dec, "compact"), BUCKETS, FRAMES, n_vq=dec.config.num_quantizers, memory_budget_bytes=budget
+        )
+        with pytest.raises(GraphMemoryError) as err:
+            small.capture()
+        head = f"CUDA graphs of batch buckets {list(BUCKETS)} x frame sizes {list(FRAMES)} take "
+        assert str(err.value).startswith(head) and f" after {captured} of 4 graphs (output buffers " in str(err.value)
+        assert "over their memory budget of 0.00 GiB; raise the budget (codec_graph_memory_gib)" in str(err.value)
+        assert not small.graphs
 
 
 @pytest.mark.cuda

@@ -43,7 +43,13 @@ def _stream(decoder: CodecDecoder, codes: torch.Tensor, semantics: str) -> torch
     """``codes`` int64 ``(n_vq, B, FRAMES)`` on CPU -> float32 audio ``(B, channels, FRAMES * spf)``."""
     B = codes.shape[1]
     session = CodecStreamSession(
-        decoder, B, ring_semantics=semantics, graph_batch_sizes=(B,), graph_frame_sizes=(1, 15), max_step_frames=15
+        decoder,
+        B,
+        ring_semantics=semantics,
+        graph_batch_sizes=(B,),
+        graph_frame_sizes=(1, 15),
+        max_step_frames=15,
+        n_vq=codes.shape[0],
     )
     parts = [[] for _ in range(B)]
     try:

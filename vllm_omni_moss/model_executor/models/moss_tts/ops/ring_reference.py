@@ -77,9 +77,13 @@ def attend_gathered_rows(
 class _Window:
     # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
     # build_ring_metadata computes them, so any base serves.
-    context: int
+    ring_capacity: int
     head_dim: int
     max_period: float = 10000.0
+
+    @property
+    def window(self) -> int:
+        return self.ring_capacity
 
 
 def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
