@@ -216,7 +216,13 @@ class UpstreamStage:
         self._slots: dict[str, int] = {}
         self._closed = False
         with torch.no_grad():
-            model.initialize_decoder_state_pool(self.state_capacity, self.scratch_capacity)
+            try:
+                model.initialize_decoder_state_pool(self.state_capacity, self.scratch_capacity)
+            except BaseException:
+                # Out of memory part-way: upstream's modules are left streaming; close the pool so that the next
+                # stage on this model can start (the error still reaches the caller).
+                model.close_decoder_state_pool()
+                raise
         if on_gpu and self.graph_batch_sizes and self.graph_frame_sizes:
             self._capture_all()
             self._reset(list(range(self.num_slots)))

@@ -756,3 +756,39 @@ def test_ids_that_are_not_strings_get_keys_no_other_request_shares(ring_decoder)
         assert result.error == f"request_id must be a non-empty str, got {rid!r}" and result.frames == 0
     assert InvalidRequestId(2, 1) != InvalidRequestId(3, True) != InvalidRequestId(4, 1.0)
     assert InvalidRequestId(1, ["x"]) != "['x']" and s.stats()["request_errors"] == 4
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def test_rows_split_into_steps_that_pad_little(ring_decoder):
+    """A step replays its bucket's graph, padding rows included: rows go in one step only when the smallest
+    bucket holding them pads at most padding_slack rows (8 for 15 frames, 128 for 1 frame)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+    from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import padding_slack
+
+    s = CodecStreamSession(ring_decoder, 2048, graph_batch_sizes=batch_buckets(2048), graph_frame_sizes=[1, 15])
+    split = s._steps.split_rows
+    assert (padding_slack(15), padding_slack(1)) == (8, 128)
+    assert split(1540, 15) == [1504, 32, 4] and split(1540, 1) == [1504, 36]
+    assert split(2048, 15) == [2048] and split(1, 15) == [1] and split(33, 15) == [32, 1] and split(70, 15) == [64, 6]
+    for rows in range(1, 2049):
+        sizes = split(rows, 15)
+        assert sum(sizes) == rows and all(size <= 2048 for size in sizes), rows
+    assert CodecStreamSession(ring_decoder, 8)._steps.split_rows(7, 15) == [7]  # no buckets: one step
+
+
+def test_a_call_steps_each_frame_size_apart(ring_decoder):
+    """A 1-frame first chunk beside 4-frame chunks is its own 1-frame step (before it padded to 4 frames), and
+    the audio is the same."""
+    s = CodecStreamSession(ring_decoder, 3, graph_frame_sizes=[1, 4])
+    a, b, c = (_codes(ring_decoder, 5, seed) for seed in (1, 2, 3))
+    s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
+    got = s.decode(
+        [ChunkRequest("a", a[:, 1:5], True), ChunkRequest("b", b[:, 1:5], True), ChunkRequest("c", c[:, :1])]
+    )
+    stats = s.stats()
+    assert stats["steps_by_path"]["eager"] == 3 and stats["padded_frames"] == 0  # [a, b] T1, then [c] T1, [a, b] T4
+    _close(got["a"].audio, _solo(ring_decoder, a, [1, 4])[:, ring_decoder.config.samples_per_frame :], "a")
+    rest = s.decode([ChunkRequest("c", c[:, 1:], True)])["c"]
+    _close(torch.cat([got["c"].audio, rest.audio], -1), _solo(ring_decoder, c, [1, 4]), "c")

@@ -11,13 +11,14 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   starts a fresh stream; a zero-frame chunk of an id that is not live decodes nothing. While a stream that got
   its terminal chunk still waits for a slot, a chunk with codes under its id gets an error (it neither joins
   the ended stream nor drops it).
-* **One step per batch.** Every ready chunk is decoded in the same pool step: the step's ``T`` is the smallest
-  graph frame size ``>=`` the longest chunk, shorter chunks are padded to it and marked by their length
-  (padding frames change no state, so tails are exact), and on CUDA the step replays one captured graph.
-  Chunks longer than the largest graph frame size (or ``max_step_frames`` without graph frame sizes) are cut
-  into pieces decoded in consecutive steps together with the other rows' pieces. Batches larger than the
-  largest graph bucket are split into steps of that size. Steps are planned the same way on every device;
-  only CUDA replays graphs.
+* **Few, well-filled steps.** The ready chunks of a batch are grouped by the graph frame size they pad to
+  (shortest first); each group's rows share one step of ``T`` frames, ``T`` the smallest graph frame size ``>=``
+  its longest chunk, shorter chunks padded to it and marked by their length (padding frames change no state,
+  so tails are exact), and on CUDA the step replays one captured graph. A group is cut into several steps when
+  one replay would carry many padding rows (:meth:`~.step_runner.StepRunner.split_rows`). Chunks longer than
+  the largest graph frame size (or ``max_step_frames`` without graph frame sizes, when all chunks of a round pad
+  to the longest) are cut into pieces decoded in consecutive steps together with the other rows' pieces. Steps
+  are planned the same way on every device; only CUDA replays graphs.
 * **Admission.** New streams beyond the free slots wait in a FIFO queue: their chunks are buffered in order
   and decoded once a slot frees (in the :meth:`decode` call that frees it, or a later one); their audio is
   returned by that call, under their request id, even when the request is not in that call's batch. The

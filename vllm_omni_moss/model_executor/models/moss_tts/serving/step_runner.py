@@ -14,11 +14,18 @@ from collections.abc import Callable
 
 import torch
 
+from ..graph_ladder import bucket_for
 from .counters import SessionCounters
 from .streams import Stream
 from .tracing import CallTracer
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "padding_slack"]
+
+
+def padding_slack(frames: int) -> int:
+    """Padding rows a step of ``frames`` frames may carry rather than being split in two: about what one more
+    step's fixed cost buys in rows of that length (docs/serving.md, "Steps")."""
+    return max(8, 128 // frames)
 
 
 class StepRunner:
@@ -116,13 +123,14 @@ class StepRunner:
 
     # ------------------------------------------------------------------ cut and dispatch
     def decode_streams(self, streams: list[Stream]) -> dict[str, list[torch.Tensor]]:
-        """Decode the buffered chunks of ``streams`` (slots in use, pages reserved) in as few steps as the
-        graphs allow.
+        """Decode the buffered chunks of ``streams`` (slots in use, pages reserved) in few, well-filled steps.
 
         Each stream's chunks keep their boundaries (a stream that waited is decoded chunk by chunk, as if it
-        had never waited); a chunk longer than :attr:`max_piece_frames` is cut into pieces. Step ``i`` decodes
-        every stream's ``i``-th piece, split into steps of at most :attr:`max_step_rows` rows. Returns each
-        stream's audio rows, one per piece (on CUDA their copies may still run: :meth:`await_host_copies`).
+        had never waited); a chunk longer than :attr:`max_piece_frames` is cut into pieces. Round ``i`` decodes
+        every stream's ``i``-th piece: grouped by the frame size each piece pads to (shortest first, so that
+        first chunks come out first and a 1-frame chunk never pays for a 15-frame row), each group cut into
+        steps by :meth:`split_rows`. Returns each stream's audio rows, one per piece (on CUDA their copies may
+        still run: :meth:`await_host_copies`).
         """
         limit = self.max_piece_frames
         pieces: dict[str, list[torch.Tensor]] = {}
@@ -131,17 +139,49 @@ class StepRunner:
                 c if c.shape[1] <= limit else c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)
             ]
             s.chunks = []
-        max_rows = self.max_step_rows or len(streams)
         parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
         for i in range(max(len(p) for p in pieces.values())):
-            rows = [s for s in streams if len(pieces[s.request_id]) > i]
-            for first in range(0, len(rows), max_rows):
-                batch = rows[first : first + max_rows]
-                step_pieces = [pieces[s.request_id][i] for s in batch]
-                for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces)):
-                    parts[s.request_id].append(wav)
-                    s.frames_decoded += piece.shape[1]
+            by_frames: dict[int, list[Stream]] = {}
+            for s in streams:
+                if len(pieces[s.request_id]) > i:
+                    by_frames.setdefault(self._group_frames(pieces[s.request_id][i].shape[1]), []).append(s)
+            for frames in sorted(by_frames):
+                rows, first = by_frames[frames], 0
+                longest = max(pieces[s.request_id][i].shape[1] for s in rows)
+                for size in self.split_rows(len(rows), self._step_frames(longest)):
+                    batch, first = rows[first : first + size], first + size
+                    step_pieces = [pieces[s.request_id][i] for s in batch]
+                    for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces)):
+                        parts[s.request_id].append(wav)
+                        s.frames_decoded += piece.shape[1]
         return parts
+
+    def split_rows(self, rows: int, frames: int) -> list[int]:
+        """Step sizes for ``rows`` rows of ``frames`` frames, in order.
+
+        Without batch buckets: one step. With them, a step is one replay, and a bucket's padding rows cost what
+        real rows cost, while every step costs a fixed launch and host time besides its rows: rows go in one
+        step when the smallest bucket holding them pads at most :func:`padding_slack` rows, otherwise the
+        largest bucket that they fill goes first and the rest follows (1,540 rows of 15 frames: 1,504 + 32 + 4
+        instead of one 1,880-row replay).
+        """
+        buckets = self.graph_batch_sizes
+        if not buckets:
+            return [rows]
+        sizes, slack = [], padding_slack(frames)
+        while rows > 0:
+            up = bucket_for(buckets, rows)
+            if up is not None and up - rows <= slack:
+                return sizes + [rows]
+            down = max(b for b in buckets if b <= rows)
+            sizes.append(down)
+            rows -= down
+        return sizes
+
+    def _group_frames(self, frames: int) -> int:
+        # The graph frame size a piece pads to; without graph frame sizes every piece pads to the longest of its
+        # round, in one group (as eager steps always did).
+        return next((t for t in self.graph_frame_sizes if t >= frames), 0) if self.graph_frame_sizes else 0
 
     def _step_frames(self, longest: int) -> int:
         # The same padding with or without captured graphs, so CPU runs take the steps a GPU does.
