@@ -216,10 +216,26 @@ def _step_cell(stats: dict | None, spread: bool) -> str:
     return f"{cell} ({num(stats['p10_ms'], 2)}-{num(stats['p90_ms'], 2)})" if spread else cell
 
 
+def _merged_steps(job: Job) -> dict:
+    """The job's step files as one: arms of several files (separate processes over the same shapes) side by side."""
+    doc = job.docs[0]
+    if len(job.docs) == 1:
+        return doc
+    merged = {**doc, "arms": [a for d in job.docs for a in job.need(d, "arms")], "results": []}
+    for i, result in enumerate(job.need(doc, "results")):
+        modes = {}
+        for mode in result["modes"]:
+            arms = {a: v for d in job.docs for a, v in job.need(d, "results")[i]["modes"][mode]["arms"].items()}
+            modes[mode] = {"arms": arms}
+        peaks = {a: v for d in job.docs for a, v in job.need(d, "results")[i].get("peak_transient_bytes", {}).items()}
+        merged["results"].append({**result, "modes": modes, "peak_transient_bytes": peaks})
+    return merged
+
+
 @renderer("step")
 def render_step(job: Job) -> list[str]:
     """``bench_codec_step.py``: median (p10-p90) ms of one step per (B, T) and arm, then its kernel profile."""
-    doc = job.docs[0]
+    doc = _merged_steps(job)
     arms = job.option("arms") or job.need(doc, "arms")
     ours = job.option("ours", "v2")
     baseline = job.option("baseline") or next((a for a in arms if a.startswith("upstream")), None)
@@ -382,43 +398,81 @@ def render_gemm(job: Job) -> list[str]:
 # ---------------------------------------------------------------------------------------------- serving
 
 
-def _percentiles(value: Any, digits: int = 1) -> str:
-    """A figure that is a number or a dict of percentiles / thresholds, as ``a / b / c``."""
-    if isinstance(value, dict):
-        return " / ".join(num(v, digits) for v in value.values())
-    return num(value, digits)
-
-
-def _percentile_names(docs: list[dict], key: str) -> str:
-    for doc in docs:
-        for per_load in doc.get("arms", {}).values():
-            for result in per_load.values():
-                if isinstance(result, dict) and isinstance(result.get(key), dict):
-                    return " / ".join(result[key])
-    return ""
-
-
 @renderer("serving")
 def render_serving(job: Job) -> list[str]:
-    """A serving sweep under an arrival model: ``arms.<arm>.<C or rate=R>`` with time to first packet,
-    underruns, continuity and live streams; ``run.arrival`` names the model."""
-    doc = job.docs[0]
-    arrival = job.need(doc, "run", "arrival")
-    arms = job.option("arms") or list(job.need(doc, "arms"))
-    columns = [("ttfp_ms", "time to first packet ms"), ("underrun_ms", "underrun ms")]
-    columns += [("continuity", "continuity"), ("live_streams", "live streams")]
-    header = ["arm", "load"]
-    for key, title in columns:
-        names = _percentile_names(job.docs, key)
-        header.append(f"{title} ({names})" if names else title)
+    """Serving runs under arrival models (``bench_codec_stage.py --arrival``), one file per command: per arm and
+    load (``C`` or ``rate=R``) the codec-added latency, time to first packet, worst stalls, continuity, live
+    streams and the SLO."""
+    header = ["arrival, talker RTF", "arm", "load", "codec-added p50 / p99 ms", "TTFP p50 / p99 ms"]
+    header += ["worst stall p50 / p99 ms", "C50 / C100 / C200", "live streams mean / max", "SLO"]
     rows = []
-    for arm in arms:
-        per_load = job.need(doc, "arms", arm)
-        for load in sorted((k for k in per_load if isinstance(per_load[k], dict)), key=sort_key):
-            result = per_load[load]
-            rows.append([arm, load if "=" in load else f"C={load}"] + [_percentiles(result.get(k)) for k, _ in columns])
-    described = arrival if isinstance(arrival, str) else ", ".join(f"{k} {v}" for k, v in arrival.items())
-    return [f"Arrival model: {described}.", ""] + table(header, rows)
+    for doc in job.docs:
+        run = job.need(doc, "run")
+        slo = job.need(run, "slo", "codec_latency_p99_ms")
+        arrival = job.need(run, "arrival")
+        if arrival == "poisson":
+            arrival += f" (burstiness {run.get('burstiness')}, {run.get('request_rate')} req/s)"
+        label = f"{arrival}, {run.get('talker_rtf')}" + (f", chunks {run['chunks']}" if job.option("chunks") else "")
+        for arm, per_load in job.need(doc, "arms").items():
+            for load in sorted((k for k in per_load if isinstance(per_load[k], dict)), key=sort_key):
+                r, d = per_load[load], job.need(doc, "details", arm, load)
+                if "error" in d:
+                    rows.append([label, arm, load, "-", "-", "-", "-", "-", d["error"].split(":")[0]])
+                    continue
+                lat, ttfp, stall = r["codec_latency_ms"], r["ttfp_ms"], r["underrun_ms"]
+                held = lat["p99"] is not None and lat["p99"] <= slo and not d.get("stopped_early")
+                rows.append(
+                    [label, arm, load if "=" in load else f"C={load}", f"{num(lat['p50'])} / {num(lat['p99'])}"]
+                    + [f"{num(ttfp['p50'])} / {num(ttfp['p99'])}", f"{num(stall['p50'])} / {num(stall['p99'])}"]
+                    + [" / ".join(num(v, 3) for v in r["continuity"].values())]
+                    + [f"{num(r['live_streams']['mean'])} / {num(r['live_streams']['max'], 0)}"]
+                    + ["held" if held else "missed"]
+                )
+    return table(header, rows)
+
+
+@renderer("fidelity")
+def render_fidelity(job: Job) -> list[str]:
+    """``bench_fidelity.py``: each arm's bf16 audio against its own float32 run, window by window."""
+    doc = job.docs[0]
+    run, targets = job.need(doc, "run"), job.need(doc, "targets")
+    marks = [str(m) for m in job.need(run, "marks")]
+    header = ["arm"] + [f"frames ..{m}" for m in marks] + ["growth last / first", "at most x upstream"]
+    rows = []
+    for arm, entry in job.need(doc, "arms").items():
+        windows = entry["windows"]
+        cells = [f"{windows[m]['rel_error']:.2e}" if m in windows else "-" for m in marks]
+        over = targets["ours_over_upstream_max"].get(arm)
+        growth = targets["growth_first_to_last"].get(arm)
+        rows.append([arm] + cells + [num(growth, 2) + "x", "-" if over is None else num(over, 3) + "x"])
+    head = (
+        f"{run['streams']} streams x {run['frames']} frames, chunks {run['chunks']}, window of {run['window_frames']}"
+    )
+    return [f"Relative error of the bf16 audio, {head} frames ending at each mark.", ""] + table(header, rows)
+
+
+@renderer("proof")
+def render_proof(job: Job) -> list[str]:
+    """A restructuring's proof: the same scripts at the parent and at the head, p10-p90 ranges side by side."""
+    doc = job.docs[0]
+    trees = job.need(doc, "run", "trees")
+    header = [
+        "measurement",
+        f"parent `{trees['parent']}` p10 / p50 / p90",
+        f"head `{trees['refactor']}` p10 / p50 / p90",
+    ]
+    header.append("p10-p90 ranges overlap")
+    rows = []
+    for part, median, what in (
+        ("step", "median_ms", "one {} step, ms"),
+        ("stage", "p50_ms", "codec-added at C={}, ms"),
+    ):
+        for key, pair in job.need(doc, part).items():
+            cells = [
+                " / ".join(num(pair[t][k], 2) for k in ("p10_ms", median, "p90_ms")) for t in ("parent", "refactor")
+            ]
+            rows.append([what.format(key)] + cells + ["yes" if job.need(doc, "overlap", part, key) else "NO"])
+    return table(header, rows)
 
 
 # --------------------------------------------------------------------------------------------- manifest
@@ -652,9 +706,9 @@ def render_readme_table(manifest: dict, jobs: list[Job]) -> list[str]:
             raise InputError(
                 f"readme row {row.get('label')!r}: format {row.get('format')!r} is not one of {sorted(FORMATS)}"
             )
-        doc = job.docs[row.get("file", 0)]
-        commit = job.commits[row.get("file", 0)]
-        cells = [fmt(pick(doc, row["upstream"])), f"**{fmt(pick(doc, row['ours']))}**"]
+        theirs, ours = row.get("upstream_file", row.get("file", 0)), row.get("ours_file", row.get("file", 0))
+        commit = job.commits[ours]
+        cells = [fmt(pick(job.docs[theirs], row["upstream"])), f"**{fmt(pick(job.docs[ours], row['ours']))}**"]
         rows.append([row["label"]] + cells + [f"`{commit}`"])
     header = manifest.get("readme_header", ["", "upstream", "this package", "commit"])
     return [README_BEGIN] + table(header, rows) + [README_END]

@@ -245,27 +245,57 @@ def test_memory_startup_attention_and_gemm_tables():
     assert mr.render_gemm(_job("gemm", [gemm]))[2] == "| 8, 1 | 1.00 | 1.00 | 2.00 (500) |"
 
 
-def test_serving_sweep_under_an_arrival_model():
-    def load(ttfp, underrun):
+def test_serving_runs_under_arrival_models():
+    def load(p99, ttfp):
         return {
+            "codec_latency_ms": {"p50": 10.0, "p99": p99},
             "ttfp_ms": {"p50": ttfp, "p99": 2 * ttfp},
-            "underrun_ms": underrun,
+            "underrun_ms": {"p50": 0.0, "p99": 40.0},
             "continuity": {"c50": 1.0, "c100": 0.99, "c200": 0.9},
-            "live_streams": 300,
+            "live_streams": {"mean": 300.0, "max": 320},
         }
 
+    run = {"arrival": "poisson", "burstiness": 1.0, "request_rate": [2, 10], "talker_rtf": 1.0}
     doc = {
-        "run": {"arrival": {"model": "poisson", "seed": 0}},
-        "arms": {"v2": {"rate=10": load(90.0, 0.0), "rate=2": load(85.0, 0.0), "max_streams_at_slo": 3}},
+        "run": run | {"slo": {"codec_latency_p99_ms": 150}},
+        "arms": {"v2": {"rate=10": load(200.0, 90.0), "rate=2": load(40.0, 85.0), "max_rate_at_slo": 2}},
+        "details": {"v2": {"rate=10": {}, "rate=2": {"stopped_early": False}}},
     }
     lines = mr.render_serving(_job("serving", [doc]))
-    assert lines[0] == "Arrival model: model poisson, seed 0."
-    assert lines[2] == (
-        "| arm | load | time to first packet ms (p50 / p99) | underrun ms | continuity (c50 / c100 / c200) | live streams |"
-    )
-    assert lines[4:] == [
-        "| v2 | rate=2 | 85.0 / 170.0 | 0.0 | 1.0 / 1.0 / 0.9 | 300 |",
-        "| v2 | rate=10 | 90.0 / 180.0 | 0.0 | 1.0 / 1.0 / 0.9 | 300 |",
+    assert lines[0].startswith("| arrival, talker RTF | arm | load | codec-added p50 / p99 ms | TTFP p50 / p99 ms |")
+    assert lines[2:] == [
+        "| poisson (burstiness 1.0, [2, 10] req/s), 1.0 | v2 | rate=2 | 10.0 / 40.0 | 85.0 / 170.0 | 0.0 / 40.0 "
+        "| 1.000 / 0.990 / 0.900 | 300.0 / 320 | held |",
+        "| poisson (burstiness 1.0, [2, 10] req/s), 1.0 | v2 | rate=10 | 10.0 / 200.0 | 90.0 / 180.0 | 0.0 / 40.0 "
+        "| 1.000 / 0.990 / 0.900 | 300.0 / 320 | missed |",
+    ]
+
+
+def test_fidelity_and_proof_tables():
+    windows = {"43": {"rel_error": 0.02}, "94": {"rel_error": 0.021}}
+    doc = {
+        "run": {"marks": [43, 94], "streams": 4, "frames": 94, "chunks": [1, 15], "window_frames": 43},
+        "arms": {"v2": {"windows": windows}, "upstream": {"windows": windows}},
+        "targets": {"ours_over_upstream_max": {"v2": 1.0}, "growth_first_to_last": {"v2": 1.05, "upstream": 1.05}},
+    }
+    lines = mr.render_fidelity(_job("fidelity", [doc]))
+    assert lines[2:] == [
+        "| arm | frames ..43 | frames ..94 | growth last / first | at most x upstream |",
+        "|---|---|---|---|---|",
+        "| v2 | 2.00e-02 | 2.10e-02 | 1.05x | 1.000x |",
+        "| upstream | 2.00e-02 | 2.10e-02 | 1.05x | - |",
+    ]
+    stats = {"p10_ms": 1.0, "median_ms": 2.0, "p50_ms": 2.0, "p90_ms": 3.0}
+    proof = {
+        "run": {"trees": {"parent": "aaa", "refactor": "bbb"}},
+        "step": {"B1/T1": {"parent": stats, "refactor": stats}},
+        "stage": {"64": {"parent": stats, "refactor": stats}},
+        "overlap": {"step": {"B1/T1": True}, "stage": {"64": False}},
+    }
+    lines = mr.render_proof(_job("proof", [proof]))
+    assert lines[2:] == [
+        "| one B1/T1 step, ms | 1.00 / 2.00 / 3.00 | 1.00 / 2.00 / 3.00 | yes |",
+        "| codec-added at C=64, ms | 1.00 / 2.00 / 3.00 | 1.00 / 2.00 / 3.00 | NO |",
     ]
 
 
@@ -352,9 +382,11 @@ def _error(root: Path, capsys) -> str:
 
 def test_unknown_kind_names_the_job_and_the_kinds(tree, capsys):
     manifest = _manifest(tree)
-    manifest["jobs"][0]["kind"] = "fidelity"
+    manifest["jobs"][0]["kind"] = "no-such-kind"
     _write_manifest(tree, manifest)
-    assert _error(tree, capsys).startswith("job 'main': no renderer for kind 'fidelity' (known: attention, gemm, ")
+    assert _error(tree, capsys).startswith(
+        "job 'main': no renderer for kind 'no-such-kind' (known: attention, fidelity, "
+    )
 
 
 def test_bad_input_is_one_line(tree, capsys):

@@ -46,8 +46,8 @@ H200 = round(139.8 * GIB)  # the H200's total memory the files' arithmetic uses 
 SLOT = 88_678_400  # one v2 slot of bf16 rings (docs/memory.md)
 WEIGHTS = 2_172_687_872  # the v2 decoder in bf16 (test_deploy_sizing.py checks it against the module)
 N_VQ = 12  # MOSS-TTS Local Transformer v1.5
-# The most streams one H200 held at the 150 ms p99 SLO, start times spread over one steady chunk (a scratch run
-# at a92bc85; with all streams starting together: 256 at 1455723, benchmarks/RESULTS.md Run AJ).
+# The most streams the compact pool held on one H200 at the 150 ms p99 SLO under staggered and Poisson arrivals
+# (measured at 0342c51, benchmarks/RESULTS.md "Serving at scale"; with all streams starting together: 256 at 1455723).
 STREAMS_AT_SLO = 1024
 
 # file -> (Stage 0 devices per replica, Stage 1 devices per replica), as the files' comments state.
@@ -134,7 +134,7 @@ def test_deploy_file_gives_stage_1_the_slots_ladder_and_memory_its_comments_stat
         f"batch_buckets({n})",
         str(ladder),
         "1455723",
-        "a92bc85",
+        "0342c51",
     ):
         assert stated in text, stated
     assert runtime["num_replicas"] == 1
