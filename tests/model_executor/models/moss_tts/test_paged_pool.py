@@ -368,6 +368,27 @@ def test_a_preempted_stream_keeps_its_chunks_whatever_the_queue_bounds(ring_deco
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), r
 
 
+def test_a_stream_ending_in_the_call_is_never_the_one_preempted(ring_decoder):
+    """Both streams bring chunks that together need more pages than the pool holds; the youngest ("b") sends its
+    terminal chunk. "a" is preempted instead, "b" is decoded and ends, and "a" is restored and decoded in the
+    same call: every chunk of the call comes back, exactly."""
+    session = CodecStreamSession(ring_decoder, 2, pool_kind="paged", page_fraction=0.75)
+    assert session.pool.free_page_counts() == [2, 3]
+    codes = random_codes(ring_decoder, 2, 5, seed=1)
+    a, b = codes[:, 0], codes[:, 1]
+    first = session.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
+    got = session.decode([ChunkRequest("a", a[:, 1:]), ChunkRequest("b", b[:, 1:], True)])
+    assert {r: (got[r].frames, got[r].error, got[r].queued) for r in "ab"} == {
+        "a": (4, None, False),
+        "b": (4, None, False),
+    }
+    assert session.stats()["preemptions"] == 1 and set(session.live_requests) == {"a"}
+    for r, c in (("a", a), ("b", b)):
+        want = _solo(ring_decoder, c, [1, 4])
+        audio = torch.cat([first[r].audio, got[r].audio], -1)
+        assert audio.shape == want.shape and (audio - want).abs().max() <= 1e-5 * want.abs().max(), r
+
+
 def test_a_finished_stream_gives_its_pages_back_before_anyone_is_preempted(ring_decoder):
     """A stream whose terminal chunk is empty only waits to end: when a live stream needs pages, it is
     released, not preempted (no state is saved for it, nothing waits behind it)."""

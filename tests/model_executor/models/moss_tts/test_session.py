@@ -12,6 +12,7 @@ import pytest
 import torch
 from moss_codecs import random_codes
 
+from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, ChunkResult, CodecStreamSession
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
@@ -213,7 +214,7 @@ def test_reused_id_after_finish_starts_fresh(ring_decoder):
     _close(torch.cat([d1.audio, d2.audio], -1), _solo(ring_decoder, fresh, [1, 3]), "reused id")
 
 
-@pytest.mark.parametrize("max_waiting_frames", [None, 5])
+@pytest.mark.parametrize("max_waiting_frames", [None, 5, 2, 0])
 def test_a_terminal_chunk_of_a_waiting_stream_is_decoded_in_its_call(max_waiting_frames, ring_decoder):
     # "b" sends its whole utterance (terminal) while the only slot is taken. The engine finishes a request right
     # after its terminal step, so "b" cannot wait: "a" is preempted (saved to the host), "b" decodes and ends, and
@@ -232,6 +233,22 @@ def test_a_terminal_chunk_of_a_waiting_stream_is_decoded_in_its_call(max_waiting
     got = s.decode([ChunkRequest("a", a[:, 2:], True)])
     _close(torch.cat([first, got["a"].audio], -1), _solo(ring_decoder, a, [2, 2]), "a, preempted twice")
     assert s.free_slots == 1 and not s.waiting_requests and s.stats()["preemptions"] == 2
+
+
+def test_a_terminal_chunk_over_the_queue_bounds_still_ends_its_waiting_stream(ring_decoder):
+    # "w" waits with 3 frames buffered (of max_waiting_frames=4) when its 2-frame terminal chunk arrives: the
+    # bound would refuse it (5 > 4) and drop all 5 frames; a terminal chunk is decoded in its call instead, the
+    # live stream "l" preempted for it and restored once "w" ends.
+    s = CodecStreamSession(ring_decoder, 1, max_waiting_streams=1, max_waiting_frames=4)
+    live, w = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 5, 2)
+    first = s.decode([ChunkRequest("l", live[:, :1])])["l"].audio
+    assert s.decode([ChunkRequest("w", w[:, :3])])["w"].queued
+    got = s.decode([ChunkRequest("w", w[:, 3:], True)])["w"]
+    assert got.error is None and got.frames == 5 and not got.queued
+    _close(got.audio, _solo(ring_decoder, w, [3, 2]), "w, its buffered chunk and its terminal one")
+    assert s.live_requests == {"l": 0} and not s.waiting_requests and s.stats()["request_errors"] == 0
+    rest = s.decode([ChunkRequest("l", live[:, 1:], True)])["l"].audio
+    _close(torch.cat([first, rest], -1), _solo(ring_decoder, live, [1, 2]), "l, preempted for w")
 
 
 # ----------------------------------------------------------------------------- admission queue
@@ -349,8 +366,9 @@ def test_a_bad_request_fails_alone(ring_decoder):
     _close(got["good"].audio, _solo(ring_decoder, good, [3]), "good beside bad requests")
     assert got["live"].error == f"request 'live': codes must have shape ({n_vq}, T), got ({n_vq + 1}, 3)"
     assert got["float"].error == "request 'float': codes must be signed integers (or uint8), got torch.float32"
-    assert got[""].error == "request_id must be a non-empty str, got ''"
-    assert all(got[k].frames == 0 for k in ("live", "float", ""))
+    empty = InvalidRequestId(3, "")
+    assert got[empty].error == "request_id must be a non-empty str, got ''"
+    assert all(got[k].frames == 0 for k in ("live", "float", empty))
     after = s.pool.slot_state(s.live_requests["live"])
     assert torch.equal(before["layer_offsets"], after["layer_offsets"])
     assert all(torch.equal(x, y) for x, y in zip(before["rings"], after["rings"]))
@@ -402,11 +420,10 @@ def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
         (None, "request_id must be a non-empty str, got None"),
         (["x"], "request_id must be a non-empty str, got ['x']"),
         (7, "request_id must be a non-empty str, got 7"),
+        ("", "request_id must be a non-empty str, got ''"),
     ],
 )
 def test_a_bad_request_id_fails_alone(bad_id, message, ring_decoder):
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
-
     s = CodecStreamSession(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     got = s.decode([ChunkRequest("good", good, True), ChunkRequest(bad_id, good)])
@@ -414,6 +431,14 @@ def test_a_bad_request_id_fails_alone(bad_id, message, ring_decoder):
     assert got[key].error == message and got[key].frames == 0
     _close(got["good"].audio, _solo(ring_decoder, good, [2]), "good beside a bad id")
     assert s.free_slots == 2
+
+
+def test_two_empty_request_ids_fail_alone_not_the_batch(ring_decoder):
+    s = CodecStreamSession(ring_decoder, 2)
+    good = _codes(ring_decoder, 2, 1)
+    got = s.decode([ChunkRequest("good", good, True), ChunkRequest("", good), ChunkRequest("", good)])
+    assert [got[InvalidRequestId(i, "")].error for i in (1, 2)] == ["request_id must be a non-empty str, got ''"] * 2
+    _close(got["good"].audio, _solo(ring_decoder, good, [2]), "good beside two empty ids")
 
 
 def test_a_non_bool_finished_flag_fails_its_request_alone(ring_decoder):
@@ -743,7 +768,6 @@ def test_on_requests_finished_ends_a_refusal(ring_decoder):
 def test_ids_that_are_not_strings_get_keys_no_other_request_shares(ring_decoder):
     """A list id (which cannot key a dict) and the string of its repr are two requests; ids that compare
     equal (1, True, 1.0) get one result each (before, they shared one, and the repr collided with the string)."""
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
 
     s = CodecStreamSession(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)

@@ -110,8 +110,61 @@ def test_a_payload_id_twice_in_one_batch_fails_the_second(stage, caplog):
     _assert_audio(out[0], fresh_decode(stage, c, [2]), "first")
     assert out[1].numel() == 0
     assert _warnings(caplog) == [
-        "MOSS codec request None (batch row 1): request id appears twice in one batch; returning empty audio"
+        "MOSS codec request dup (batch row 1): request id appears twice in one batch; returning empty audio"
     ]
+
+
+def test_a_terminal_row_twice_in_one_batch_still_ends_its_stream(stage, caplog):
+    c = _codes(stage, 3, seed=40)
+    n = stage.n_vq
+    first = run(stage, [c[:, :1]], [raw_info("A", 1, n)], ["A"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [c[:, 1:2], c[:, 2:]], [raw_info("A", 1, n), raw_info("A", 1, n, finished=True)], ["A", "A"])
+    assert out[1].numel() == 0 and not stage._session.live_requests
+    assert stage._session.free_slots == stage.state_capacity
+    _assert_audio(torch.cat(first + out[:1], dim=-1), fresh_decode(stage, c[:, :2], [1, 1]), "the first row")
+    assert _warnings(caplog) == [
+        "MOSS codec request A (batch row 1): request id appears twice in one batch; returning empty audio"
+    ]
+
+
+@pytest.mark.parametrize("ids", [[1, "1"], [None, None], ["", "x"]], ids=["int-and-str", "none", "empty"])
+def test_a_runner_id_that_is_not_a_non_empty_str_fails_its_row_alone(stage, caplog, ids):
+    a, b = _codes(stage, 2, seed=41), _codes(stage, 2, seed=42)
+    n = stage.n_vq
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [a, b], [raw_info("p", 2, n), raw_info("q", 2, n)], ids)
+    good = {i: rid for i, rid in enumerate(ids) if isinstance(rid, str) and rid}
+    assert {i for i, wav in enumerate(out) if wav.numel()} == set(good)
+    for i in good:
+        _assert_audio(out[i], fresh_decode(stage, (a, b)[i], [2]), f"row {i}")
+    assert set(stage._session.live_requests if stage._session else ()) == set(good.values())
+    assert [m.split(": ", 1)[1] for m in _warnings(caplog) if "request id must" in m] == [
+        f"the runner's request id must be a non-empty str, got {rid!r}; returning empty audio"
+        for i, rid in enumerate(ids)
+        if i not in good
+    ]
+
+
+def test_finishing_a_single_string_id_is_refused(stage):
+    n = stage.n_vq
+    run(stage, [_codes(stage, 1, 43), _codes(stage, 1, 44)], [raw_info("ab", 1, n), raw_info("a", 1, n)], ["ab", "a"])
+    with pytest.raises(TypeError, match="got the single id 'ab'"):
+        stage.on_requests_finished("ab")
+    assert set(stage._session.live_requests) == {"ab", "a"}
+
+
+@pytest.mark.parametrize("counts", [[11.9], ["11"], [11, float("nan")], [True]])
+def test_seq_token_counts_must_be_integers(stage, counts):
+    with pytest.raises(ValueError, match=r"seq_token_counts must hold integers >= 0, got "):
+        stage(
+            input_ids=torch.zeros(30, dtype=torch.long),
+            positions=None,
+            runtime_additional_information=[raw_info("x", 1, stage.n_vq)] * len(counts),
+            seq_token_counts=counts,
+            request_ids=[f"x{i}" for i in range(len(counts))],
+        )
+    assert not stage._session or not stage._session.live_requests
 
 
 # ----------------------------------------------------------------------------- malformed and split payloads
@@ -164,6 +217,24 @@ def test_split_chunk_is_buffered_until_its_declared_size(stage, caplog):
     assert not _warnings(caplog)
     assert not stage._session.live_requests
     _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, codes, [2, 3]), "split")
+
+
+def test_a_terminal_chunk_split_after_its_first_token_is_not_a_placeholder(stage, caplog):
+    # A 1-frame terminal chunk whose first token ends a step that used the whole budget: that single token is the
+    # chunk's first, not the connector's `[0]` placeholder; the rest completes it in the next step.
+    c = _codes(stage, 2, seed=45)
+    n = stage.n_vq
+    info = raw_info("A", 1, n)
+    got = run(stage, [c[:, :1]], [info], ["A"])
+    terminal = raw_info("A", 1, n, finished=True, previous=info)
+    stage.token_budget = 1
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        part = run(stage, [c[:, 1].reshape(-1)[:1]], [terminal], ["A"])
+        assert part[0].numel() == 0 and set(stage._session.live_requests) == {"A"}
+        stage.token_budget = None
+        got += run(stage, [c[:, 1].reshape(-1)[1:]], [terminal], ["A"])
+    assert not _warnings(caplog) and not stage._session.live_requests
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, c, [1, 1]), "A")
 
 
 @pytest.mark.parametrize("budget", [None, 1000], ids=["no-budget", "budget-unused"])

@@ -130,17 +130,20 @@ class PayloadAssembler:
         self.n_vq = n_vq
         self.partial: dict[str, torch.Tensor] = {}
 
-    def row(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple[str], may_split: bool) -> StreamChunk:
+    def row(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple, may_split: bool) -> StreamChunk:
         """The chunk of batch row ``index``: flat codes ``seg`` (a view of the engine's input buffer), payload
-        ``info``, stream ``key`` (or a 1-tuple holding the row's error); ``may_split``: the step used the whole
-        token budget, so a chunk can be split across it and the next."""
+        ``info``, stream ``key`` (or a tuple ``(error,)`` / ``(error, request id)`` holding the row's error);
+        ``may_split``: the step used the whole token budget, so a chunk can be split across it and the next. A
+        row with an error in ``key`` hands no codes to the session (its ``key`` names the request, if any)."""
+        refused = isinstance(key, tuple)
+        named = (key[1] if len(key) == 2 else None) if refused else key
         try:
             meta = meta_of(info)
         except PayloadError as exc:  # no terminal flag can be read: the stream is left as it was
-            return StreamChunk(index, None if isinstance(key, tuple) else key, None, False, str(exc))
+            return StreamChunk(index, named, None, False, key[0] if refused else str(exc))
         finished = meta_flag(meta, "stream_finished", "finished")
-        if isinstance(key, tuple):
-            return StreamChunk(index, None, None, finished, key[0])
+        if refused:
+            return StreamChunk(index, named, None, finished, key[0])
         codes, error = self._assemble(key, seg, meta, finished, may_split)
         if error is not None:
             # A terminal payload still ends its stream: a zero-frame terminal chunk.
@@ -178,8 +181,11 @@ class PayloadAssembler:
             return None, str(exc)
         n = tokens.numel()
         single = n == 1 and pending is None
-        if n == 0 or (single and (declared == 0 or (self.n_vq > 1 and (finished or _placeholder(meta))))):
-            # Meta-only payload or the connector's one-token `[0]` boundary placeholder.
+        # Meta-only payload or the connector's one-token `[0]` boundary placeholder: a single token where the
+        # payload declares no codes, a segment end, or a terminal payload declaring no size. A terminal payload
+        # that declares a chunk is not one: its single token is the first of a chunk the token budget split.
+        placeholder = self.n_vq > 1 and (_placeholder(meta) or (finished and declared is None))
+        if n == 0 or (single and (declared == 0 or placeholder)):
             return seg.new_zeros(self.n_vq, 0), None
         if declared is not None:
             if declared % self.n_vq:

@@ -28,6 +28,7 @@ Differences in behaviour (details in ``docs/serving_stage.md``):
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -213,7 +214,8 @@ class MossTTSCodecDecoder(nn.Module):
 
         Args:
             input_ids: every request's codebook-major flat codes ``[n_vq * T_i]``, concatenated.
-            seq_token_counts: (kwarg, required when ``input_ids`` is non-empty) tokens per request.
+            seq_token_counts: (kwarg, required when ``input_ids`` is non-empty) tokens per request, integers
+                ``>= 0``; tokens of ``input_ids`` past their sum (the runner's padding) are ignored.
             request_ids: (kwarg) the runner's request id per request: the stream keys.
             runtime_additional_information: per request dict; ``meta`` may hold ``stream_finished`` /
                 ``finished``, ``req_id``, ``codec_chunk_frames`` / ``code_flat_numel`` (the chunk's declared
@@ -225,7 +227,8 @@ class MossTTSCodecDecoder(nn.Module):
         Raises:
             RuntimeError: ``seq_token_counts`` missing or longer than ``input_ids``, or ``request_ids`` of
                 another length than ``seq_token_counts``.
-            TypeError / ValueError: malformed ``seq_token_counts``.
+            TypeError: ``seq_token_counts`` is not a list or tuple.
+            ValueError: an entry of ``seq_token_counts`` that is not an integer ``>= 0`` (named in the message).
         """
         infos = list(runtime_additional_information or [{}])
         if self._codec is None:
@@ -291,6 +294,7 @@ class MossTTSCodecDecoder(nn.Module):
         chunks = [
             self._payloads.row(i, seg, info, key, may_split) for i, ((seg, info), key) in enumerate(zip(batch, keys))
         ]
+        self._end_with_terminal_duplicates(chunks, keys)
         for c in chunks:
             if c.error is not None:
                 self._report(c.key, c.index, c.error)
@@ -311,6 +315,21 @@ class MossTTSCodecDecoder(nn.Module):
             if c.finished and c.codes is not None:
                 self._reported.discard(c.key)  # the stream ended: the id may start a new one
         return audios
+
+    def _end_with_terminal_duplicates(self, chunks: list[StreamChunk], keys: list[str | tuple]) -> None:
+        """A row refused as its request's second row in the batch still ends the stream when it is terminal:
+        the request's first row becomes its terminal chunk (the duplicate's codes are refused, and logged)."""
+        first = {key: c for c, key in zip(chunks, keys) if isinstance(key, str)}
+        for c, key in zip(chunks, keys):
+            if not (isinstance(key, tuple) and len(key) == 2 and c.finished):
+                continue
+            kept = first[key[1]]
+            kept.finished = True
+            if kept.codes is None:  # a split prefix, or an error: the stream still ends in this call
+                if kept.error is None:
+                    kept.error = "its terminal row came twice in one batch; the incomplete chunk is dropped"
+                    self._payloads.drop(kept.key)
+                kept.codes = torch.zeros(self.n_vq, 0, dtype=torch.long)
 
     def _deliver(self, chunk: StreamChunk, result: ChunkResult) -> torch.Tensor:
         """The audio a batch row returns: anything held for its stream, then this step's."""
@@ -347,10 +366,17 @@ class MossTTSCodecDecoder(nn.Module):
         codec slot those requests still hold and drops what the stage buffered for them (split-chunk prefixes,
         undelivered audio).
 
+        Raises:
+            TypeError: ``finished_req_ids`` is a single ``str`` (or bytes), not a collection of ids.
+
         Undelivered audio is logged as an error naming the request and its frames: audio the session decoded
         from its admission queue after the request's last batch row (``docs/serving_stage.md``, "Admission
         queue").
         """
+        if isinstance(finished_req_ids, (str, bytes)):
+            raise TypeError(
+                f"finished_req_ids must be a collection of request ids, got the single id {finished_req_ids!r}"
+            )
         ids = [str(rid) for rid in finished_req_ids]
         for rid in ids:
             self._payloads.drop(rid)
@@ -369,7 +395,8 @@ class MossTTSCodecDecoder(nn.Module):
 
 
 def _stream_keys(batch: list[tuple[torch.Tensor, dict]], runner_ids: Any, warned: set[str]) -> list[str | tuple[str]]:
-    """Per row the stream key, or a 1-tuple holding the error that row gets instead.
+    """Per row the stream key, or a tuple holding the error that row gets instead (with the key when the row is
+    its request's second in the batch).
 
     Keys are the runner's request ids; without them (an older runner, a direct call) the payload's own id;
     never the batch position, which would hand one request's decoder state to the next. A payload naming
@@ -377,18 +404,22 @@ def _stream_keys(batch: list[tuple[torch.Tensor, dict]], runner_ids: Any, warned
     """
     if runner_ids is not None and len(runner_ids) != len(batch):
         raise RuntimeError(f"{len(runner_ids)} request_ids for {len(batch)} requests (seq_token_counts)")
-    keys: list[str | tuple[str]] = []
+    keys: list[str | tuple] = []
     for i, (_, info) in enumerate(batch):
         meta = info.get("meta")
         own = payload_id(info, meta if isinstance(meta, dict) else {})
-        key = str(runner_ids[i]) if runner_ids is not None else own
+        key = runner_ids[i] if runner_ids is not None else own
+        if runner_ids is not None and not (isinstance(key, str) and key):
+            # vLLM's request ids are strings; str() of anything else could merge two requests into one stream.
+            keys.append((f"the runner's request id must be a non-empty str, got {key!r}",))
+            continue
         if key is None:
             keys.append(("no stream id: the runner passed no request_ids and the payload names no req_id",))
             continue
         if own is not None and not same_request(key, own) and key not in warned:
             warned.add(key)
             logger.warning("MOSS codec request %s: its payload names request %s; keyed by the runner's id", key, own)
-        keys.append(("request id appears twice in one batch",) if key in keys else key)
+        keys.append(("request id appears twice in one batch", key) if key in keys else key)
     return keys
 
 
@@ -397,10 +428,10 @@ def _token_counts(value: Any) -> list[int] | None:
         return None
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"seq_token_counts must be a list of per-request token counts, got {type(value).__name__}")
-    counts = [int(v) for v in value]
-    if any(c < 0 for c in counts):
-        raise ValueError(f"seq_token_counts must be non-negative, got {counts}")
-    return counts or None
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"seq_token_counts must hold integers >= 0, got {v!r} in {list(value)!r}")
+    return [int(v) for v in value] or None
 
 
 def _log_stats(s: dict) -> None:

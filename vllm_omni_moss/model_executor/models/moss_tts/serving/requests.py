@@ -52,7 +52,8 @@ class ChunkResult:
 
 
 class InvalidRequestId:
-    """The result key of a request whose id is not a ``str``: its position in the batch with the id itself.
+    """The result key of a request whose id is not a non-empty ``str``: its position in the batch with the id
+    itself.
 
     Such a request only gets an error. Its key never equals a string id nor another request's key (ids that
     compare equal, such as ``1``, ``True`` and ``1.0``, or ids that cannot key a dict, such as lists, still
@@ -82,8 +83,8 @@ class InvalidRequestId:
 
 
 def result_key(request_id, position: int) -> object:
-    """The key of a request's result: its id when it is a ``str``, else an :class:`InvalidRequestId`."""
-    return request_id if isinstance(request_id, str) else InvalidRequestId(position, request_id)
+    """The key of a request's result: its id when it is a non-empty ``str``, else an :class:`InvalidRequestId`."""
+    return request_id if isinstance(request_id, str) and request_id else InvalidRequestId(position, request_id)
 
 
 def chunk_error(req: ChunkRequest, n_vq: int) -> str | None:

@@ -116,7 +116,9 @@ class Scheduler:
                 return None  # nothing to decode and no stream to end
             stream = Stream(rid)
             if self.waiting or not self._admit(stream, frames):
-                error = self.waiting.refusal(frames, new_stream=True, capacity=self.capacity)
+                # A terminal chunk is never refused by the queue's bounds: admit_ending gives it a slot in
+                # this call (preempting a live stream that is not ending), so it does not stay buffered.
+                error = None if req.finished else self.waiting.refusal(frames, new_stream=True, capacity=self.capacity)
                 if error is not None:
                     return self._refuse(req, error)
                 self.waiting.push(stream)
@@ -130,8 +132,9 @@ class Scheduler:
                 f"({stream.buffered_frames} frames queued); a new stream may use the id once that one's audio "
                 f"has been returned"
             )
-        elif stream.slot is None and frames and stream.saved is None:
-            # A preempted stream (saved state) was live: its chunks are always kept, whatever the bounds.
+        elif stream.slot is None and frames and stream.saved is None and not req.finished:
+            # A preempted stream (saved state) was live: its chunks are always kept, whatever the bounds; so
+            # is a terminal chunk (admit_ending decodes it in this call).
             error = self.waiting.refusal(frames, new_stream=False, capacity=self.capacity)
             if error is not None:
                 self.waiting.drop(rid)
@@ -146,19 +149,28 @@ class Scheduler:
     # ------------------------------------------------------------------ steps
     def ready(self) -> list[Stream]:
         """The live streams with buffered chunks, their state reserved: preempts the youngest live streams
-        until the pool holds the context every ready stream is about to reach (only a paged pool can run
-        short). A preempted stream's state goes to host memory and it waits, ahead of new streams, to resume
-        exactly; its chunks stay buffered. Streams that only wait to end give their state back first."""
+        that are not ending until the pool holds the context every ready stream is about to reach (only a
+        paged pool can run short). A preempted stream's state goes to host memory and it waits, ahead of new
+        streams, to resume exactly; its chunks stay buffered. Streams that only wait to end give their state
+        back first."""
         ready = [s for s in self.live.values() if s.chunks]
         while ready and not self.pool.reserve({s.slot: s.frames_decoded + s.buffered_frames for s in ready}):
             done = [s for s in self.live.values() if s.finished and not s.chunks]
             if done:
                 self.end(done)
                 continue
-            victim = next(reversed(self.live.values()))  # the youngest: admitted last
+            victim = self._victim()
             self._preempt(victim)
             ready = [s for s in ready if s is not victim]
         return ready
+
+    def _victim(self) -> Stream:
+        # The youngest live stream (admitted last) that is not ending: a stream whose terminal chunk arrived
+        # must be decoded in this call. Only when every live stream ends is the youngest of them preempted;
+        # the session then admits it again, in the same call, once the others have ended.
+        return next((s for s in reversed(self.live.values()) if not s.finished), None) or next(
+            reversed(self.live.values())
+        )
 
     def admit_ending(self) -> None:
         """Admit every waiting stream whose terminal chunk has arrived, oldest first, preempting the youngest

@@ -23,7 +23,9 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   and decoded once a slot frees (in the :meth:`decode` call that frees it, or a later one); their audio is
   returned by that call, under their request id, even when the request is not in that call's batch. The
   queue is bounded by ``max_waiting_streams`` streams and ``max_waiting_frames`` buffered frames; past either
-  bound the request alone gets an error and its buffered chunks are dropped. Live streams always decode.
+  bound the request alone gets an error and its buffered chunks are dropped. Live streams always decode, and
+  so does every terminal chunk in its own call: a waiting stream whose terminal chunk arrives gets a slot at
+  once (the youngest live stream that is not ending is preempted for it, whatever the queue's bounds).
 * **Errors.** A request whose chunk is malformed (codes that are not an integer ``(n_vq, T)`` tensor, an empty
   id) gets a :class:`ChunkResult` with ``error`` set and nothing of its stream changes; the other requests of
   the batch decode normally. A batch holding the same request id twice is refused whole (``ValueError``)
@@ -277,7 +279,7 @@ class CodecStreamSession:
         Returns:
             A :class:`ChunkResult` for every request id in ``requests`` (with ``error`` set for a refused chunk,
             ``queued`` while the stream waits), plus one for every waiting stream that got a slot and was decoded
-            in this call. A request whose id is not a ``str`` gets its error under
+            in this call. A request whose id is not a non-empty ``str`` gets its error under
             ``InvalidRequestId(position, request_id)`` (``serving.requests``), a key no other request shares. With
             :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
         Raises:
@@ -379,7 +381,7 @@ def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
         if not isinstance(req, ChunkRequest):
             raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
     ids = [result_key(req.request_id, i) for i, req in enumerate(requests)]
-    named = [rid for rid in ids if isinstance(rid, str)]
+    named = [rid for rid in ids if isinstance(rid, str)]  # valid ids only: an empty one gets its own error
     dupes = sorted(rid for rid, n in Counter(named).items() if n > 1)
     if dupes:
         raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
