@@ -65,6 +65,7 @@ FORK_TESTS = "tests/model_executor/models/moss_tts"
 # Fork test files not run here, with why; every other test file of the fork runs.
 FORK_TESTS_NOT_RUN = {
     "test_cuda_graph.py": "CUDA graphs: its few CPU tests repeat the session tests",
+    "test_fidelity.py": "CUDA tests only; the fork's child run is -m 'not cuda'",
     "test_upstream_oracle.py": "tests the oracle helper, not fork code",
     "test_upstream_parity.py": "16 s; the plugin lane runs the same code against the same upstream files",
 }
