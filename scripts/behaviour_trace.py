@@ -179,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the .npz to write (every array of the trace)")
     args = p.parse_args(argv)
+    target = Path(args.out)
+    if target.is_dir() or not target.parent.is_dir():
+        p.error(f"--out {args.out!r}: {'is a directory' if target.is_dir() else 'its directory does not exist'}")
+    if not os.access(target.parent, os.W_OK):
+        p.error(f"--out {args.out!r}: its directory is not writable")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     out: dict[str, np.ndarray] = {}

@@ -83,7 +83,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--page-fraction",
         type=float,
-        default=1.0,
+        default=None,
         help="v2-paged: pages per group as a fraction of full rings for every slot, in (0, 1] (1.0)",
     )
     parser.add_argument(
@@ -106,18 +106,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    if not 0.0 < args.page_fraction <= 1.0:
+    if args.page_fraction is not None and not 0.0 < args.page_fraction <= 1.0:
         parser.error(f"--page-fraction must be in (0, 1], got {args.page_fraction}")
     args.stream_counts = common.int_list_flag(parser, "--streams", args.streams)
     args.arm_names = common.str_list_flag(parser, "--arms", args.arms, ARMS)
+    if args.page_fraction is not None and "v2-paged" not in args.arm_names:
+        parser.error(
+            f"--page-fraction {args.page_fraction:g} applies to the v2-paged arm, not to {','.join(args.arm_names)}"
+        )
+    args.page_fraction = 1.0 if args.page_fraction is None else args.page_fraction
     args.context_frames = common.int_list_flag(parser, "--context-frames", args.context_frames)
     args.chunk_sizes = common.int_list_flag(parser, "--chunks", args.chunks)
-    if args.n_vq < 1:
-        parser.error(f"--n-vq must be >= 1, got {args.n_vq}")
+    codebooks = preset_config(args.preset).num_quantizers
+    if not 1 <= args.n_vq <= codebooks:
+        parser.error(f"--n-vq must be in 1..{codebooks} for preset {args.preset!r}, got {args.n_vq}")
     try:
         args.device = common.resolve_device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
+    common.check_output(parser, "--json", args.json)
     return args
 
 

@@ -5,7 +5,8 @@ Run it as a fresh process (it is the measurement): it loads the decoder of a che
 the stage does (``checkpoint.load_checkpoint``, bf16 on CUDA), builds a :class:`CodecStreamSession` with CUDA
 graphs for every (batch bucket, frame size) pair, and decodes one chunk per stream of the largest bucket.
 Each phase is timed on the wall clock, with a device synchronisation at its end. The defaults are the stage-1
-settings of ``deploy/moss_tts_local_h200.yaml`` (384 slots; buckets 1 ... 384; chunks of 1 and 15 frames).
+settings of ``deploy/moss_tts_local_h200.yaml`` (384 slots; the stage's ladder ``graph_ladder.batch_buckets(384)``,
+16 buckets from 1 to 384; chunks of 1 and 15 frames).
 A second run in a new process measures a restart: Triton's on-disk kernel cache (``~/.triton/cache``) and the
 operating system's file cache then hold what the first run compiled and read::
 
@@ -34,9 +35,8 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
-
-DEPLOY_BUCKETS = "1,2,4,8,16,32,64,96,128,192,256,320,384"
 
 
 def _process_start_seconds_ago() -> float | None:
@@ -56,11 +56,18 @@ def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--capacity", type=int, default=384, help="live streams (slots) of the session (384)")
-    p.add_argument("--graph-batch-sizes", default=DEPLOY_BUCKETS, help=f"CUDA-graph buckets ({DEPLOY_BUCKETS})")
+    p.add_argument(
+        "--graph-batch-sizes", default=None, help="CUDA-graph buckets (the stage's: batch_buckets(--capacity))"
+    )
     p.add_argument("--graph-frame-sizes", default="1,15", help="CUDA-graph frame sizes (1,15)")
     p.add_argument("--json", type=Path, help="write the phases here")
     args = p.parse_args(argv)
-    buckets = common.int_list_flag(p, "--graph-batch-sizes", args.graph_batch_sizes)
+    if args.capacity < 1:
+        p.error(f"--capacity {args.capacity}: must be >= 1")
+    if args.graph_batch_sizes is None:
+        buckets = batch_buckets(args.capacity)
+    else:
+        buckets = common.int_list_flag(p, "--graph-batch-sizes", args.graph_batch_sizes)
     frame_sizes = common.int_list_flag(p, "--graph-frame-sizes", args.graph_frame_sizes)
     if not (args.checkpoint / "config.json").is_file():
         what = "no such directory" if not args.checkpoint.is_dir() else "no config.json in it"
@@ -73,6 +80,7 @@ def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device
         p.error(f"--device {args.device!r}: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device is available")
+    common.check_output(p, "--json", args.json)
     return args, buckets, frame_sizes, device
 
 

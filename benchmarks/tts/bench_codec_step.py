@@ -117,8 +117,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    if args.n_vq < 1:
-        parser.error(f"--n-vq must be >= 1, got {args.n_vq}")
     args.batches = common.int_list_flag(parser, "--batch", args.batch)
     args.frames_list = common.int_list_flag(parser, "--frames", args.frames)
     args.mode_names = common.str_list_flag(parser, "--modes", args.modes, MODES)
@@ -127,6 +125,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.device = common.resolve_device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
+    if args.preset == "auto":
+        args.preset = "v2" if args.device.type == "cuda" else "tiny-v2"
+    codebooks = preset_config(args.preset).num_quantizers
+    if not 1 <= args.n_vq <= codebooks:
+        parser.error(f"--n-vq must be in 1..{codebooks} for preset {args.preset!r}, got {args.n_vq}")
+    common.check_output(parser, "--json", args.json)
     return args
 
 
@@ -574,8 +578,6 @@ def _build_arms(args, arm_names: list[str], device, result: dict[str, Any], mode
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     device = args.device
-    if args.preset == "auto":
-        args.preset = "v2" if device.type == "cuda" else "tiny-v2"
     if args.profile and device.type != "cuda":
         print("bench_codec_step.py: --profile times CUDA kernels; ignored on this device", file=sys.stderr)
     config = preset_config(args.preset)

@@ -212,6 +212,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     num_quantizers = preset_config(args.preset).num_quantizers
     if not 1 <= args.n_vq <= num_quantizers:
         p.error(f"--n-vq must be in 1..{num_quantizers} for preset {args.preset!r}, got {args.n_vq}")
+    common.check_output(p, "--out", args.out)
     return args
 
 

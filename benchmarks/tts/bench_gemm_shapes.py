@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     frame_counts = common.int_list_flag(p, "--frames", args.frames)
     if not torch.cuda.is_available():
         p.error("this script times cuBLAS GEMMs on a CUDA device; none is available")
+    common.check_output(p, "--json", args.json)
     config = preset_config(args.preset)
     run = common.run_block(args.preset, ffn_row_chunk=decoder.FFN_ROW_CHUNK)
     records = []

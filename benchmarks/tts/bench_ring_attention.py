@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     frame_counts = common.int_list_flag(p, "--frames", args.frames)
     if not torch.cuda.is_available():
         p.error("this script times Triton kernels on a CUDA device; none is available")
+    common.check_output(p, "--json", args.json)
     config = preset_config(args.preset)
     semantics = default_ring_semantics(config.version)
     run = common.run_block(args.preset, semantics=semantics)

@@ -21,6 +21,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,19 @@ __all__ = [
 # ------------------------------------------------------------------------------------------ parsing
 
 
+def parse_int(text: str) -> int:
+    """``" 15"`` -> ``15``: an optional sign and ASCII digits (``int`` alone also takes ``"1_5"`` and other
+    scripts' digits, which a flag should refuse).
+
+    Raises:
+        ValueError: anything else, naming it.
+    """
+    digits = text.strip().removeprefix("-").removeprefix("+")
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(f"{text.strip()!r} is not an integer")
+    return int(text)
+
+
 def parse_int_list(text: str) -> list[int]:
     """``"1,8,64"`` -> ``[1, 8, 64]`` (positive integers, order kept, duplicates dropped).
 
@@ -80,10 +94,7 @@ def parse_int_list(text: str) -> list[int]:
     for part in text.split(","):
         if not part.strip():
             raise ValueError(f"empty item in {text!r}")
-        try:
-            value = int(part)
-        except ValueError:
-            raise ValueError(f"{part.strip()!r} is not an integer") from None
+        value = parse_int(part)
         if value < 1:
             raise ValueError(f"expected positive integers, got {value} in {text!r}")
         if value not in values:
@@ -435,6 +446,22 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     for row in rows:
         lines.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+def check_output(parser, flag: str, path: str | Path | None) -> None:
+    """Make sure an output file can be written before any work: creates its directory and writes a probe
+    file there (removed again). A usage error (exit 2) naming ``flag`` and ``path`` otherwise."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        parser.error(f"{flag} {str(path)!r}: is a directory, not a file")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as exc:
+        parser.error(f"{flag} {str(path)!r}: cannot write there ({exc.strerror or exc})")
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:

@@ -545,13 +545,28 @@ def test_stage_append_merges_a_split_sweep(tmp_path, capsys):
         (["--concurrency", "abc"], "--concurrency 'abc': 'abc' is not an integer"),
         (["--concurrency", "4,,8"], "--concurrency '4,,8': empty item in '4,,8'"),
         (["--chunks", "1.5"], "--chunks '1.5': "),
-        (["--chunks", "1,,15"], "--chunks '1,,15': "),
+        (["--chunks", "1,,15"], "--chunks '1,,15': '' is not an integer"),
+        (["--chunks", "\u0661,\u0662"], "--chunks '\u0661,\u0662': '\u0661' is not an integer"),
+        (["--concurrency", "1_6"], "--concurrency '1_6': '1_6' is not an integer"),
         (["--chunks", "1,15;1,0"], "--chunks '1,15;1,0': chunk sizes must be >= 1 frame, got '1,0'"),
         (["--arms", "bogus"], "--arms 'bogus': 'bogus' not in"),
         (["--arms", "v2-paged", "--preset", "tiny-v1"], "no arm left to run (v2-paged: preset 'tiny-v1' is a v1 codec"),
         (["--arms", "v2-paged", "--page-fraction", "0.01"], "--page-fraction 0.01 for v2-paged at 4 streams: "),
         (["--arms", "v2", "--state-budget-gib", "1e-9"], "--state-budget-gib 1e-09 for v2 at 4 streams: is below"),
         (["--n-vq", "13"], "--n-vq 13 exceeds the codec's 12 codebooks"),
+        (
+            ["--page-fraction", "0.5"],
+            "--page-fraction 0.5 applies to the v2-paged arm, not to v2,legacy,upstream,ideal",
+        ),
+        (["--concurrency", "100000"], "--concurrency '100000': at most 65536 streams per run, got 100000"),
+        (
+            ["--requests-per-stream", "1000000"],
+            "--concurrency 4 x --requests-per-stream 1000000 = 4000000 requests: at",
+        ),
+        (
+            ["--arrival", "poisson", "--request-rate", "1", "--measure-seconds", "1e7"],
+            "--request-rate 1 x (--warmup-seconds 10 + --measure-seconds 1e+07) = 10000010 requests expected: at most",
+        ),
     ],
 )
 def test_main_job_refuses_bad_flags_before_any_arm_runs(argv, message, tmp_path, capsys):
@@ -580,6 +595,35 @@ def test_main_job_refuses_cuda_on_a_machine_without_it_and_an_out_it_cannot_writ
     with pytest.raises(SystemExit) as exc:
         bench.main(["--out", str(tmp_path / "none"), "--report-only"])
     assert exc.value.code == 2 and "results.json does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"results.json": "{not json"}, "results.json is not readable JSON (Expecting property name"),
+        ({"results.json": "[1, 2]"}, "results.json is not a file this benchmark wrote (no run, arms, details)"),
+        ({"results.json": '{"run": {}, "arms": {}, "details": {}}'}, "cannot rewrite the reports of"),
+        ({"sweep.json": '{"schedules": 3}'}, "sweep.json is not a file this benchmark wrote (schedules is no object)"),
+        ({"sweep.json": '{"schedules": {"1,15": "chunks_1_15"}}'}, "chunks_1_15/results.json does not exist"),
+    ],
+)
+def test_report_only_names_a_file_it_cannot_read(files, message, tmp_path, capsys):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(["--out", str(tmp_path), "--report-only"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_report_only_refuses_run_flags(tmp_path, capsys):
+    # --report-only runs nothing: a run flag given with it (valid or not) would be silently ignored.
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(["--out", str(tmp_path), "--report-only", "--concurrency", "-5", "--seed", "3"])
+    assert exc.value.code == 2
+    assert "runs nothing: --concurrency, --seed has no effect" in capsys.readouterr().err
 
 
 def test_main_job_trace_memory_stays_with_the_live_streams():

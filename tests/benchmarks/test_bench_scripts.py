@@ -417,7 +417,10 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
         ("bench_codec_step", ["--frames", "1,,15"], "--frames '1,,15': empty item in '1,,15'"),
         ("bench_codec_step", ["--modes", "warp"], "--modes 'warp': 'warp' not in ['eager', 'graph', 'compiled']"),
         ("bench_codec_step", ["--arms", "v2,bogus"], "--arms 'v2,bogus': 'bogus' not in"),
-        ("bench_codec_step", ["--n-vq", "0"], "--n-vq must be >= 1, got 0"),
+        ("bench_codec_step", ["--n-vq", "0"], "--n-vq must be in 1..12 for preset 'tiny-v2', got 0"),
+        ("bench_codec_step", ["--n-vq", "99"], "--n-vq must be in 1..12 for preset 'tiny-v2', got 99"),
+        ("bench_codec_memory", ["--n-vq", "99"], "--n-vq must be in 1..32 for preset 'v2', got 99"),
+        ("bench_codec_memory", ["--page-fraction", "0.5", "--arms", "v2"], "--page-fraction 0.5 applies to the v2-paged arm, not to v2"),
         ("bench_codec_startup", ["--checkpoint", "/nonexistent/codec"], "--checkpoint '/nonexistent/codec': no such directory"),
         ("bench_codec_startup", ["--checkpoint", ".", "--graph-batch-sizes", "1,,2"], "--graph-batch-sizes '1,,2': empty item"),
         ("bench_gemm_shapes", ["--batch", "64,"], "--batch '64,': empty item in '64,'"),
@@ -432,6 +435,30 @@ def test_benchmarks_name_a_bad_flag_and_exit_2(name, argv, message, tmp_path, ca
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "name, argv, flag",
+    [
+        ("bench_codec_memory", ["--device", "cpu"], "--json"),
+        ("bench_codec_step", ["--device", "cpu"], "--json"),
+        ("bench_codec_startup", ["--device", "cpu", "--checkpoint", "{ckpt}"], "--json"),
+        ("bench_fidelity", ["--device", "cpu"], "--out"),
+    ],
+)
+def test_benchmarks_check_their_output_path_before_any_work(name, argv, flag, tmp_path, capsys):
+    # A directory where the output file goes, and a path under a regular file: both refused before any run.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    argv = [a.replace("{ckpt}", str(ckpt)) for a in argv]
+    (tmp_path / "file").write_text("x")
+    for target, message in ((tmp_path, "is a directory, not a file"), (tmp_path / "file" / "r.json", "cannot write")):
+        with pytest.raises(SystemExit) as exc:
+            _load(name).main([*argv, flag, str(target)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {str(target)!r}: {message}" in err, err
 
 
 def test_benchmarks_refuse_cuda_on_a_machine_without_it(monkeypatch, capsys):

@@ -27,6 +27,14 @@ DEFAULT_CONCURRENCY = {"cuda": "64,128,256,512", "cpu": "4,8"}
 DEFAULT_RATES = {"cuda": "100,150,200", "cpu": "1,2,3"}
 DEFAULT_REQUESTS_PER_STREAM = 17
 DEFAULT_WARMUP_SECONDS, DEFAULT_MEASURE_SECONDS = 10.0, 30.0
+#: Most live streams of one run (``--concurrency``, ``--max-concurrency``): 64 Ki slots of v2 rings are
+#: 5.4 TiB, far past any one GPU; the bound turns a typo into a usage error, not an allocation failure.
+MAX_STREAMS = 65536
+#: Most requests of one run: closed loop ``concurrency x --requests-per-stream``; poisson the expected
+#: ``rate x (--warmup-seconds + --measure-seconds)`` (the simulator keeps a few numbers per chunk of each).
+MAX_REQUESTS = 1_000_000
+#: Flags ``--report-only`` reads; any other flag given with it is refused (it would change nothing).
+REPORT_ONLY_FLAGS = ("out", "report_only", "quiet")
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (every arm)")
     p.add_argument("--state-budget-gib", type=float, default=None, help="our arms' decoder state memory (slots/pages)")
     p.add_argument("--expected-stream-seconds", type=float, default=None, help="v2-paged budget split by fill")
-    p.add_argument("--page-fraction", type=float, default=1.0, help="v2-paged: pages as a fraction of full rings")
+    p.add_argument("--page-fraction", type=float, default=None, help="v2-paged: pages as a fraction of full rings (1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/bench_codec_stage", help="output directory")
     p.add_argument("--append", action="store_true", help="add these runs to --out's results (same commit, settings)")
@@ -97,9 +105,19 @@ def _flags(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """Parse ``argv``; with ``--report-only`` any run flag given too is a usage error naming it."""
     p = argparse.ArgumentParser(description=description)
     _flags(p)
-    return p.parse_args(argv), p
+    args = p.parse_args(argv)
+    if args.report_only:
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k, v in vars(args).items()
+            if k not in REPORT_ONLY_FLAGS and v != p.get_default(k)
+        ]
+        if given:
+            p.error(f"--report-only rewrites the reports of --out and runs nothing: {', '.join(given)} has no effect")
+    return args, p
 
 
 def _positive(p, flag: str, value, *, allow_zero: bool = False) -> None:
@@ -117,7 +135,7 @@ def _check_numbers(args, p) -> None:
         p.error(f"--seed must be >= 0, got {args.seed}")
     if args.preset != "auto" and args.preset not in PRESETS:
         p.error(f"--preset must be auto or one of {sorted(PRESETS)}, got {args.preset!r}")
-    if not 0.0 < args.page_fraction <= 1.0:
+    if args.page_fraction is not None and not 0.0 < args.page_fraction <= 1.0:
         p.error(f"--page-fraction must be in (0, 1], got {args.page_fraction}")
     for flag in ("--state-budget-gib", "--expected-stream-seconds", "--slo-ms", "--talker-rtf", "--burstiness"):
         _positive(p, flag, getattr(args, flag[2:].replace("-", "_")))
@@ -169,7 +187,7 @@ def parse_schedules(texts: list[str]) -> list[list[int]]:
     schedules: list[list[int]] = []
     for text in texts:
         for part in text.split(";"):
-            sizes = [int(v) for v in part.split(",")]  # ValueError on an empty item or a non-integer
+            sizes = [common.parse_int(v) for v in part.split(",")]  # ValueError on an empty item or a non-integer
             if min(sizes) < 1:
                 raise ValueError(f"chunk sizes must be >= 1 frame, got {part.strip()!r}")
             if sizes not in schedules:
@@ -183,7 +201,15 @@ def _loads(args, p, device: torch.device) -> list[Load]:
         concurrencies = common.parse_int_list(text)
     except ValueError as exc:
         p.error(f"--concurrency {args.concurrency!r}: {exc}")
+    if max(concurrencies) > MAX_STREAMS:
+        p.error(f"--concurrency {args.concurrency!r}: at most {MAX_STREAMS} streams per run, got {max(concurrencies)}")
     if args.arrival != "poisson":
+        requests = max(concurrencies) * args.requests_per_stream
+        if requests > MAX_REQUESTS:
+            p.error(
+                f"--concurrency {max(concurrencies)} x --requests-per-stream {args.requests_per_stream} = "
+                f"{requests} requests: at most {MAX_REQUESTS} per run"
+            )
         return [Load(str(c), c) for c in concurrencies]
     if args.concurrency == "auto":
         concurrencies = [max(concurrencies)]
@@ -198,6 +224,12 @@ def _loads(args, p, device: torch.device) -> list[Load]:
         values = parse_float_list(rates)
     except ValueError as exc:
         p.error(f"--request-rate {rates!r}: {exc}")
+    horizon = args.warmup_seconds + args.measure_seconds
+    if max(values) * horizon > MAX_REQUESTS:
+        p.error(
+            f"--request-rate {max(values):g} x (--warmup-seconds {args.warmup_seconds:g} + --measure-seconds "
+            f"{args.measure_seconds:g}) = {max(values) * horizon:.0f} requests expected: at most {MAX_REQUESTS} per run"
+        )
     keys = dict.fromkeys(rate_key(r) for r in values)
     return [Load(k, slots, float(k.removeprefix("rate="))) for k in keys]
 
@@ -218,6 +250,9 @@ def _select_arms(args, p, cfg, device) -> tuple[list[str], dict[str, str]]:
             ok, reason = False, f"{directory}/streaming_attention.py (the triton attention backend) not found"
         if not ok:
             skipped["upstream"] = reason
+    if args.page_fraction is not None and "v2-paged" not in names:
+        p.error(f"--page-fraction {args.page_fraction:g} applies to the v2-paged arm, not to {','.join(names)}")
+    args.page_fraction = 1.0 if args.page_fraction is None else args.page_fraction
     arms = [a for a in names if a not in skipped]
     if not arms:
         p.error(f"--arms {args.arms!r}: no arm left to run ({'; '.join(f'{a}: {r}' for a, r in skipped.items())})")

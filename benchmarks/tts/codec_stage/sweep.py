@@ -148,20 +148,38 @@ def _write_sweep(settings: Settings, schedules: list[Schedule]) -> dict[str, Any
     return {"sweep": sweep, "results": {s.out.name: s.result for s in schedules}}
 
 
+def _read_json(path: Path, keys: tuple[str, ...], error) -> dict[str, Any]:
+    """``path``'s JSON object; a missing, unreadable or foreign file is a usage error naming it."""
+    if not path.is_file():
+        error(f"--report-only: {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        error(f"--report-only: {path} is not readable JSON ({exc})")
+    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if missing:
+        error(f"--report-only: {path} is not a file this benchmark wrote (no {', '.join(missing)})")
+    return data
+
+
+def _rewrite(directory: Path, error) -> dict[str, Any]:
+    result = _read_json(directory / "results.json", ("run", "arms", "details"), error)
+    try:
+        write_reports(result, load_latencies(directory), directory)
+    except (KeyError, TypeError, ValueError, OSError) as exc:  # a results.json edited by hand, a corrupt .npz
+        error(f"--report-only: cannot rewrite the reports of {directory} from its files ({type(exc).__name__}: {exc})")
+    return result
+
+
 def _report_only(out: Path, error) -> dict[str, Any]:
     if (out / "sweep.json").is_file():
-        sweep = json.loads((out / "sweep.json").read_text())
-        results = {}
-        for directory in sweep["schedules"].values():
-            results[directory] = json.loads((out / directory / "results.json").read_text())
-            write_reports(results[directory], load_latencies(out / directory), out / directory)
+        sweep = _read_json(out / "sweep.json", ("schedules",), error)
+        if not isinstance(sweep["schedules"], dict):
+            error(f"--report-only: {out / 'sweep.json'} is not a file this benchmark wrote (schedules is no object)")
+        results = {str(d): _rewrite(out / str(d), error) for d in sweep["schedules"].values()}
         (out / "sweep.md").write_text(sweep_markdown(sweep, results))
         return {"sweep": sweep, "results": results}
-    if not (out / "results.json").is_file():
-        error(f"--report-only: {out / 'results.json'} does not exist")
-    result = json.loads((out / "results.json").read_text())
-    write_reports(result, load_latencies(out), out)
-    return result
+    return _rewrite(out, error)
 
 
 def main(argv: list[str] | None, description: str) -> dict[str, Any]:

@@ -51,7 +51,8 @@ def test_cli_errors(tmp_path, capsys):
     np.save(tmp_path / "big.npy", np.full((12, 3), 5000))
     assert main(["decode", str(tmp_path / "big.npy"), "-o", str(tmp_path / "x.wav")]) == 2
     err = capsys.readouterr().err
-    assert "RANDOM weights" in err and "code 5000 is outside the codebook range [0, 1023]" in err
+    assert "code 5000 is outside the codebook range [0, 1023]" in err
+    assert "RANDOM weights" not in err  # refused before any weight is made or read
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.json").write_text(json.dumps(PRESETS["tiny-v2"]))
     np.save(tmp_path / "ok.npy", np.zeros((12, 3), dtype=np.int64))
@@ -60,6 +61,7 @@ def test_cli_errors(tmp_path, capsys):
         == 2
     )
     assert "no model.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "x.wav").exists()  # the output opened before the load is removed when the load fails
     assert main(["decode", str(tmp_path / "ok.npy"), "-o", "x.wav", "--chunks", "1,a"]) == 2
     assert "--chunks must be comma-separated positive integers" in capsys.readouterr().err
     # An empty item is refused by name, not skipped.
@@ -84,6 +86,29 @@ def test_cli_rejects_bad_output_device_and_preset_before_decoding(tmp_path, caps
     np.save(tmp_path / "c.npy", np.zeros((12, 3), dtype=np.complex64))
     assert main(["decode", str(tmp_path / "c.npy"), "-o", str(tmp_path / "x.wav")]) == 2
     assert "codes must be integers, got dtype torch.complex64" in capsys.readouterr().err
+
+
+def test_codes_and_output_are_checked_before_the_decoder_is_loaded(tmp_path, capsys, monkeypatch):
+    # The v2 preset's weights are 7.91 GiB: a file of bad codes or an unwritable output must fail first.
+    from vllm_omni_moss.model_executor.models.moss_tts import cli
+
+    def no_load(*_):
+        raise AssertionError("the decoder was loaded")
+
+    monkeypatch.setattr(cli, "_load_decoder", no_load)
+    np.save(tmp_path / "wide.npy", np.zeros((33, 3), dtype=np.int64))
+    np.save(tmp_path / "neg.npy", np.full((12, 3), -1))
+    np.save(tmp_path / "ok.npy", np.zeros((12, 3), dtype=np.int64))
+    (tmp_path / "file").write_text("x")
+    cases = [
+        ("wide.npy", tmp_path / "x.wav", "codes have n_vq=33 codebooks; this codec has 1..32"),
+        ("neg.npy", tmp_path / "x.wav", "code -1 is outside the codebook range [0, 1023]"),
+        ("ok.npy", tmp_path / "file" / "x.wav", f"cannot write {tmp_path / 'file' / 'x.wav'}"),
+    ]
+    for name, out, message in cases:
+        assert main(["decode", str(tmp_path / name), "-o", str(out), "--preset", "v2"]) == 2, name
+        assert message in capsys.readouterr().err, name
+    assert not (tmp_path / "x.wav").exists()
 
 
 def test_make_checkpoint_announces_the_size_and_shows_progress(tmp_path, capsys):

@@ -452,6 +452,19 @@ def test_paged_restore_and_page_calls_check_slots_in_use_and_pages_first(ring_de
             pool.prepare_step([bad], [1])
     with pytest.raises(ValueError, match=r"reserve: slot 7 is not in use"):
         pool.reserve({7: 3})
+    free = pool.free_page_counts()
+    for bad in ("3", -5, 1.5, True, None):
+        with pytest.raises(ValueError, match=rf"reserve: the frames of slot {x} must be an integer >= 0, got {bad!r}"):
+            pool.reserve({x: bad})
+    with pytest.raises(TypeError, match=r"reserve takes a dict of slot -> frames, got list"):
+        pool.reserve([(x, 3)])
+    assert pool.free_page_counts() == free  # nothing allocated by a refused reservation
+    compact = make_state_pool(ring_decoder, kind="compact")
+    compact.initialize(1)
+    z = compact.acquire()
+    assert compact.reserve({z: 40})
+    with pytest.raises(ValueError, match=rf"reserve: the frames of slot {z} must be an integer >= 0, got -1"):
+        compact.reserve({z: -1})
 
 
 def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):

@@ -223,10 +223,24 @@ def _load_decoder(args, device):
     return decoder, f"random {args.preset} weights"
 
 
+def _codec_config(args):
+    """The config of ``--checkpoint`` (its ``config.json`` only) or of ``--preset``: what the codes and the
+    output are checked against before any weight is read."""
+    from .config import PRESETS, load_config, preset_config
+
+    if args.checkpoint:
+        try:
+            return load_config(args.checkpoint)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise CliError(str(exc)) from exc
+    _check_preset(args.preset, PRESETS)
+    return preset_config(args.preset)
+
+
 def _cmd_decode(args) -> int:
     import torch
 
-    from .decoder import chunk_schedule
+    from .decoder import chunk_schedule, validate_codes
 
     codes, too_large = _load_codes(Path(args.codes))
     chunks = _parse_chunks(args.chunks)
@@ -234,19 +248,25 @@ def _cmd_decode(args) -> int:
     out = Path(args.output)
     if out.suffix.lower() != ".wav" or out.is_dir():
         raise CliError(f"output {out} must be a .wav file path")
-    decoder, source = _load_decoder(args, device)
-    cfg = decoder.config
+    cfg = _codec_config(args)
     if too_large is not None:
         raise CliError(f"{args.codes}: code {too_large} is outside the codebook range [0, {cfg.codebook_size - 1}]")
     try:
-        decoder.validate_codes(codes[:, None])
+        validate_codes(cfg, codes[:, None])
     except ValueError as exc:
         raise CliError(f"{args.codes}: {exc}") from exc
+    wav = _open_wav(out, cfg.sampling_rate, cfg.number_channels)  # a bad output path fails before the load
+    try:
+        decoder, source = _load_decoder(args, device)
+    except BaseException:
+        wav.close()
+        out.unlink(missing_ok=True)
+        raise
     codes = codes[:, None].to(device)
     num_frames = codes.shape[-1]
     spans = chunk_schedule(num_frames, chunks)
     written = 0
-    with _open_wav(out, cfg.sampling_rate, cfg.number_channels) as wav:
+    with wav:
         start = time.perf_counter()
         with decoder.streaming(1, args.semantics) as stream:
             for a, b in spans:

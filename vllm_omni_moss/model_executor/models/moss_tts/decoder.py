@@ -49,6 +49,7 @@ __all__ = [
     "embed_codes",
     "run_decoder",
     "to_audio",
+    "validate_codes",
 ]
 
 
@@ -79,6 +80,33 @@ class DecoderGroup(nn.Module):
         self.input_proj = nn.Linear(spec.input_dim, spec.d_model, bias=False) if spec.input_proj else None
         self.output_proj = nn.Linear(spec.d_model, spec.output_dim, bias=False) if spec.output_proj else None
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+
+
+def validate_codes(cfg: CodecConfig, codes: torch.Tensor, n_vq: int | None = None) -> None:
+    """Check codes are ``(n_vq, B, T)`` integers within the codebook of ``cfg`` (its ``num_quantizers`` and
+    ``codebook_size``, from the checkpoint's ``quantizer_kwargs``); needs no weights.
+
+    Raises:
+        ValueError: wrong rank/dtype, too many codebooks, or a code outside
+            ``[0, codebook_size)`` (the message names the offending value).
+    """
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"codes must be a torch.Tensor of shape (n_vq, B, T), got {type(codes).__name__}")
+    if codes.dim() != 3:
+        raise ValueError(f"codes must have shape (n_vq, B, T), got shape {tuple(codes.shape)}")
+    if codes.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"codes must be a signed integer (or uint8) tensor, got dtype {codes.dtype}")
+    if codes.device.type == "meta":
+        raise ValueError("codes are on the meta device; they need real values")
+    if not 1 <= codes.shape[0] <= cfg.num_quantizers:
+        raise ValueError(f"codes have n_vq={codes.shape[0]} codebooks; this codec has 1..{cfg.num_quantizers}")
+    if n_vq is not None and codes.shape[0] != n_vq:
+        raise ValueError(f"codes have n_vq={codes.shape[0]} codebooks, expected {n_vq}")
+    if codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= cfg.codebook_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"code {bad} is outside the codebook range [0, {cfg.codebook_size - 1}]")
 
 
 class CodecDecoder(nn.Module):
@@ -120,30 +148,8 @@ class CodecDecoder(nn.Module):
         return self.eval()
 
     def validate_codes(self, codes: torch.Tensor, n_vq: int | None = None) -> None:
-        """Check codes are ``(n_vq, B, T)`` integers within the codebook.
-
-        Raises:
-            ValueError: wrong rank/dtype, too many codebooks, or a code outside
-                ``[0, codebook_size)`` (the message names the offending value).
-        """
-        cfg = self.config
-        if not isinstance(codes, torch.Tensor):
-            raise ValueError(f"codes must be a torch.Tensor of shape (n_vq, B, T), got {type(codes).__name__}")
-        if codes.dim() != 3:
-            raise ValueError(f"codes must have shape (n_vq, B, T), got shape {tuple(codes.shape)}")
-        if codes.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise ValueError(f"codes must be a signed integer (or uint8) tensor, got dtype {codes.dtype}")
-        if codes.device.type == "meta":
-            raise ValueError("codes are on the meta device; they need real values")
-        if not 1 <= codes.shape[0] <= cfg.num_quantizers:
-            raise ValueError(f"codes have n_vq={codes.shape[0]} codebooks; this codec has 1..{cfg.num_quantizers}")
-        if n_vq is not None and codes.shape[0] != n_vq:
-            raise ValueError(f"codes have n_vq={codes.shape[0]} codebooks, expected {n_vq}")
-        if codes.numel():
-            lo, hi = int(codes.min()), int(codes.max())
-            if lo < 0 or hi >= cfg.codebook_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"code {bad} is outside the codebook range [0, {cfg.codebook_size - 1}]")
+        """:func:`validate_codes` against this decoder's config."""
+        validate_codes(self.config, codes, n_vq)
 
     @torch.no_grad()
     def decode(

@@ -209,3 +209,19 @@ class PayloadAssembler:
     def drop(self, key: str) -> None:
         """Forget the split prefix of ``key`` (its request ended)."""
         self.partial.pop(key, None)
+
+    def end_with_terminal_duplicates(self, chunks: list[StreamChunk], keys: list[str | tuple]) -> None:
+        """A row refused as its request's second row in the batch (its key ``(error, request_id)``) still ends
+        the stream when it is terminal: the request's first row becomes its terminal chunk, in place (the
+        duplicate's codes are refused and logged; an incomplete split chunk of the first row is dropped)."""
+        first = {key: c for c, key in zip(chunks, keys) if isinstance(key, str)}
+        for c, key in zip(chunks, keys):
+            if not (isinstance(key, tuple) and len(key) == 2 and c.finished):
+                continue
+            kept = first[key[1]]
+            kept.finished = True
+            if kept.codes is None:  # a split prefix, or an error: the stream still ends in this call
+                if kept.error is None:
+                    kept.error = "its terminal row came twice in one batch; the incomplete chunk is dropped"
+                    self.drop(kept.key)
+                kept.codes = torch.zeros(self.n_vq, 0, dtype=torch.long)

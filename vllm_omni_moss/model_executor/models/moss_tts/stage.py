@@ -294,7 +294,7 @@ class MossTTSCodecDecoder(nn.Module):
         chunks = [
             self._payloads.row(i, seg, info, key, may_split) for i, ((seg, info), key) in enumerate(zip(batch, keys))
         ]
-        self._end_with_terminal_duplicates(chunks, keys)
+        self._payloads.end_with_terminal_duplicates(chunks, keys)
         for c in chunks:
             if c.error is not None:
                 self._report(c.key, c.index, c.error)
@@ -315,21 +315,6 @@ class MossTTSCodecDecoder(nn.Module):
             if c.finished and c.codes is not None:
                 self._reported.discard(c.key)  # the stream ended: the id may start a new one
         return audios
-
-    def _end_with_terminal_duplicates(self, chunks: list[StreamChunk], keys: list[str | tuple]) -> None:
-        """A row refused as its request's second row in the batch still ends the stream when it is terminal:
-        the request's first row becomes its terminal chunk (the duplicate's codes are refused, and logged)."""
-        first = {key: c for c, key in zip(chunks, keys) if isinstance(key, str)}
-        for c, key in zip(chunks, keys):
-            if not (isinstance(key, tuple) and len(key) == 2 and c.finished):
-                continue
-            kept = first[key[1]]
-            kept.finished = True
-            if kept.codes is None:  # a split prefix, or an error: the stream still ends in this call
-                if kept.error is None:
-                    kept.error = "its terminal row came twice in one batch; the incomplete chunk is dropped"
-                    self._payloads.drop(kept.key)
-                kept.codes = torch.zeros(self.n_vq, 0, dtype=torch.long)
 
     def _deliver(self, chunk: StreamChunk, result: ChunkResult) -> torch.Tensor:
         """The audio a batch row returns: anything held for its stream, then this step's."""

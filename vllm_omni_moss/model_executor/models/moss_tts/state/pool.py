@@ -110,8 +110,7 @@ class DecoderStatePool:
     def initialize(self, state_capacity: int, scratch_capacity: int = 0) -> None:
         """Allocate state for ``state_capacity`` live slots (ids ``0..state_capacity-1``).
 
-        ``scratch_capacity`` is the scratch the caller's graph padding needs (:meth:`scratch_slots_for`); a
-        compact pool ignores it.
+        ``scratch_capacity``: the scratch the caller's graph padding needs (:meth:`scratch_slots_for`).
 
         Raises:
             ValueError: ``state_capacity < 1`` or ``scratch_capacity < 0``; a paged pool's budget or fraction
@@ -217,8 +216,10 @@ class DecoderStatePool:
     def reserve(self, frames_by_slot: dict[int, int]) -> bool:
         """The one question a scheduler asks: can every slot of ``frames_by_slot`` (slot in use -> the frames
         it will have decoded) hold that much context? Unpaged pools hold full rings: always. A paged pool
-        allocates the pages it lacks and answers True, or allocates nothing and answers False."""
-        return True
+        allocates the pages it lacks and answers True, or allocates nothing and answers False. Raises as
+        :meth:`.SlotAllocator.check_frames`."""
+        self._require_initialized()
+        return self.slots.check_frames(frames_by_slot, "reserve") is not None
 
     def prepare_step(self, slot_ids, lengths, frames=None) -> None:  # noqa: B027 - optional hook
         """Before a step that bypasses :meth:`decode_streaming_batch` (a graph replay, a direct

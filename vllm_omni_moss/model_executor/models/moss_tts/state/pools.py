@@ -263,11 +263,10 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         """Give every slot in use of ``frames_by_slot`` the pages for that many frames of context: True when
         done, False (nothing allocated) when a group lacks free pages.
 
-        Raises:
-            ValueError: a slot that is not in use.
+        Raises as :meth:`.SlotAllocator.check_frames`.
         """
         self._require_initialized()
-        self.slots.in_use_ids(frames_by_slot, "reserve")
+        self.slots.check_frames(frames_by_slot, "reserve")
         plan = self.store.extra_by_slot(frames_by_slot)
         if self.store.short(plan) is not None:
             return False

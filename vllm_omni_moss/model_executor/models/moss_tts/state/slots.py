@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from ..checks import check_count
+
 __all__ = ["SlotAllocator"]
 
 
@@ -67,6 +69,20 @@ class SlotAllocator:
         """Return ``ids`` (checked by :meth:`check_release`) to the free list, the last one on top."""
         self._in_use.difference_update(ids)
         self._free.extend(ids)
+
+    def check_frames(self, frames_by_slot, op: str) -> dict[int, int]:
+        """``frames_by_slot`` (slot in use -> frames of context), checked.
+
+        Raises:
+            TypeError: ``frames_by_slot`` is not a dict.
+            ValueError: a slot that is not in use, or frames that are not an integer >= 0 (both named).
+        """
+        if not isinstance(frames_by_slot, dict):
+            raise TypeError(f"{op} takes a dict of slot -> frames, got {type(frames_by_slot).__name__}")
+        self.in_use_ids(frames_by_slot, op)
+        for slot, frames in frames_by_slot.items():
+            check_count(frames, f"{op}: the frames of slot {slot}")
+        return frames_by_slot
 
     def in_use_ids(self, ids, op: str) -> list[int]:
         """``ids`` as ints, each a slot in use.
