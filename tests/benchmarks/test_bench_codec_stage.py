@@ -499,7 +499,7 @@ def test_stage_append_merges_a_split_sweep(tmp_path, capsys):
     for extra, message in (
         (["--requests-per-stream", "2"], "requests_per_stream 1 != 2"),
         (["--requests-per-stream", "1", "--state-budget-gib", "0.001"], "state_budget_gib None != 0.001"),
-        (["--requests-per-stream", "1", "--page-fraction", "0.5"], "page_fraction 1.0 != 0.5"),
+        (["--requests-per-stream", "1", "--page-fraction", "0.5", "--arms", "v2-paged"], "page_fraction 1.0 != 0.5"),
         (["--requests-per-stream", "1", "--trace-calls"], "trace_calls False != True"),
         (["--requests-per-stream", "1", "--talker-rtf", "1"], "talker_rtf 0.5 != 1.0"),
         (["--requests-per-stream", "1", "--arrival", "staggered"], "arrival 'wave' != 'staggered'"),

@@ -79,7 +79,11 @@ def _flags(p: argparse.ArgumentParser) -> None:
         "--concurrency", default="auto", help="live streams per run (CPU 4,8); poisson: one value, the slots"
     )
     p.add_argument("--requests-per-stream", type=int, default=None, help="wave, staggered: requests = C x this (17)")
-    p.add_argument("--request-rate", default=None, help="poisson: requests/s, a list swept like --concurrency")
+    p.add_argument(
+        "--request-rate",
+        default=None,
+        help="poisson: requests/s, a list swept like --concurrency (CPU 1,2,3; CUDA 100,150,200)",
+    )
     p.add_argument("--burstiness", type=float, default=None, help="poisson: gamma shape of the gaps (1.0 = Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="poisson: live streams at most (--concurrency)")
     p.add_argument("--warmup-seconds", type=float, default=None, help="poisson: simulated s left out first (10)")

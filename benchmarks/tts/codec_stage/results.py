@@ -115,9 +115,9 @@ def _sorted(entries: dict[str, Any]) -> dict[str, Any]:
     return dict(sorted(entries.items(), key=lambda kv: key_order(kv[0])))
 
 
-def record(result: dict[str, Any], arm: str, key: str, figures, details) -> None:
+def record(result: dict[str, Any], arm: str, key: str, figures, details, label: str = "") -> None:
     """Put one run's figures and details into ``result`` (keys in increasing order), update the SLO lines,
-    print its line and any stall warning."""
+    print its line and any stall warning (prefixed ``[label]``, the schedule's directory in a sweep)."""
     run = result["run"]
     slo_ms = run["slo"]["codec_latency_p99_ms"]
     per_key = _sorted({**run_entries(result["arms"][arm]), key: figures})
@@ -125,10 +125,11 @@ def record(result: dict[str, Any], arm: str, key: str, figures, details) -> None
     limits = slo_limits(per_key, result["details"][arm], slo_ms, run["arrival"] == "poisson")
     result["arms"][arm] = {**per_key, **limits}
     warning = stall_warning(arm, key, details) if "step_ms" in details else None
+    prefix = f"[{label}] " if label else ""
     if warning:
-        print(warning)
+        print(prefix + warning)
         result["warnings"].append(warning)
-    print(progress_line(arm, key, figures, details, slo_ms), flush=True)
+    print(prefix + progress_line(arm, key, figures, details, slo_ms), flush=True)
 
 
 def merge_previous(result: dict[str, Any], out: Path) -> dict[str, dict[str, np.ndarray]]:
@@ -179,8 +180,11 @@ def save_latencies(latencies: dict[str, dict[str, np.ndarray]], path: Path) -> N
         np.savez_compressed(f, **arrays)
 
 
-def write_reports(result: dict[str, Any], latencies: dict[str, dict[str, np.ndarray]], out: Path) -> None:
-    """``results.md`` (also printed) and the four plots of one schedule into ``out``."""
+def write_reports(
+    result: dict[str, Any], latencies: dict[str, dict[str, np.ndarray]], out: Path, rewrite: bool = False
+) -> None:
+    """``results.md`` (also printed) and the four plots of one schedule into ``out``; ``rewrite``
+    (``--report-only``): only these are written, and the closing line says so."""
     md = results_markdown(result)
     (out / "results.md").write_text(md)
     plot_latency_cdf(result, latencies, out / "latency_cdf.png")
@@ -188,5 +192,8 @@ def write_reports(result: dict[str, Any], latencies: dict[str, dict[str, np.ndar
     plot_playback(result, out / "playback.png")
     plot_state_over_time(result, out / "state_over_time.png")
     print(md)
-    names = f"results.md, latencies.npz, latency_cdf.png, {load_plot_name(result)}, playback.png, state_over_time.png"
-    print(f"wrote {out}/results.json, {names}")
+    plots = f"latency_cdf.png, {load_plot_name(result)}, playback.png, state_over_time.png"
+    if rewrite:
+        print(f"rewrote {out}/results.md, {plots} from results.json and latencies.npz")
+    else:
+        print(f"wrote {out}/results.json, results.md, latencies.npz, {plots}")

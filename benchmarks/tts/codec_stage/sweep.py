@@ -125,7 +125,7 @@ def _run_one(name: str, make_arm, s: Schedule, load: Load, settings: Settings) -
         figures, details = summarize(run, NO_STEPS, None)[0], {"error": f"OutOfMemoryError: {str(exc)[:300]}"}
         common.free_memory(settings.device)
     details["wall_seconds"] = round(time.perf_counter() - t_run, 1)  # setup, warm-up and run
-    record(s.result, name, load.key, figures, details)
+    record(s.result, name, load.key, figures, details, s.out.name if s.out != Path(settings.args.out) else "")
     s.latencies[name][load.key] = np.asarray(run.codec_latency, dtype=np.float64) * 1e3
     common.write_json(s.out / "results.json", s.result)
     save_latencies(s.latencies, s.out / "latencies.npz")
@@ -165,7 +165,7 @@ def _read_json(path: Path, keys: tuple[str, ...], error) -> dict[str, Any]:
 def _rewrite(directory: Path, error) -> dict[str, Any]:
     result = _read_json(directory / "results.json", ("run", "arms", "details"), error)
     try:
-        write_reports(result, load_latencies(directory), directory)
+        write_reports(result, load_latencies(directory), directory, rewrite=True)
     except (KeyError, TypeError, ValueError, OSError) as exc:  # a results.json edited by hand, a corrupt .npz
         error(f"--report-only: cannot rewrite the reports of {directory} from its files ({type(exc).__name__}: {exc})")
     return result

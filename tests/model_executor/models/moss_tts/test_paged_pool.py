@@ -59,6 +59,7 @@ def _held_pages(pool, slot):
     return [len(tables[slot]) for tables in pool.store.host_tables]
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 def test_paged_pool_equals_the_compact_pool_step_by_step(ring_decoder):
     """Random steps (mixed lengths, rows of length 0, rings filling and wrapping, a release and a new
     stream): audio, ring contents and offsets bitwise the compact pool's; pages follow each context."""
@@ -199,6 +200,7 @@ def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_d
         PagedDecoderStatePool(ring_decoder, state_budget_bytes=5 * page - 1).initialize(CAPACITY)
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 def test_a_session_on_a_paged_pool_decodes_as_on_a_compact_pool(ring_decoder):
     sessions = [
         CodecStreamSession(ring_decoder, 2, pool_kind=k, attention_backend="triton") for k in ("compact", "paged")
@@ -219,6 +221,7 @@ def _solo(decoder, codes, schedule):
     return decoder.decode(codes[:, None], chunk_frames=schedule)[0]
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
     """Three slots but pages for about two full streams: the youngest live stream is preempted
     (state saved to the host, pages freed) when the others need pages, waits ahead of new streams,
@@ -289,6 +292,7 @@ def test_cuda_paged_pool_equals_the_compact_pool(cuda_ring_decoder):
     assert all(bool((ring[:, 0] == 0).all()) for ring in pool.rings), "the null page was written"
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 @pytest.mark.parametrize("page_fraction", [1.0, 0.67])
 def test_paged_session_against_the_compact_session(page_fraction, ring_decoder):
     """CPU form of the CUDA graph test below (no graphs): same trace, same assertions."""
@@ -347,6 +351,7 @@ def _paged_session_case(dec, page_fraction):
         session.close()
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 def test_a_preempted_stream_keeps_its_chunks_whatever_the_queue_bounds(ring_decoder):
     """A preempted stream was live: its later chunks are buffered even when they exceed the admission
     queue's frame bound, and it resumes exactly (its audio equals its solo decode)."""

@@ -452,6 +452,7 @@ def test_a_split_chunk_survives_the_runner_rewriting_its_input_buffer(stage):
     _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, codes, [2, 3]), "split, from a reused buffer")
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 @pytest.mark.parametrize("seed", [1, 2])  # two traces that lost whole requests before the fix
 def test_no_request_loses_audio_when_pages_are_short(tmp_path, seed):
     """A paged pool of about two streams under eight concurrent requests, driven as vLLM's runner drives the

@@ -326,6 +326,7 @@ def _scripts(draw):
     return streams, aborts, pads, orders[0]
 
 
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(script=_scripts())
 def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder):
