@@ -117,6 +117,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.page_fraction = 1.0 if args.page_fraction is None else args.page_fraction
     args.context_frames = common.int_list_flag(parser, "--context-frames", args.context_frames)
     args.chunk_sizes = common.int_list_flag(parser, "--chunks", args.chunks)
+    common.check_at_most(parser, "--streams", args.stream_counts, common.MAX_ROWS)
+    common.check_at_most(parser, "--context-frames", args.context_frames, common.MAX_STREAM_FRAMES)
+    common.check_at_most(parser, "--chunks", args.chunk_sizes, common.MAX_STEP_FRAMES)
+    common.check_seed(parser, args.seed)
     codebooks = preset_config(args.preset).num_quantizers
     if not 1 <= args.n_vq <= codebooks:
         parser.error(f"--n-vq must be in 1..{codebooks} for preset {args.preset!r}, got {args.n_vq}")

@@ -64,6 +64,7 @@ def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device
     args = p.parse_args(argv)
     if args.capacity < 1:
         p.error(f"--capacity {args.capacity}: must be >= 1")
+    common.check_at_most(p, "--capacity", args.capacity, common.MAX_ROWS)
     if args.graph_batch_sizes is None:
         buckets = batch_buckets(args.capacity)
     else:

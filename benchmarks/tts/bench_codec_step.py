@@ -119,6 +119,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     args.batches = common.int_list_flag(parser, "--batch", args.batch)
     args.frames_list = common.int_list_flag(parser, "--frames", args.frames)
+    common.check_at_most(parser, "--batch", args.batches, common.MAX_ROWS)
+    common.check_at_most(parser, "--frames", args.frames_list, common.MAX_STEP_FRAMES)
+    common.check_at_most(parser, "--code-sets", args.code_sets, 1024)
+    common.check_seed(parser, args.seed)
     args.mode_names = common.str_list_flag(parser, "--modes", args.modes, MODES)
     args.arm_names = common.str_list_flag(parser, "--arms", args.arms, ARMS)
     try:

@@ -180,8 +180,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
-    if args.seed < 0:
-        p.error(f"--seed must be >= 0, got {args.seed}")
+    common.check_seed(p, args.seed)
+    common.check_at_most(p, "--frames", args.frames, common.MAX_STREAM_FRAMES)
+    common.check_at_most(p, "--streams", args.streams, common.MAX_ROWS)
     if args.preset != "auto":
         if args.preset not in PRESETS:
             p.error(f"--preset must be auto or one of {sorted(PRESETS)}, got {args.preset!r}")

@@ -120,6 +120,25 @@ def int_list_flag(parser, flag: str, text: str) -> list[int]:
         parser.error(f"{flag} {text!r}: {exc}")
 
 
+#: Bounds of the benchmarks' size flags: past them a value is a typo, refused (exit 2) before any allocation.
+MAX_ROWS = 65536  # streams, slots, batch rows (64 Ki v2 slots are 5.4 TiB of rings)
+MAX_STREAM_FRAMES = 45_000  # frames of one stream: an hour of audio at 12.5 frames/s
+MAX_STEP_FRAMES = 4096  # frames of one step or chunk (5.5 minutes of audio)
+MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy take 64-bit seeds
+
+
+def check_at_most(parser, flag: str, values, maximum: int) -> None:
+    """A usage error (exit 2) naming ``flag``, the first value above ``maximum`` and the bound."""
+    for value in values if isinstance(values, (list, tuple)) else [values]:
+        if value is not None and value > maximum:
+            parser.error(f"{flag} {value}: at most {maximum}")
+
+
+def check_seed(parser, seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        parser.error(f"--seed must be in 0..{MAX_SEED}, got {seed}")
+
+
 def str_list_flag(parser, flag: str, text: str, allowed: Sequence[str]) -> list[str]:
     """:func:`parse_str_list` of a flag's value; a bad value is a usage error (exit 2) naming the flag and value."""
     try:

@@ -559,6 +559,9 @@ def test_stage_append_merges_a_split_sweep(tmp_path, capsys):
             "--page-fraction 0.5 applies to the v2-paged arm, not to v2,legacy,upstream,ideal",
         ),
         (["--concurrency", "100000"], "--concurrency '100000': at most 65536 streams per run, got 100000"),
+        (["--chunks", "1,1000000000000000"], "--chunks 1000000000000000: at most 4096"),
+        (["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
+        (["--give-up-ms", "nan"], "--give-up-ms must be a positive number, got nan"),
         (
             ["--requests-per-stream", "1000000"],
             "--concurrency 4 x --requests-per-stream 1000000 = 4000000 requests: at",

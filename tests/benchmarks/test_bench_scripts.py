@@ -261,7 +261,7 @@ def test_cuda_only_benchmarks_refuse_a_machine_without_cuda(name, argv, message,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "out.json"
     with pytest.raises(SystemExit) as exc:
-        _load(name).main([*argv, "--json", str(out)])
+        _load(name).main([*argv, "--out" if name == "bench_fidelity" else "--json", str(out)])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
@@ -424,6 +424,15 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
         ("bench_codec_startup", ["--checkpoint", "/nonexistent/codec"], "--checkpoint '/nonexistent/codec': no such directory"),
         ("bench_codec_startup", ["--checkpoint", ".", "--graph-batch-sizes", "1,,2"], "--graph-batch-sizes '1,,2': empty item"),
         ("bench_gemm_shapes", ["--batch", "64,"], "--batch '64,': empty item in '64,'"),
+        ("bench_codec_memory", ["--streams", "1000000"], "--streams 1000000: at most 65536"),
+        ("bench_codec_memory", ["--context-frames", "10000000"], "--context-frames 10000000: at most 45000"),
+        ("bench_codec_step", ["--batch", "1000000000"], "--batch 1000000000: at most 65536"),
+        ("bench_codec_step", ["--frames", "1000000000"], "--frames 1000000000: at most 4096"),
+        ("bench_codec_step", ["--code-sets", "1000000000000"], "--code-sets 1000000000000: at most 1024"),
+        ("bench_codec_step", ["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
+        ("bench_fidelity", ["--frames", "1000000000000"], "--frames 1000000000000: at most 45000"),
+        ("bench_fidelity", ["--streams", "1000000000"], "--streams 1000000000: at most 65536"),
+        ("bench_fidelity", ["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
         ("bench_ring_attention", ["--frames", "x"], "--frames 'x': 'x' is not an integer"),
     ],
 )  # fmt: skip
@@ -431,7 +440,7 @@ def test_benchmarks_name_a_bad_flag_and_exit_2(name, argv, message, tmp_path, ca
     # A usage error naming the flag and the value, before any work: no traceback, nothing written.
     out = tmp_path / "out.json"
     with pytest.raises(SystemExit) as exc:
-        _load(name).main([*argv, "--json", str(out)])
+        _load(name).main([*argv, "--out" if name == "bench_fidelity" else "--json", str(out)])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()

@@ -27,9 +27,8 @@ DEFAULT_CONCURRENCY = {"cuda": "64,128,256,512", "cpu": "4,8"}
 DEFAULT_RATES = {"cuda": "100,150,200", "cpu": "1,2,3"}
 DEFAULT_REQUESTS_PER_STREAM = 17
 DEFAULT_WARMUP_SECONDS, DEFAULT_MEASURE_SECONDS = 10.0, 30.0
-#: Most live streams of one run (``--concurrency``, ``--max-concurrency``): 64 Ki slots of v2 rings are
-#: 5.4 TiB, far past any one GPU; the bound turns a typo into a usage error, not an allocation failure.
-MAX_STREAMS = 65536
+#: Most live streams of one run (``--concurrency``, ``--max-concurrency``): ``common.MAX_ROWS``.
+MAX_STREAMS = common.MAX_ROWS
 #: Most requests of one run: closed loop ``concurrency x --requests-per-stream``; poisson the expected
 #: ``rate x (--warmup-seconds + --measure-seconds)`` (the simulator keeps a few numbers per chunk of each).
 MAX_REQUESTS = 1_000_000
@@ -135,8 +134,7 @@ def _check_numbers(args, p) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
-    if args.seed < 0:
-        p.error(f"--seed must be >= 0, got {args.seed}")
+    common.check_seed(p, args.seed)
     if args.preset != "auto" and args.preset not in PRESETS:
         p.error(f"--preset must be auto or one of {sorted(PRESETS)}, got {args.preset!r}")
     if args.page_fraction is not None and not 0.0 < args.page_fraction <= 1.0:
@@ -145,6 +143,7 @@ def _check_numbers(args, p) -> None:
         _positive(p, flag, getattr(args, flag[2:].replace("-", "_")))
     _positive(p, "--warmup-seconds", args.warmup_seconds, allow_zero=True)
     _positive(p, "--measure-seconds", args.measure_seconds)
+    _positive(p, "--give-up-ms", args.give_up_ms)
     if args.give_up_ms <= args.slo_ms:
         p.error(
             f"--give-up-ms {args.give_up_ms:g} must exceed --slo-ms {args.slo_ms:g} (a run is only stopped once it missed)"
@@ -317,6 +316,7 @@ def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
         schedules = parse_schedules(args.chunks or ["1,15"])
     except ValueError as exc:
         p.error(f"--chunks {';'.join(args.chunks or [])!r}: {exc}")
+    common.check_at_most(p, "--chunks", [max(s) for s in schedules], common.MAX_STEP_FRAMES)
     loads = _loads(args, p, device)
     arms, skipped = _select_arms(args, p, cfg, device)
     settings = Settings(args, p, device, preset, cfg, args.n_vq, schedules, loads, arms, skipped)

@@ -100,6 +100,29 @@ def test_bad_checkpoint_lists_the_problem(edit, message, tmp_path):
         load_checkpoint(path)
 
 
+def test_a_config_far_larger_than_its_tensors_is_refused_before_allocating(tmp_path, monkeypatch):
+    # tiny-v2's tensors under a config of 1,024 layers of width 4,096 per group: the decoder it describes
+    # (about 400 GB in fp32) is refused from its byte count alone, on the meta device.
+    from vllm_omni_moss.model_executor.models.moss_tts import checkpoint
+
+    path = save_random_checkpoint("tiny-v2", tmp_path / "ck", seed=1)
+    raw = json.loads((path / "config.json").read_text())
+    for spec in raw["decoder_kwargs"]:
+        if "num_layers" in spec:
+            spec.update(num_layers=1024, d_model=4096, dim_feedforward=4096)
+    (path / "config.json").write_text(json.dumps(raw))
+    built = []
+    monkeypatch.setattr(checkpoint, "CodecDecoder", lambda config: built.append(torch.empty(0).device) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the meta-device count builds it first: under torch.device("meta")
+        load_checkpoint(path)
+    assert str(built[0]) == "meta"
+    monkeypatch.undo()
+    with pytest.raises(
+        CheckpointError, match=r"does not fit its config.json: the config describes a decoder of \d+ bytes"
+    ):
+        load_checkpoint(path)
+
+
 def test_corrupt_safetensors_file(tmp_path):
     path = save_random_checkpoint("tiny-v2", tmp_path / "ck", seed=1)
     (path / "model.safetensors").write_bytes(b"\x00garbage")

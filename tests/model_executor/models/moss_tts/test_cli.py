@@ -111,6 +111,20 @@ def test_codes_and_output_are_checked_before_the_decoder_is_loaded(tmp_path, cap
     assert not (tmp_path / "x.wav").exists()
 
 
+def test_paths_the_system_refuses_are_one_line_errors(tmp_path, capsys):
+    long = str(tmp_path / ("x" * 300))
+    np.save(tmp_path / "ok.npy", np.zeros((12, 3), dtype=np.int64))
+    for argv in (
+        ["make-checkpoint", "--preset", "tiny-v2", long],
+        ["decode", str(tmp_path / "ok.npy"), "-o", long + ".wav"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("vllm-omni-moss: error:") and "File name too long" in err and "Traceback" not in err
+    assert main(["make-checkpoint", "--preset", "tiny-v2", ""]) == 2
+    assert "make-checkpoint needs a directory to write, got an empty path" in capsys.readouterr().err
+
+
 def test_make_checkpoint_announces_the_size_and_shows_progress(tmp_path, capsys):
     directory = tmp_path / "ck"
     assert main(["make-checkpoint", "--preset", "tiny-v2", str(directory), "--seed", "3"]) == 0

@@ -83,10 +83,28 @@ def test_unknown_preset_and_missing_config(tmp_path):
             r"decoder_kwargs\[0\].max_period: expected a number > 0",
         ),
         (lambda d: d["decoder_kwargs"][0].update(context_duration=float("nan")), "expected a finite number, got nan"),
-        (lambda d: d.update(number_channels="abc"), "number_channels: expected an integer >= 1, got 'abc'"),
+        (lambda d: d.update(number_channels="abc"), "number_channels: expected an integer in 1..65536, got 'abc'"),
         (lambda d: d.update(enable_channel_interleave="false"), "enable_channel_interleave: expected true or false"),
         (lambda d: d.update(quantizer_kwargs=[1, 2]), "quantizer_kwargs: expected a JSON object, got list"),
-        (lambda d: d["decoder_kwargs"][0].update(num_layers=None), "num_layers: expected an integer >= 1"),
+        (lambda d: d["decoder_kwargs"][0].update(num_layers=None), "num_layers: expected an integer in 1..1024"),
+        # Absurd sizes are refused by the config, before any tensor of that size is allocated.
+        (lambda d: d["decoder_kwargs"][0].update(num_layers=10**6), r"num_layers: expected an integer in 1..1024, got"),
+        (
+            lambda d: d["decoder_kwargs"][0].update(d_model=2**20),
+            r"d_model: expected an integer in 1..65536, got 1048576",
+        ),
+        (
+            lambda d: d["quantizer_kwargs"].update(codebook_size=10**12),
+            r"codebook_size: expected an integer in 1..65536",
+        ),
+        (
+            lambda d: d["quantizer_kwargs"].update(num_quantizers=10**7),
+            r"num_quantizers: expected an integer in 1..65536",
+        ),
+        (
+            lambda d: d["decoder_kwargs"][0].update(context_duration=1e12),
+            r"context_duration: .* tokens, not in 1..1048576",
+        ),
     ],
 )
 def test_bad_config_values_name_the_field(edit, message):

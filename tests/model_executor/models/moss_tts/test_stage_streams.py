@@ -285,6 +285,46 @@ def test_a_bad_count_field_fails_alone_and_a_terminal_one_frees_its_slot(stage, 
     ]
 
 
+@pytest.mark.parametrize("value", ["false", "0", 2, float("nan"), torch.tensor(0.5)])
+def test_a_terminal_flag_that_is_not_a_bool_fails_alone(stage, caplog, value):
+    # Read as truthy, "false" would end a stream its sender did not end; the row fails and the stream stays.
+    good, bad = _codes(stage, 3, seed=37), _codes(stage, 2, seed=38)
+    n = stage.n_vq
+    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
+    meta = {**raw_info("b", 1, n)["meta"], "stream_finished": value}
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), {"meta": meta}], ["g", "b"])
+    assert out[1].numel() == 0
+    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    assert set(stage._session.live_requests) == {"g", "b"}
+    assert _warnings(caplog) == [
+        f"MOSS codec request b (batch row 1): payload meta.stream_finished must be a bool, got {value!r}; "
+        "returning empty audio"
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_a_terminal_row_of_non_integer_ids_still_ends_its_stream(stage, caplog, dtype):
+    codes = _codes(stage, 2, seed=39)
+    n = stage.n_vq
+    info = raw_info("b", 1, n)
+    run(stage, [codes[:, :1]], [info], ["b"])
+    terminal = raw_info("b", 1, n, finished=True, previous=info)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = stage(
+            input_ids=codes[:, 1:].reshape(-1).to(dtype),
+            positions=None,
+            runtime_additional_information=[terminal],
+            seq_token_counts=[n],
+            request_ids=["b"],
+        ).multimodal_outputs["model_outputs"]
+    assert out[0].numel() == 0
+    assert not stage._session.live_requests and stage._session.free_slots == stage.state_capacity
+    assert _warnings(caplog) == [
+        f"MOSS codec request b (batch row 0): input_ids must be integer codes, got dtype {dtype}; returning empty audio"
+    ]
+
+
 @pytest.mark.parametrize("meta", [["x"], "oops"], ids=["list", "str"])
 def test_a_meta_that_is_not_a_dict_fails_alone(stage, caplog, meta):
     good, bad = _codes(stage, 3, seed=35), _codes(stage, 2, seed=36)

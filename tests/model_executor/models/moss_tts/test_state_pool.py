@@ -593,6 +593,11 @@ def _slot_bits(pool, slot):
     return [ring[:, slot].clone() for ring in pool.rings], [t.clone() for t in pool.offset_tensors()]
 
 
+def _acquire_all(pool):
+    for _ in range(pool.state_capacity):
+        pool.acquire()
+
+
 @pytest.mark.parametrize("codec", ["v2", "v1"])
 @pytest.mark.parametrize("history", [[1], [3, 7], [7, 7, 7]])
 def test_save_restore_round_trip_is_bitwise_and_decoding_continues_exactly(
@@ -604,6 +609,7 @@ def test_save_restore_round_trip_is_bitwise_and_decoding_continues_exactly(
     decoder = ring_decoder if codec == "v2" else ring_decoder_v1
     source = make_state_pool(decoder)
     source.initialize(3)
+    _acquire_all(source)  # restore_slot writes slots in use only
     for step, T in enumerate(history):
         _decode(source, [0, 1], T, seed=10 + step)
     state = source.save_slot(1)
@@ -614,6 +620,7 @@ def test_save_restore_round_trip_is_bitwise_and_decoding_continues_exactly(
 
     target = make_state_pool(decoder)
     target.initialize(3)
+    _acquire_all(target)  # restore_slot writes slots in use only
     _decode(target, [2, 0], 3, seed=99)  # slot 2 holds another stream first: restore must replace it
     target.restore_slot(2, state)
     expected = source.slot_state(1)
@@ -637,6 +644,7 @@ def test_save_restore_round_trip_is_bitwise_and_decoding_continues_exactly(
 def test_save_of_a_fresh_slot_keeps_no_cells(ring_decoder):
     pool = make_state_pool(ring_decoder)
     pool.initialize(2)
+    _acquire_all(pool)  # restore_slot writes slots in use only
     state = pool.save_slot(0)
     assert state.offsets.tolist() == [0] and all(c.shape[2] == 0 for c in state.cells)
     _decode(pool, [0], 3, seed=1)
@@ -661,10 +669,12 @@ def test_save_of_a_fresh_slot_keeps_no_cells(ring_decoder):
 def test_restore_refuses_a_state_of_another_pool_and_changes_nothing(make_target, message, ring_decoder):
     source = make_state_pool(ring_decoder)
     source.initialize(2)
+    _acquire_all(source)  # restore_slot writes slots in use only
     _decode(source, [0], 3, seed=2)
     state = source.save_slot(0)
     target = make_target(ring_decoder)
     target.initialize(2)
+    _acquire_all(target)  # restore_slot writes slots in use only
     for layer, ring in enumerate(target.rings):  # a slot holding something: the refusal must leave it
         ring[:, 1].fill_(0.5 + layer)
     target.offset_tensors()[0][..., 1] = 7
@@ -680,16 +690,19 @@ def test_restore_refuses_another_geometry_and_tampered_states(ring_decoder):
 
     source = make_state_pool(ring_decoder)
     source.initialize(2)
+    _acquire_all(source)  # restore_slot writes slots in use only
     _decode(source, [0], 3, seed=4)
     state = source.save_slot(0)
     tiny = make_state_pool(CodecDecoder(preset_config("tiny-v2")))
     tiny.initialize(1)
+    _acquire_all(tiny)  # restore_slot writes slots in use only
     with pytest.raises(
         ValueError, match=r"restore_slot: the state's codec geometry .* is \(\(3, 2, 5, 64, 1\), \(3, 2, 10, 64, 2\)\)"
     ):
         tiny.restore_slot(0, state)
     pool = make_state_pool(ring_decoder)
     pool.initialize(2)
+    _acquire_all(pool)  # restore_slot writes slots in use only
     cases = [
         (dataclasses.replace(state, offsets=torch.tensor([-1])), r"state offsets must be >= 0, got \[-1\]"),
         (
@@ -708,6 +721,26 @@ def test_restore_refuses_another_geometry_and_tampered_states(ring_decoder):
     for op in (pool.save_slot, lambda s: pool.restore_slot(s, state)):
         with pytest.raises(ValueError, match=r"slot 2 is not a live slot id \(0..1\)"):
             op(2)
+
+
+@pytest.mark.parametrize("kind", ["compact", "legacy"])
+def test_restore_into_a_free_slot_is_refused_and_the_next_acquire_gets_zeros(kind, ring_decoder):
+    # A free slot restored into would be handed to the next stream holding another stream's context.
+    pool = make_state_pool(ring_decoder, kind)
+    pool.initialize(2)
+    slot = pool.acquire()
+    _decode(pool, [slot], 3, seed=5)
+    state = pool.save_slot(slot)
+    pool.release([slot])
+    with pytest.raises(ValueError, match=rf"restore_slot: slot {slot} is not in use"):
+        pool.restore_slot(slot, state)
+    again = pool.acquire()
+    assert all(not ring[:, again].any() for ring in pool.rings)
+    assert all(not t[..., again].any() for t in pool.offset_tensors())
+    with pytest.raises(
+        ValueError, match=r"reserve: the frames of slot \d must be at most 1099511627776, got 9223372036854775808"
+    ):
+        pool.reserve({again: 2**63})
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

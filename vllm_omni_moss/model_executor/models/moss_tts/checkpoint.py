@@ -268,6 +268,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
     directory = Path(path)
     config = load_config(directory, version)
     src = _TensorSource(directory)
+    _check_size(config, src, directory)
     decoder = CodecDecoder(config)
     problems: list[str] = []
     used = _load_decoder_weights(decoder, src, problems)
@@ -284,6 +285,21 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
         decoder.lut.copy_(lut.float())
         decoder.lut_bias.copy_(bias.float())
     return decoder.to_serving(device)
+
+
+def _check_size(config, src: _TensorSource, directory: Path) -> None:
+    """Refuse a ``config.json`` whose decoder could not come from these files, before allocating it: its
+    fp32 weights and decode table (counted on the meta device) must fit in twice the bytes of the
+    checkpoint's tensor files (bf16 files hold half) plus 64 MiB (a decode table larger than its codebooks)."""
+    with torch.device("meta"):
+        meta = CodecDecoder(config)
+    need = 4 * sum(t.numel() for t in [*meta.parameters(), *meta.buffers()])
+    have = sum(f.stat().st_size for f in set(src.where.values()))
+    if need > 2 * have + (64 << 20):
+        raise CheckpointError(
+            f"checkpoint {directory} does not fit its config.json: the config describes a decoder of {need} bytes "
+            f"in float32, but the checkpoint's tensor files hold {have} bytes"
+        )
 
 
 def _load_decoder_weights(decoder: CodecDecoder, src: _TensorSource, problems: list[str]) -> set[str]:

@@ -150,6 +150,8 @@ def _cmd_make_checkpoint(args) -> int:
     from .config import PRESETS, preset_config
 
     _check_preset(args.preset, PRESETS)
+    if not args.directory.strip():
+        raise CliError("make-checkpoint needs a directory to write, got an empty path")
     directory = Path(args.directory)
     existing = checkpoint_files(directory)
     if existing and not args.force:
@@ -341,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CliError as exc:
         print(f"vllm-omni-moss: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the system refuses (too long, no permission, ...) wherever it is first used
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"vllm-omni-moss: error:{where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

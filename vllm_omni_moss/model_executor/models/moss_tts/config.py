@@ -162,12 +162,22 @@ def _fail(field: str, msg: str) -> ValueError:
     return ValueError(f"invalid codec config: {field}: {msg}")
 
 
-def _int_field(d: dict, key: str, field: str, *, minimum: int = 1) -> int:
+#: Largest value of an integer geometry field (widths, heads, codebooks, patch sizes; the real v2 codec's
+#: largest is 1,024): past it a config describes no codec this package serves, and building it would try to
+#: allocate before the checkpoint's tensors are compared. Layers per group and sample rates have their own.
+MAX_FIELD = 1 << 16
+MAX_LAYERS = 1024
+MAX_SAMPLING_RATE = 1 << 20
+#: Largest ring, in tokens (the v2 codec's largest is 400).
+MAX_RING_TOKENS = 1 << 20
+
+
+def _int_field(d: dict, key: str, field: str, *, minimum: int = 1, maximum: int = MAX_FIELD) -> int:
     if key not in d:
         raise _fail(field, "missing")
     value = d[key]
-    if not is_count(value, minimum):
-        raise _fail(field, f"expected an integer >= {minimum}, got {value!r}")
+    if not is_count(value, minimum) or value > maximum:
+        raise _fail(field, f"expected an integer in {minimum}..{maximum}, got {value!r}")
     return value
 
 
@@ -278,8 +288,8 @@ def _parse(raw: dict, version: str | None) -> CodecConfig:
 
 def _parse_header(d: dict, version: str | None) -> _Header:
     """Rates, channels, interleave, codec version and the default context duration."""
-    sampling_rate = _int_field(d, "sampling_rate", "sampling_rate")
-    downsample_rate = _int_field(d, "downsample_rate", "downsample_rate")
+    sampling_rate = _int_field(d, "sampling_rate", "sampling_rate", maximum=MAX_SAMPLING_RATE)
+    downsample_rate = _int_field(d, "downsample_rate", "downsample_rate", maximum=MAX_SAMPLING_RATE)
     d.setdefault("number_channels", 1)
     channels = _int_field(d, "number_channels", "number_channels")
     interleave = d.get("enable_channel_interleave", True)
@@ -388,8 +398,11 @@ def _parse_transformer(
         raise _fail(f"{f}.input_dimension", f"expected {width} (channels reaching this module), got {in_dim}")
     duration = _finite_field(spec, "context_duration", f"{f}.context_duration", header.default_duration, positive=True)
     context = int(round(rate * duration))
-    if context < 1:
-        raise _fail(f"{f}.context_duration", f"{duration} s at {rate} tokens/s gives a context of {context} tokens")
+    if not 1 <= context <= MAX_RING_TOKENS:
+        raise _fail(
+            f"{f}.context_duration",
+            f"{duration} s at {rate} tokens/s gives a context of {context} tokens, not in 1..{MAX_RING_TOKENS}",
+        )
     layer_scale = None
     if spec.get("layer_scale") is not None:
         layer_scale = _finite_field(spec, "layer_scale", f"{f}.layer_scale", 0.0, positive=False)
@@ -400,7 +413,7 @@ def _parse_transformer(
         output_dim=out_dim,
         d_model=d_model,
         num_heads=heads,
-        num_layers=_int_field(spec, "num_layers", f"{f}.num_layers"),
+        num_layers=_int_field(spec, "num_layers", f"{f}.num_layers", maximum=MAX_LAYERS),
         dim_feedforward=_int_field(spec, "dim_feedforward", f"{f}.dim_feedforward"),
         ring_capacity=context,
         tokens_per_frame=tokens_per_frame,

@@ -68,17 +68,29 @@ def meta_count(meta: dict, name: str) -> int | None:
 
 
 def meta_flag(meta: dict, *names: str) -> bool:
-    """The first of ``names`` present in ``meta``, as a bool (False when none is)."""
+    """The first of ``names`` present in ``meta`` as a bool (False when none is, or it is None/empty): a
+    bool, or an integer 0 or 1 (a wrapped or tensor scalar included).
+
+    Raises:
+        PayloadError: any other value (``"false"``, ``2``, NaN ...), named: reading it as truthy would end a
+        stream its sender did not end.
+    """
     for name in names:
         if name in meta:
-            return bool(_meta_scalar(meta[name]))
+            value = _meta_scalar(meta[name])
+            if value is None:
+                return False
+            if type(value).__name__ == "bool_":  # numpy's bool
+                value = bool(value)
+            if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+                return bool(value)
+            raise PayloadError(f"payload meta.{name} must be a bool, got {meta[name]!r}")
     return False
 
 
-def _placeholder(meta: dict) -> bool:
-    # The connector turns a segment end without new codes into one `[0]` token
-    # (distributed/omni_connectors/transfer_adapter/chunk_transfer_adapter.py).
-    return meta_flag(meta, "is_segment_finished")
+def _empty_codes(n_vq: int) -> torch.Tensor:
+    """A zero-frame chunk: int64 whatever the dtype of the row it replaces."""
+    return torch.zeros(n_vq, 0, dtype=torch.long)
 
 
 def payload_id(info: dict, meta: dict) -> str | None:
@@ -139,15 +151,18 @@ class PayloadAssembler:
         named = (key[1] if len(key) == 2 else None) if refused else key
         try:
             meta = meta_of(info)
+            finished = meta_flag(meta, "stream_finished", "finished")
+            # The connector turns a segment end without new codes into one `[0]` token
+            # (distributed/omni_connectors/transfer_adapter/chunk_transfer_adapter.py).
+            segment_end = meta_flag(meta, "is_segment_finished")
         except PayloadError as exc:  # no terminal flag can be read: the stream is left as it was
             return StreamChunk(index, named, None, False, key[0] if refused else str(exc))
-        finished = meta_flag(meta, "stream_finished", "finished")
         if refused:
             return StreamChunk(index, named, None, finished, key[0])
-        codes, error = self._assemble(key, seg, meta, finished, may_split)
+        codes, error = self._assemble(key, seg, meta, finished, segment_end, may_split)
         if error is not None:
             # A terminal payload still ends its stream: a zero-frame terminal chunk.
-            codes = seg.new_zeros(self.n_vq, 0) if finished else None
+            codes = _empty_codes(self.n_vq) if finished else None
         return StreamChunk(index, key, codes, finished, error)
 
     def _declared_numel(self, meta: dict) -> int | None:
@@ -166,13 +181,16 @@ class PayloadAssembler:
             return frames * self.n_vq
         return meta_count(meta, "code_flat_numel")
 
-    def _assemble(self, key, seg, meta, finished, may_split) -> tuple[torch.Tensor | None, str | None]:
+    def _assemble(self, key, seg, meta, finished, segment_end, may_split) -> tuple[torch.Tensor | None, str | None]:
         """``((n_vq, T) codes or None while a split chunk is incomplete, error or None)``.
 
         A chunk with fewer codes than declared is buffered as split, except a terminal one in a step that did
         not use the whole token budget (``may_split`` false): no rest can follow it, so it is refused (the
         caller still ends the stream).
         """
+        if seg.dtype.is_floating_point or seg.dtype.is_complex or seg.dtype == torch.bool:
+            self.partial.pop(key, None)
+            return None, f"input_ids must be integer codes, got dtype {seg.dtype}"
         pending = self.partial.pop(key, None)
         tokens = seg if pending is None else torch.cat([pending, seg])
         try:
@@ -184,9 +202,9 @@ class PayloadAssembler:
         # Meta-only payload or the connector's one-token `[0]` boundary placeholder: a single token where the
         # payload declares no codes, a segment end, or a terminal payload declaring no size. A terminal payload
         # that declares a chunk is not one: its single token is the first of a chunk the token budget split.
-        placeholder = self.n_vq > 1 and (_placeholder(meta) or (finished and declared is None))
+        placeholder = self.n_vq > 1 and (segment_end or (finished and declared is None))
         if n == 0 or (single and (declared == 0 or placeholder)):
-            return seg.new_zeros(self.n_vq, 0), None
+            return _empty_codes(self.n_vq), None
         if declared is not None:
             if declared % self.n_vq:
                 return None, f"the payload declares {declared} codes, not a multiple of n_vq={self.n_vq}"

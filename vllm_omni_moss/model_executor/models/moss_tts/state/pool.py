@@ -281,17 +281,17 @@ class DecoderStatePool:
         return SlotState(self.kind, ring_geometry(self.config), self.dtype, self.ring_semantics, column, tuple(cells))
 
     def restore_slot(self, slot: int, state: SlotState) -> None:
-        """Make live slot ``slot`` hold ``state`` (from :meth:`save_slot`): reset it, then write the saved
-        cells and offsets. Slots in use are unchanged (acquire the slot first).
+        """Make slot ``slot``, in use (acquire it first), hold ``state`` (from :meth:`save_slot`): reset it,
+        then write the saved cells and offsets. Other slots are unchanged.
 
         Raises:
             TypeError: ``state`` is not a :class:`SlotState`.
-            ValueError: ``slot`` is not a live slot id, or ``state`` comes from another pool kind, codec
+            ValueError: ``slot`` is not a slot in use, or ``state`` comes from another pool kind, codec
                 geometry, ring dtype or ring semantics, or its tensors do not match its offsets (the message
                 names the mismatch). Nothing changes then.
             RuntimeError: the pool is not initialised.
         """
-        slot = self._live_slot(slot, "restore_slot")
+        slot = self.slots.in_use_ids([self._live_slot(slot, "restore_slot")], "restore_slot")[0]
         check_slot_state(self, state)
         self._restore(slot, state)
 

@@ -327,8 +327,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         """
         from .snapshot import check_slot_state
 
-        slot = self._live_slot(slot, "restore_slot")
-        self.slots.in_use_ids([slot], "restore_slot")
+        slot = self.slots.in_use_ids([self._live_slot(slot, "restore_slot")], "restore_slot")[0]
         check_slot_state(self, state)
         frames = int(state.offsets.reshape(-1)[0])
         free, held = self.store.free, self.store.host_tables

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from ..checks import check_count
 
-__all__ = ["SlotAllocator"]
+__all__ = ["MAX_CONTEXT_FRAMES", "SlotAllocator"]
+
+#: Most frames of context a reservation may name: 2**40 frames (about 2,800 years at 12.5 frames/s) keeps
+#: every page count a machine integer; a larger value is a caller's error, not a stream.
+MAX_CONTEXT_FRAMES = 1 << 40
 
 
 class SlotAllocator:
@@ -75,13 +79,16 @@ class SlotAllocator:
 
         Raises:
             TypeError: ``frames_by_slot`` is not a dict.
-            ValueError: a slot that is not in use, or frames that are not an integer >= 0 (both named).
+            ValueError: a slot that is not in use, or frames that are not an integer in
+                ``0..MAX_CONTEXT_FRAMES`` (both named).
         """
         if not isinstance(frames_by_slot, dict):
             raise TypeError(f"{op} takes a dict of slot -> frames, got {type(frames_by_slot).__name__}")
         self.in_use_ids(frames_by_slot, op)
         for slot, frames in frames_by_slot.items():
             check_count(frames, f"{op}: the frames of slot {slot}")
+            if frames > MAX_CONTEXT_FRAMES:
+                raise ValueError(f"{op}: the frames of slot {slot} must be at most {MAX_CONTEXT_FRAMES}, got {frames}")
         return frames_by_slot
 
     def in_use_ids(self, ids, op: str) -> list[int]:
