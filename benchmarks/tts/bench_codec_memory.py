@@ -121,9 +121,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     common.check_at_most(parser, "--context-frames", args.context_frames, common.MAX_STREAM_FRAMES)
     common.check_at_most(parser, "--chunks", args.chunk_sizes, common.MAX_STEP_FRAMES)
     common.check_seed(parser, args.seed)
-    codebooks = preset_config(args.preset).num_quantizers
-    if not 1 <= args.n_vq <= codebooks:
-        parser.error(f"--n-vq must be in 1..{codebooks} for preset {args.preset!r}, got {args.n_vq}")
+    common.check_n_vq(parser, args.preset, args.n_vq)
     try:
         args.device = common.resolve_device(args.device)
     except RuntimeError:
@@ -448,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accounting = "cuda" if device.type == "cuda" else "meta"
     build_device = device if device.type == "cuda" else torch.device("meta")
     config = preset_config(args.preset)
-    n_vq = min(args.n_vq, config.num_quantizers)
+    n_vq = args.n_vq  # checked against the preset's codebooks
 
     result: dict[str, Any] = {
         "preset": args.preset,

@@ -131,9 +131,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
     if args.preset == "auto":
         args.preset = "v2" if args.device.type == "cuda" else "tiny-v2"
-    codebooks = preset_config(args.preset).num_quantizers
-    if not 1 <= args.n_vq <= codebooks:
-        parser.error(f"--n-vq must be in 1..{codebooks} for preset {args.preset!r}, got {args.n_vq}")
+    common.check_n_vq(parser, args.preset, args.n_vq)
     common.check_output(parser, "--json", args.json)
     return args
 
@@ -400,7 +398,7 @@ def _ratios(a: dict[str, Any]) -> dict[str, float | None]:
 def _bench_shape(
     arms: list[Arm], modes: list[str], batch: int, frames: int, args, config, device: torch.device
 ) -> dict[str, Any]:
-    n_vq = min(args.n_vq, config.num_quantizers)
+    n_vq = args.n_vq  # checked against the preset's codebooks
     inputs = {
         "codes": common.random_codes(
             args.code_sets, n_vq, batch, frames, config.codebook_size, device, args.seed + 1000 * batch + frames
@@ -592,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "n_vq": min(args.n_vq, config.num_quantizers),
+        "n_vq": args.n_vq,
         "batches": args.batches,
         "frames": args.frames_list,
         "modes": modes,

@@ -210,9 +210,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: torch.cuda.is_available() is False")
     if args.preset == "auto":
         args.preset = "v2" if args.device.type == "cuda" else "tiny-v2"
-    num_quantizers = preset_config(args.preset).num_quantizers
-    if not 1 <= args.n_vq <= num_quantizers:
-        p.error(f"--n-vq must be in 1..{num_quantizers} for preset {args.preset!r}, got {args.n_vq}")
+    common.check_n_vq(p, args.preset, args.n_vq)
     common.check_output(p, "--out", args.out)
     return args
 

@@ -134,6 +134,13 @@ def check_at_most(parser, flag: str, values, maximum: int) -> None:
             parser.error(f"{flag} {value}: at most {maximum}")
 
 
+def check_n_vq(parser, preset: str, n_vq: int) -> None:
+    """A usage error (exit 2) unless ``n_vq`` is in ``1..`` the codebooks of ``preset``."""
+    codebooks = preset_config(preset).num_quantizers
+    if not 1 <= n_vq <= codebooks:
+        parser.error(f"--n-vq must be in 1..{codebooks} for preset {preset!r}, got {n_vq}")
+
+
 def check_seed(parser, seed: int) -> None:
     if not 0 <= seed <= MAX_SEED:
         parser.error(f"--seed must be in 0..{MAX_SEED}, got {seed}")

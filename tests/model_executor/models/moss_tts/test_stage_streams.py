@@ -43,6 +43,19 @@ def _assert_audio(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
 
 
+def _bad_row_beside_a_good_one(stage, caplog, bad_info: dict, seeds: tuple[int, int]) -> list[str]:
+    """Streams g and b decode a first frame; then g's next 2 frames and b's row with payload ``bad_info`` go
+    in one batch. Asserts b's row returns no audio and g's audio is exact; returns the stage's warnings."""
+    good, bad = _codes(stage, 3, seed=seeds[0]), _codes(stage, 2, seed=seeds[1])
+    n = stage.n_vq
+    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), bad_info], ["g", "b"])
+    assert out[1].numel() == 0
+    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    return _warnings(caplog)
+
+
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == STAGE_LOGGER and r.levelno == logging.WARNING]
 
@@ -270,16 +283,10 @@ def test_short_terminal_payload_ends_its_stream_when_no_rest_can_follow(stage, c
     ],
 )
 def test_a_bad_count_field_fails_alone_and_a_terminal_one_frees_its_slot(stage, caplog, field, value, shown):
-    good, bad = _codes(stage, 3, seed=33), _codes(stage, 2, seed=34)
-    n = stage.n_vq
-    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
     meta = {"stream_finished": torch.tensor(True), field: value}
-    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
-        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), {"meta": meta}], ["g", "b"])
-    assert out[1].numel() == 0
-    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    warnings = _bad_row_beside_a_good_one(stage, caplog, {"meta": meta}, seeds=(33, 34))
     assert set(stage._session.live_requests) == {"g"} and stage._session.free_slots == stage.state_capacity - 1
-    assert _warnings(caplog) == [
+    assert warnings == [
         f"MOSS codec request b (batch row 1): payload meta.{field} must be an integer >= 0, got {shown}; "
         "returning empty audio"
     ]
@@ -288,16 +295,10 @@ def test_a_bad_count_field_fails_alone_and_a_terminal_one_frees_its_slot(stage, 
 @pytest.mark.parametrize("value", ["false", "0", 2, float("nan"), torch.tensor(0.5)])
 def test_a_terminal_flag_that_is_not_a_bool_fails_alone(stage, caplog, value):
     # Read as truthy, "false" would end a stream its sender did not end; the row fails and the stream stays.
-    good, bad = _codes(stage, 3, seed=37), _codes(stage, 2, seed=38)
-    n = stage.n_vq
-    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
-    meta = {**raw_info("b", 1, n)["meta"], "stream_finished": value}
-    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
-        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), {"meta": meta}], ["g", "b"])
-    assert out[1].numel() == 0
-    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    meta = {**raw_info("b", 1, stage.n_vq)["meta"], "stream_finished": value}
+    warnings = _bad_row_beside_a_good_one(stage, caplog, {"meta": meta}, seeds=(37, 38))
     assert set(stage._session.live_requests) == {"g", "b"}
-    assert _warnings(caplog) == [
+    assert warnings == [
         f"MOSS codec request b (batch row 1): payload meta.stream_finished must be a bool, got {value!r}; "
         "returning empty audio"
     ]
@@ -327,16 +328,10 @@ def test_a_terminal_row_of_non_integer_ids_still_ends_its_stream(stage, caplog, 
 
 @pytest.mark.parametrize("meta", [["x"], "oops"], ids=["list", "str"])
 def test_a_meta_that_is_not_a_dict_fails_alone(stage, caplog, meta):
-    good, bad = _codes(stage, 3, seed=35), _codes(stage, 2, seed=36)
-    n = stage.n_vq
-    run(stage, [good[:, :1], bad[:, :1]], [raw_info("g", 1, n), raw_info("b", 1, n)], ["g", "b"])
-    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
-        out = run(stage, [good[:, 1:], bad[:, 1:]], [raw_info("g", 2, n), {"meta": meta}], ["g", "b"])
-    assert out[1].numel() == 0
-    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    warnings = _bad_row_beside_a_good_one(stage, caplog, {"meta": meta}, seeds=(35, 36))
     # No terminal flag can be read: b's stream is left as it was, until the runner ends it.
     assert set(stage._session.live_requests) == {"g", "b"}
-    assert _warnings(caplog) == [
+    assert warnings == [
         f"MOSS codec request b (batch row 1): payload meta must be a dict, got {type(meta).__name__}; "
         "returning empty audio"
     ]

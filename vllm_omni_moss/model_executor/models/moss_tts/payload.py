@@ -242,4 +242,4 @@ class PayloadAssembler:
                 if kept.error is None:
                     kept.error = "its terminal row came twice in one batch; the incomplete chunk is dropped"
                     self.drop(kept.key)
-                kept.codes = torch.zeros(self.n_vq, 0, dtype=torch.long)
+                kept.codes = _empty_codes(self.n_vq)
