@@ -332,6 +332,7 @@ def test_stage_summary_splits_decode_calls_into_replay_and_host_time():
     assert details["slowest_step"] == {"chunks": 8, "max_frames": 15, "replay_ms": 30.0}
     assert details["replay_ms"]["p50"] == 15.0 and details["host_ms"]["p50"] == 6.0
     assert details["host_ms"]["p99"] == pytest.approx(19.72)  # numpy percentile of [6, 20, 5] ms
+    assert details["replay_seconds"] == 0.049 and details["host_seconds"] == 0.031  # of 0.080 s busy
 
 
 def test_stage_state_over_time_keeps_every_bucket_maximum():
@@ -464,6 +465,9 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     assert list(details["call_trace_ms"]) == list(phases)
     for phase in phases:
         assert 0 <= details["call_trace_ms"][phase]["p50"] <= details["call_trace_ms"][phase]["p99"]
+        assert details["call_trace_ms"][phase]["sum"] >= details["call_trace_ms"][phase]["p99"]
+    busy_ms = details["codec_busy_seconds"] * 1e3  # the calls' wall time, every phase of each inside it
+    assert details["call_trace_ms"]["total_ms"]["sum"] <= busy_ms + 0.1
     slowest = details["slowest_step"]
     trace = slowest["trace"]
     assert trace["chunks"] == slowest["chunks"] and trace["steps"] >= 1 and trace["failed"] is False

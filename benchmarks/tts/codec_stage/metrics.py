@@ -136,12 +136,19 @@ def _slowest_step(run: Run, details: dict[str, Any]) -> None:
         host = [w - r for w, r in zip(walls, run.step_replay)]
         details["replay_ms"] = {"p50": _pct(run.step_replay, 50), "p99": _pct(run.step_replay, 99)}
         details["host_ms"] = {"p50": _pct(host, 50), "p99": _pct(host, 99)}
+        # Where the busy seconds went: replays (device time of the steps) and the host time around them.
+        details["replay_seconds"] = round(float(sum(run.step_replay)), 4)
+        details["host_seconds"] = round(float(sum(host)), 4)
         details["slowest_step"]["replay_ms"] = round(run.step_replay[slowest] * 1e3, 3)
     if run.step_trace and len(run.step_trace) == len(walls):
         traces = [asdict(t) for t in run.step_trace]
         phases = [k for k, v in traces[0].items() if k.endswith("_ms")]
         details["call_trace_ms"] = {
-            k: {f"p{q}": _pct([t[k] for t in traces], q, 1.0) for q in (50, 99)} for k in phases
+            k: {
+                **{f"p{q}": _pct([t[k] for t in traces], q, 1.0) for q in (50, 99)},
+                "sum": round(float(sum(t[k] for t in traces)), 3),
+            }
+            for k in phases
         }
         details["slowest_step"]["trace"] = {
             k: round(v, 3) if k.endswith("_ms") else v for k, v in traces[slowest].items()
