@@ -506,3 +506,53 @@ def test_a_stream_is_admitted_for_all_it_brings_not_just_one_piece(ring_decoder)
         got = session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=10 + i)[:, 0])])
         assert got["a"].frames == 1
     assert session.stats()["preemptions"] == 0
+
+
+def test_reserve_writes_the_host_tables_and_a_commit_writes_the_device_once(ring_decoder, monkeypatch):
+    """reserve() allocates on the host only; the device page tables get every pending entry at the next
+    commit, in one host-to-device copy, and equal the host tables then. A slot released before the commit
+    ends with a null row (the commit that release makes first cannot leave its entries behind)."""
+    _, pool = _pools(ring_decoder)
+    copies = []
+    to_device = pool._ids_to_device
+    monkeypatch.setattr(pool, "_ids_to_device", lambda ids: copies.append(ids.shape) or to_device(ids))
+    assert pool.reserve({0: 7, 1: 3, 2: 1})
+    assert copies == [] and all(not table.any() for table in pool.store.page_tables)  # nothing on the device
+    pool.commit_page_tables()
+    assert len(copies) == 1 and copies[0][0] == 3  # one (rows, cols, pages) copy for every group
+    for g, table in enumerate(pool.store.page_tables):
+        for slot in range(CAPACITY):
+            held = pool.store.host_tables[g][slot]
+            assert table[slot, : len(held)].tolist() == held and not table[slot, len(held) :].any()
+    pool.commit_page_tables()
+    assert len(copies) == 1  # nothing pending: no copy
+    assert pool.reserve({1: 12})
+    pool.release([1])
+    assert all(not table[1].any() for table in pool.store.page_tables)
+    assert all(tables[1] == [] for tables in pool.store.host_tables)
+
+
+def test_a_session_call_writes_the_page_tables_once_however_many_streams_it_admits(ring_decoder):
+    """Admitting many new streams in one call costs one page-table write per resolution group on the device
+    (it was one copy and one write per group for each stream), and the audio equals the compact pool's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountWrites(TorchDispatchMode):
+        writes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.index_put_.default:
+                CountWrites.writes += 1
+            return func(*args, **(kwargs or {}))
+
+    streams = 6
+    compact = CodecStreamSession(ring_decoder, streams, pool_kind="compact", max_step_frames=4)
+    paged = CodecStreamSession(ring_decoder, streams, pool_kind="paged", max_step_frames=4)
+    batch = [ChunkRequest(f"r{i}", random_codes(ring_decoder, 1, 4, seed=30 + i)[:, 0]) for i in range(streams)]
+    want = compact.decode(batch)
+    with CountWrites():
+        got = paged.decode(batch)
+    groups = len(ring_decoder.config.groups)
+    assert CountWrites.writes == groups, "one page-table write per group for the whole call"
+    for rid in want:
+        assert torch.equal(got[rid].audio, want[rid].audio), rid

@@ -259,6 +259,7 @@ class StreamingGraphRunner:
         key = self.select(B, T)
         if key is None:
             return None
+        self.pool.commit_page_tables()  # a paged pool's reservations since the last step
         g = self.graphs[key]
         g.codes.zero_()
         g.codes[:, :B, :T].copy_(codes)

@@ -245,12 +245,14 @@ class Scheduler:
             if released:
                 self.pool.release(released)
 
-    def own_buffered_chunks(self, borrowed: set[int]) -> None:
-        """Copy the chunks of this call (``borrowed``: their tensors' ids) that are still buffered as it returns
-        (streams that wait, or were preempted), so that the caller may reuse its tensors."""
-        streams = list(self.live.values()) + [self.waiting.get(rid) for rid in self.waiting.request_ids]
-        for stream in streams:
-            if any(id(c) in borrowed for c in stream.chunks):
+    def own_buffered_chunks(self, accepted: list[ChunkRequest]) -> None:
+        """Copy the chunks of this call (``accepted``) that are still buffered as it returns (streams that wait,
+        or were preempted), so that the caller may reuse its tensors. Looks only at the streams of ``accepted``
+        (a call's work stays proportional to its chunks, not to the live streams)."""
+        borrowed = {id(req.codes) for req in accepted}
+        for rid in {req.request_id for req in accepted}:
+            stream = self.live.get(rid) or self.waiting.get(rid)
+            if stream is not None and any(id(c) in borrowed for c in stream.chunks):
                 stream.chunks = [c.clone() if id(c) in borrowed else c for c in stream.chunks]
 
     def clear(self) -> None:

@@ -326,7 +326,7 @@ class CodecStreamSession:
             audio = self._decode_ready()
         finally:
             # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
-            scheduler.own_buffered_chunks({id(req.codes) for req in accepted})
+            scheduler.own_buffered_chunks(accepted)
         return self._results(results, audio, ids)
 
     def _decode_ready(self) -> dict[str, list[torch.Tensor]]:

@@ -194,6 +194,7 @@ class StepRunner:
         valid_frames = [p.shape[1] for p in pieces]
         B, T = len(pieces), self._step_frames(max(valid_frames))
         codes, slot_ids, lengths = self._stage_inputs(pieces, valid_frames, slots, T)
+        self.pool.commit_page_tables()  # the pages the scheduler reserved, in one copy for this call's steps
         self.tracer.lap("stage_ms")
         out = self.graphs.decode(codes, lengths, slot_ids) if self.graphs is not None else None
         c = self.counters

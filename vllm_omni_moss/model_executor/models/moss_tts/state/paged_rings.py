@@ -6,7 +6,10 @@ row ``c % page_size`` (docs/memory.md, "Paged rings"). Page 0 of every group is 
 never allocated, and what every unused page-table entry names, so padding rows and cells a slot has not
 reached read zeros. A slot holds pages only for the context it has reached
 (:meth:`~.page_budget.PageBudget.pages_needed`); pages come off a LIFO free list and go back on release.
-The host keeps its own copy of every page table, so allocation never reads the device.
+The host keeps its own copy of every page table, so allocation never reads the device, and allocation only
+writes that copy: the new entries reach the device tables at the next :meth:`PagedRings.commit` (one
+host-to-device copy for all of them, once per step), as vLLM commits its block tables once per step rather
+than once per request.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class PagedRings:
             self.tokens_per_frame.append(spec.tokens_per_frame)
             self.pages_per_ring.append(n)
             self.free.append(list(range(pages - 1, 0, -1)))  # page 1 is allocated first
+            self._pending.append(([], [], []))
             self.group_layers.append(range(first, first + spec.num_layers))
             first += spec.num_layers
         self.held = np.zeros((len(self.config.groups), num_slots), dtype=np.int64)
@@ -65,6 +69,8 @@ class PagedRings:
         self.tokens_per_frame: list[int] = []
         self.pages_per_ring: list[int] = []
         self.held = np.zeros((0, 0), dtype=np.int64)  # (groups, slots): pages each slot holds
+        # Per group, the (rows, cols, pages) of page-table entries allocated since the last commit().
+        self._pending: list[tuple[list[int], list[int], list[int]]] = []
 
     def free_counts(self) -> list[int]:
         return [len(free) for free in self.free]
@@ -95,10 +101,10 @@ class PagedRings:
         return next((g for g, extra in enumerate(plan) if sum(extra.values()) > len(self.free[g])), None)
 
     def allocate_pages(self, plan: list[dict[int, int]]) -> None:
-        """Give each slot of ``plan`` its extra pages (the caller checked :meth:`short`): one host-to-device
-        copy of the new page-table entries per group."""
+        """Give each slot of ``plan`` its extra pages (the caller checked :meth:`short`) in the host tables; the
+        device tables get the new entries at the next :meth:`commit`."""
         for g, extra in enumerate(plan):
-            rows, cols, pages = [], [], []
+            rows, cols, pages = self._pending[g]
             free = self.free[g]
             for slot, n in extra.items():
                 held = self.host_tables[g][slot]
@@ -109,13 +115,31 @@ class PagedRings:
                 held += taken
                 pages += taken
                 self.held[g, slot] += n
-            if rows:
-                entries = self._to_device(torch.tensor([rows, cols, pages], dtype=torch.long))
-                self.page_tables[g].index_put_((entries[0], entries[1]), entries[2])
+
+    def commit(self) -> None:
+        """Write the page-table entries allocated since the last commit to the device tables: one host-to-device
+        copy of all of them (ordered before the work that reads them, no wait) and one ``index_put_`` per group
+        that has some. Every step that reads the tables must come after a commit; no-op when none is pending."""
+        counts = [len(rows) for rows, _, _ in self._pending]
+        if not any(counts):
+            return
+        flat = [[], [], []]
+        for entries in self._pending:
+            for column, values in zip(flat, entries):
+                column += values
+        on_device = self._to_device(torch.tensor(flat, dtype=torch.long))
+        start = 0
+        for g, n in enumerate(counts):
+            if n:
+                rows, cols, pages = on_device[:, start : start + n]
+                self.page_tables[g].index_put_((rows, cols), pages)
+                start += n
+        self._pending = [([], [], []) for _ in counts]
 
     def clear(self, ids: torch.Tensor, host_ids: list[int]) -> None:
         """Return the pages of slots ``host_ids`` (``ids`` on the device) zeroed to the free lists, and point
-        their page tables at the null page."""
+        their page tables at the null page (after committing pending entries, which may name these slots)."""
+        self.commit()
         for g in range(len(self.group_layers)):
             freed = []
             for slot in host_ids:
@@ -138,6 +162,7 @@ class PagedRings:
         return next(g for g, layers in enumerate(self.group_layers) if layer in layers)
 
     def _cell_pages(self, layer: int, slot: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.commit()
         table = self.page_tables[self.group_of(layer)][slot]
         cells = cells.to(self.device)
         return table[cells // self.page_size], cells % self.page_size

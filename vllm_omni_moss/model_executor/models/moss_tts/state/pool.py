@@ -221,11 +221,16 @@ class DecoderStatePool:
         self._require_initialized()
         return self.slots.check_frames(frames_by_slot, "reserve") is not None
 
+    def commit_page_tables(self) -> None:  # noqa: B027 - optional hook
+        """Before a step: make the device's page tables hold what :meth:`reserve` allocated (a paged pool
+        allocates on the host and writes the device once per step). Nothing to do for unpaged pools."""
+
     def prepare_step(self, slot_ids, lengths, frames=None) -> None:  # noqa: B027 - optional hook
         """Before a step that bypasses :meth:`decode_streaming_batch` (a graph replay, a direct
         :meth:`decode_streaming_tensors`): slots ``slot_ids`` in use will decode ``lengths`` frames (ints);
         ``frames``, if the caller tracks them, the frames each has decoded so far. Nothing to do for unpaged
-        pools; a paged pool allocates the step's pages or raises ``PagesExhausted``."""
+        pools; a paged pool allocates the step's pages and commits its page tables, or raises
+        ``PagesExhausted``."""
 
     def prepare_batch(self, slot_ids: torch.Tensor, lengths: torch.Tensor, valid_rows: torch.Tensor) -> None:  # noqa: B027
         """Hook of :func:`.step.decode_batch`, after validation: a paged pool allocates the step's pages."""

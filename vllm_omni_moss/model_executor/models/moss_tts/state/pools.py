@@ -225,8 +225,14 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
 
     @property
     def page_tables(self) -> list[torch.Tensor]:
-        """Per group, ``(S, pages per ring)`` int64 page tables on the device."""
+        """Per group, ``(S, pages per ring)`` int64 page tables on the device (pending entries committed)."""
+        self.store.commit()
         return self.store.page_tables
+
+    def commit_page_tables(self) -> None:
+        """Write the page-table entries that :meth:`reserve` allocated since the last commit to the device (one
+        host-to-device copy; :meth:`.PagedRings.commit`)."""
+        self.store.commit()
 
     def page_fraction_for_budget(self, budget_bytes: int, state_capacity: int) -> float:
         """:meth:`~.page_budget.PageBudget.fraction_for_budget` of this pool's geometry and dtype."""
@@ -300,6 +306,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             return
         frames = self.frames_of(slot_ids) if frames is None else [int(f) for f in frames]
         self._reserve_or_raise({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
+        self.store.commit()
 
     def prepare_batch(self, slot_ids, lengths, valid_rows) -> None:
         live = valid_rows.bool().tolist()
