@@ -136,6 +136,9 @@ class StreamingGraphRunner:
         device = self.pool.device
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)
+            # Free cached blocks first: otherwise the graphs may reuse blocks that earlier work left cached, and
+            # the growth below would miss memory they hold from then on.
+            torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(device)
             self._allocate_outputs()
             self._mempool = torch.cuda.graph_pool_handle()
