@@ -187,6 +187,37 @@ def test_ideal_arm_stalls_are_the_schedule_and_the_talker_and_a_chunk_sweep_keep
     assert "max streams at SLO |\n|---|---|\n| ideal | at least 3 |" in (tmp_path / "results.md").read_text()
 
 
+def test_a_sweep_cut_short_keeps_ideal_for_every_schedule_and_its_summary_so_far(tmp_path, monkeypatch):
+    # A command's time limit can stop a sweep anywhere: `ideal` (no device time) runs first for every schedule,
+    # and sweep.json / sweep.md are rewritten after each run, so what ran is summarised; tables keep --arms order.
+    bench = _bench()
+    sweep = sys.modules["codec_stage.sweep"]
+    real, ran = sweep.run_arm, []
+
+    def run_arm(name, make_arm, trace, load, sizes, settings):
+        ran.append((name, tuple(sizes)))
+        if name == "v2" and sizes == [1, 2, 4, 8, 15]:
+            raise KeyboardInterrupt  # the command's time limit
+        return real(name, make_arm, trace, load, sizes, settings)
+
+    monkeypatch.setattr(sweep, "run_arm", run_arm)
+    argv = _cpu("--arms v2,ideal --concurrency 2 --requests-per-stream 1 --chunks 1,15;1,2,4,8,15", out=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    assert ran == [("ideal", (1, 15)), ("ideal", (1, 2, 4, 8, 15)), ("v2", (1, 15)), ("v2", (1, 2, 4, 8, 15))]
+    table = (tmp_path / "sweep.md").read_text()
+    assert json.loads((tmp_path / "sweep.json").read_text())["schedules"] == {
+        "1,15": "chunks_1_15",
+        "1,2,4,8,15": "chunks_1_2_4_8_15",
+    }
+    for row in ("| 1,15 | v2 | C=2 |", "| 1,15 | ideal | C=2 |", "| 1,2,4,8,15 | ideal | C=2 |"):
+        assert row in table
+    assert "| 1,2,4,8,15 | v2 |" not in table
+    short = json.loads((tmp_path / "chunks_1_2_4_8_15" / "results.json").read_text())
+    assert list(short["arms"]) == ["v2", "ideal"] and short["arms"]["v2"] == {}
+    assert short["arms"]["ideal"]["2"]["continuity"]["c100"] == 1.0
+
+
 def test_staggered_arrivals_spread_the_first_streams_over_one_steady_chunk():
     bench = _bench()
     trace = bench.trace.closed_loop_trace("staggered", 4, 10, 0.6, seed=0)
