@@ -624,15 +624,18 @@ def _environment(manifest: dict, jobs: list[Job], results_dir: Path) -> list[str
 def _job_section(job: Job, results_dir: Path, history_dir: Path) -> list[str]:
     spec = job.spec
     older = sorted(set(job.commits) - {job.current_commit})
+    mixed = bool(older) and job.current_commit in job.commits  # some files of the newest commit, some older
     title = spec.get("title", job.id)
-    lines = [f"## {title}" + (f" (measured at `{'`, `'.join(older)}`)" if older else ""), ""]
+    label = f" ({'partly ' if mixed else ''}measured at `{'`, `'.join(older)}`)" if older else ""
+    lines = [f"## {title}{label}", ""]
     where = []
     for name, commit, date, command in zip(spec["files"], job.commits, job.dates, job.commands):
         where.append(f"- [`{name}`](results/{name}): commit `{commit}`, {short_date(date)}: `{short_command(command)}`")
     lines += where + [""]
     if older:
         since = f": {spec['since']}" if spec.get("since") else "."
-        lines += [f"Measured at an older commit than the current `{job.current_commit}`{since}", ""]
+        what = "The files of `" + "`, `".join(older) + "` come from" if mixed else "Measured at"
+        lines += [f"{what} an older commit than the newest measured one, `{job.current_commit}`{since}", ""]
     lines += RENDERERS[spec["kind"]](job)
     extras = []
     if spec.get("plots"):

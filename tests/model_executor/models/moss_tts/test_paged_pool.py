@@ -546,8 +546,10 @@ def test_a_session_call_writes_the_page_tables_once_however_many_streams_it_admi
             return func(*args, **(kwargs or {}))
 
     streams = 6
-    compact = CodecStreamSession(ring_decoder, streams, pool_kind="compact", max_step_frames=4)
-    paged = CodecStreamSession(ring_decoder, streams, pool_kind="paged", max_step_frames=4)
+    compact = CodecStreamSession(
+        ring_decoder, streams, pool_kind="compact", attention_backend="triton", max_step_frames=4
+    )
+    paged = CodecStreamSession(ring_decoder, streams, pool_kind="paged", attention_backend="triton", max_step_frames=4)
     batch = [ChunkRequest(f"r{i}", random_codes(ring_decoder, 1, 4, seed=30 + i)[:, 0]) for i in range(streams)]
     want = compact.decode(batch)
     with CountWrites():
