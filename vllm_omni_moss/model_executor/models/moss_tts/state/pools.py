@@ -267,7 +267,10 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
 
     def reserve(self, frames_by_slot: dict[int, int]) -> bool:
         """Give every slot in use of ``frames_by_slot`` the pages for that many frames of context: True when
-        done, False (nothing allocated) when a group lacks free pages.
+        done, False (nothing allocated) when a group lacks free pages. The pages are in the host's page tables
+        at once and in the device's after :meth:`commit_page_tables` (the session's steps, graph replays,
+        :meth:`prepare_step` and :meth:`decode_streaming_batch` commit first); a caller that steps with
+        :meth:`decode_streaming_tensors` itself must commit before it, or the step writes the null page.
 
         Raises as :meth:`.SlotAllocator.check_frames`.
         """
@@ -303,6 +306,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         slot_ids = self.slots.in_use_ids([int(s) for s in slot_ids], "prepare_step")
         lengths = [int(n) for n in lengths]
         if not slot_ids:
+            self.store.commit()  # a step of padding rows alone still reads the tables
             return
         frames = self.frames_of(slot_ids) if frames is None else [int(f) for f in frames]
         self._reserve_or_raise({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
