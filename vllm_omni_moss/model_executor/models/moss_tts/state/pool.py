@@ -49,6 +49,19 @@ def ring_capacities(config) -> list[int]:
     return [spec.ring_capacity for spec in config.groups for _ in range(spec.num_layers)]
 
 
+def ids_to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host int64 ``ids`` on ``device``: to CUDA through page-locked memory without a wait (a reset or a page
+    allocation never waits for steps still running; the copy is ordered before the work that reads the ids), or
+    with a wait when page-locked memory cannot be had."""
+    if device.type == "cuda" and ids.device.type == "cpu":
+        try:
+            pinned = ids.pin_memory()
+        except RuntimeError:
+            return ids.to(device)
+        return pinned.to(device, non_blocking=True)
+    return ids.to(device)
+
+
 class DecoderStatePool:
     """Interface shared by the legacy, compact and paged pools (:mod:`.pools`).
 
@@ -222,15 +235,13 @@ class DecoderStatePool:
         return self.slots.check_frames(frames_by_slot, "reserve") is not None
 
     def commit_page_tables(self) -> None:  # noqa: B027 - optional hook
-        """Before a step: make the device's page tables hold what :meth:`reserve` allocated (a paged pool
-        allocates on the host and writes the device once per step). Nothing to do for unpaged pools."""
+        """Before a step: the device's page tables get what :meth:`reserve` allocated (paged pools only)."""
 
     def prepare_step(self, slot_ids, lengths, frames=None) -> None:  # noqa: B027 - optional hook
         """Before a step that bypasses :meth:`decode_streaming_batch` (a graph replay, a direct
-        :meth:`decode_streaming_tensors`): slots ``slot_ids`` in use will decode ``lengths`` frames (ints);
-        ``frames``, if the caller tracks them, the frames each has decoded so far. Nothing to do for unpaged
-        pools; a paged pool allocates the step's pages and commits its page tables, or raises
-        ``PagesExhausted``."""
+        :meth:`decode_streaming_tensors`): slots ``slot_ids`` in use will decode ``lengths`` frames (ints) after
+        ``frames`` (if the caller tracks them). A paged pool allocates the step's pages and commits its page
+        tables, or raises ``PagesExhausted``; unpaged pools do nothing."""
 
     def prepare_batch(self, slot_ids: torch.Tensor, lengths: torch.Tensor, valid_rows: torch.Tensor) -> None:  # noqa: B027
         """Hook of :func:`.step.decode_batch`, after validation: a paged pool allocates the step's pages."""
@@ -325,16 +336,7 @@ class DecoderStatePool:
             raise RuntimeError(f"{type(self).__name__} is not initialised; call initialize(state_capacity) first")
 
     def _ids_to_device(self, ids: torch.Tensor) -> torch.Tensor:
-        """Host int64 ``ids`` on the pool's device: to CUDA through page-locked memory without a wait (a reset
-        or a page allocation never waits for steps still running; the copy is ordered before the work that
-        reads the ids), or with a wait when page-locked memory cannot be had."""
-        if self.device.type == "cuda" and ids.device.type == "cpu":
-            try:
-                pinned = ids.pin_memory()
-            except RuntimeError:
-                return ids.to(self.device)
-            return pinned.to(self.device, non_blocking=True)
-        return ids.to(self.device)
+        return ids_to_device(ids, self.device)
 
     # ----------------------------------------------------------------- each kind's policy (.pools)
     def _make_store(self):
