@@ -90,13 +90,15 @@ wave and staggered, ``"rate=<R>"`` (``%g``) for poisson):
 
 ``details.<arm>.<key>``: ``requests`` (counted), ``finished_requests``, ``chunks``, ``steps``,
 ``stopped_early``, ``serving_seconds``, ``window_seconds`` [start, end], ``codec_busy_seconds``,
-``audio_seconds``, ``decoded_frames``, ``padded_frames``, ``step_ms`` {p50, p99, max}, ``slowest_step``,
+``audio_seconds``, ``decoded_frames``, ``padded_frames``, ``padding_rows`` (rows graph replays carried beyond
+their steps'), ``step_ms`` {p50, p99, max}, ``slowest_step``,
 ``setup_seconds``, ``preemptions``, ``slots``, ``state_bytes``, ``graphs``, ``graph_batch_sizes``,
 ``peak_state_bytes`` (the most decoder state the live streams needed after any decode call:
 ``pool.state_in_use_bytes()``), ``state_bytes_over_time`` (``[seconds, bytes]`` after each decode call, cut to
 at most 200 points keeping each run of calls' largest value), ``wall_seconds``; with ``--time-replays`` (CUDA,
-our arms) ``replay_ms`` and ``host_ms``; with ``--trace-calls`` (our arms) ``call_trace_ms`` (p50, p99 of
-each ``session.CallTrace`` phase) and ``slowest_step.trace``; ``error`` for a run that ran out of memory.
+our arms) ``replay_ms`` and ``host_ms`` (p50, p99) and their sums ``replay_seconds`` and ``host_seconds``; with
+``--trace-calls`` (our arms) ``call_trace_ms`` (p50, p99 and sum of each ``session.CallTrace`` phase) and
+``slowest_step.trace``; ``error`` for a run that ran out of memory.
 
 SLO: ``codec_latency_ms.p99 <= --slo-ms`` (150). A run is stopped once a chunk's codec-added latency, a sent
 chunk's wait, or a queued request's wait exceeds ``--give-up-ms``; it is then ``stopped_early`` (figures over

@@ -62,6 +62,7 @@ def _check_run(arm: str, c: str, figures: dict, details: dict, requests: int) ->
     assert figures["steps_by_path"]["graph"] == 0 and figures["peak_memory_bytes"] is None  # no graphs on CPU
     padded, decoded = details["padded_frames"], details["decoded_frames"]
     assert figures["padded_frame_fraction"] == round(padded / (decoded + padded), 6)
+    assert details["padding_rows"] == 0  # only graph replays pad with rows
     if arm == "ideal":
         assert lat["p99"] == 0.0 and figures["steps_by_path"]["eager"] == 0 and padded == 0
         assert details["slots"] == int(c) and details["state_bytes"] == details["peak_state_bytes"] == 0

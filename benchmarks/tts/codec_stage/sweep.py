@@ -85,8 +85,10 @@ def run_arm(name: str, make_arm, trace: Trace, load: Load, sizes: list[int], set
         "decoded_frames": after["decoded_frames"] - before["decoded_frames"],
         "padded_frames": after["padded_frames"] - before["padded_frames"],
     }
+    padding_rows = after.get("padding_rows", 0) - before.get("padding_rows", 0)  # our sessions count them
     figures, details = summarize(run, delta, peak)
     details["setup_seconds"] = round(setup_s, 3)
+    details["padding_rows"] = padding_rows
     # Our sessions count preemptions, the host bytes of the states they saved and the seconds saving and
     # restoring took (upstream's stage never preempts).
     for key in ("preemptions", "preempted_bytes", "preemption_seconds"):

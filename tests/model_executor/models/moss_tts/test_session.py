@@ -116,6 +116,36 @@ def test_mixed_batches_equal_solo_decodes(kind, ring_decoder, monkeypatch):
     assert s.stats()["padded_frames"] == 8 and s.stats()["decoded_frames"] == 33
 
 
+def test_graph_replays_count_the_padding_rows_of_their_buckets(ring_decoder):
+    """A step of B rows that replays the graph of bucket b >= B carries b - B padding rows: the session counts
+    them (stats()["padding_rows"]), beside the padding frames of its real rows. The graph runner is a
+    stand-in here (CPU): it serves 1- and 4-frame steps from buckets 2 and 4 and returns zero audio."""
+    s = CodecStreamSession(ring_decoder, 4, max_step_frames=4)
+    spf, channels = ring_decoder.config.samples_per_frame, ring_decoder.config.number_channels
+    replays = []
+
+    class Graphs:
+        def select(self, batch, frames):
+            return (next(b for b in (2, 4) if b >= batch), next(t for t in (1, 4) if t >= frames))
+
+        def decode(self, codes, lengths, slot_ids):
+            bucket, t = self.select(codes.shape[1], codes.shape[2])
+            replays.append((codes.shape[1], bucket, t))
+            return torch.zeros(codes.shape[1], channels, t * spf)
+
+        def close(self):
+            pass
+
+    s._steps.graphs = Graphs()
+    codes = random_codes(ring_decoder, 1, 4, seed=3)[:, 0]
+    s.decode([ChunkRequest(r, codes[:, :1]) for r in "abc"])  # 3 rows of 1 frame: bucket 4
+    s.decode([ChunkRequest(r, codes[:, :3]) for r in "ab"])  # 2 rows of 3 frames: bucket 2, padded to 4 frames
+    assert replays == [(3, 4, 1), (2, 2, 4)]
+    stats = s.stats()
+    assert stats["steps_by_path"] == {"graph": 2, "eager": 0}
+    assert stats["padding_rows"] == 1 and stats["padded_frames"] == 2 and stats["decoded_frames"] == 9
+
+
 def test_long_chunk_split_matches_split_reference(ring_decoder, monkeypatch):
     s = CodecStreamSession(ring_decoder, 2, max_step_frames=2)
     steps = _count_steps(s, monkeypatch)

@@ -532,6 +532,6 @@ def test_session_stats_are_logged_every_interval(stage, caplog):
     assert s["decoded_frames"] == 1 and stage._session.stats()["decoded_frames"] == 2
     assert lines == [
         f"MOSS codec stage: steps graph={s['steps_by_path']['graph']} eager={s['steps_by_path']['eager']}; "
-        f"frames decoded=1 padded={s['padded_frames']}; waiting streams=0 (0 frames), admitted from queue=0, "
-        f"longest queue wait 0.000 s; clamped codes=0, request errors=0"
+        f"frames decoded=1 padded={s['padded_frames']}; padding rows={s['padding_rows']}; waiting streams=0 "
+        f"(0 frames), admitted from queue=0, longest queue wait 0.000 s; clamped codes=0, request errors=0"
     ]

@@ -421,10 +421,11 @@ def _token_counts(value: Any) -> list[int] | None:
 
 def _log_stats(s: dict) -> None:
     logger.info(
-        "MOSS codec stage: steps graph=%d eager=%d; frames decoded=%d padded=%d; waiting streams=%d "
-        "(%d frames), admitted from queue=%d, longest queue wait %.3f s; clamped codes=%d, request errors=%d",
+        "MOSS codec stage: steps graph=%d eager=%d; frames decoded=%d padded=%d; padding rows=%d; waiting "
+        "streams=%d (%d frames), admitted from queue=%d, longest queue wait %.3f s; clamped codes=%d, request "
+        "errors=%d",
         s["steps_by_path"]["graph"], s["steps_by_path"]["eager"], s["decoded_frames"], s["padded_frames"],
-        s["waiting_streams"], s["waiting_frames"], s["admitted_from_queue"], s["queue_wait_s_max"],
+        s["padding_rows"], s["waiting_streams"], s["waiting_frames"], s["admitted_from_queue"], s["queue_wait_s_max"],
         s["clamped_codes"], s["request_errors"],
     )  # fmt: skip
 

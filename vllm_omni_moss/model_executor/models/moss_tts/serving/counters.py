@@ -17,6 +17,7 @@ class SessionCounters:
     Attributes:
         steps_graph / steps_eager: pool steps by path.
         decoded_frames: real frames decoded; padded_frames: padding frames of real rows in steps.
+        padding_rows: rows a CUDA-graph replay carried beyond its step's rows (its bucket minus the rows).
         admitted_from_queue: streams that got a slot after waiting; queue_wait_s_max: the longest wait (s).
         preemptions: streams whose state was saved to the host to free pages; preempted_bytes: the host bytes
             of those saved states; preemption_s: host seconds spent saving and restoring them (the device copies
@@ -30,6 +31,7 @@ class SessionCounters:
     steps_eager: int = 0
     decoded_frames: int = 0
     padded_frames: int = 0
+    padding_rows: int = 0
     admitted_from_queue: int = 0
     preemptions: int = 0
     preempted_bytes: int = 0

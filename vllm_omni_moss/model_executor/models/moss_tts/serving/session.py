@@ -207,7 +207,7 @@ class CodecStreamSession:
 
     def stats(self) -> dict[str, object]:
         """Counters since construction: steps by path (``graph``/``eager``), decoded and padded frames (padding
-        frames of rows in steps), the admission queue (streams and frames waiting now, streams admitted after
+        frames of rows in steps), padding rows (rows graph replays carried beyond their steps'), the admission queue (streams and frames waiting now, streams admitted after
         waiting, the longest wait in seconds), streams preempted for state memory (paged pools) with the host
         bytes of their saved states and the seconds saving and restoring took, clamped codes and refused
         requests."""
@@ -216,6 +216,7 @@ class CodecStreamSession:
             "steps_by_path": {"graph": c.steps_graph, "eager": c.steps_eager},
             "decoded_frames": c.decoded_frames,
             "padded_frames": c.padded_frames,
+            "padding_rows": c.padding_rows,
             "waiting_streams": len(waiting),
             "waiting_frames": waiting.buffered_frames,
             "admitted_from_queue": c.admitted_from_queue,

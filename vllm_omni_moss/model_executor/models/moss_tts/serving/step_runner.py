@@ -200,6 +200,7 @@ class StepRunner:
         c = self.counters
         if out is not None:
             c.steps_graph += 1
+            c.padding_rows += self.graphs.select(B, T)[0] - B  # the replayed bucket's rows beyond the step's
         else:
             c.steps_eager += 1
             valid = torch.ones(B, dtype=torch.bool, device=self.device)
