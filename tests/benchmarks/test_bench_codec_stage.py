@@ -339,6 +339,9 @@ def test_stage_trace_and_slo_helpers():
     assert warning.startswith("warning: v2 C=64: step time max 100.5 ms > 10x its p50 10.0 ms")
     slowest = {"step_ms": {"p50": 10.0, "max": 100.5}, "slowest_step": {"chunks": 61, "max_frames": 15}}
     assert bench.stall_warning("v2", "rate=8", slowest).startswith("warning: v2 rate=8: step time max")
+    assert "that step decoded 61 chunks of up to 15 frames" in bench.stall_warning("v2", 64, slowest)
+    slowest["slowest_step"]["chunks"] = 1
+    assert "that step decoded 1 chunk of up to 15 frames" in bench.stall_warning("v2", 64, slowest)
 
 
 def test_live_streams_are_a_time_weighted_mean_over_the_window():
