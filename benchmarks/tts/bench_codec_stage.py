@@ -122,8 +122,9 @@ codec-added latency in ms, keys ``"<arm>/<key>"``), ``results.md``, ``latency_cd
 schedule then gets a sub-directory ``chunks_1_15``, ``chunks_1_4_15``, ... holding all of the above, and
 ``--out`` gets ``sweep.json`` ({commit, date, command, arrival, schedules: {"1,15": "chunks_1_15", ...}})
 and ``sweep.md`` (one table over the schedules), both rewritten after every run. The ``ideal`` arm runs first
-(it takes no device time), so that a command cut short still has every schedule's own stalls. ``--append`` adds runs to an existing ``--out`` made at the
-same commit with the same settings (a sweep longer than one command's time limit split in parts);
+(it takes no device time), so that a command cut short still has every schedule's own stalls. ``--append``
+adds runs to an existing ``--out`` made at the same commit with the same settings (a sweep longer than one
+command's time limit split in parts);
 ``--report-only`` rewrites the reports and plots from ``--out``. Bad flags are usage errors (exit 2) before
 any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}.
 

@@ -425,8 +425,8 @@ def _log_stats(s: dict) -> None:
         "streams=%d (%d frames), admitted from queue=%d, longest queue wait %.3f s; clamped codes=%d, request "
         "errors=%d",
         s["steps_by_path"]["graph"], s["steps_by_path"]["eager"], s["decoded_frames"], s["padded_frames"],
-        s["padding_rows"], s["waiting_streams"], s["waiting_frames"], s["admitted_from_queue"], s["queue_wait_s_max"],
-        s["clamped_codes"], s["request_errors"],
+        s["padding_rows"], s["waiting_streams"], s["waiting_frames"], s["admitted_from_queue"],
+        s["queue_wait_s_max"], s["clamped_codes"], s["request_errors"],
     )  # fmt: skip
 
 

@@ -207,10 +207,10 @@ class CodecStreamSession:
 
     def stats(self) -> dict[str, object]:
         """Counters since construction: steps by path (``graph``/``eager``), decoded and padded frames (padding
-        frames of rows in steps), padding rows (rows graph replays carried beyond their steps'), the admission queue (streams and frames waiting now, streams admitted after
-        waiting, the longest wait in seconds), streams preempted for state memory (paged pools) with the host
-        bytes of their saved states and the seconds saving and restoring took, clamped codes and refused
-        requests."""
+        frames of rows in steps), padding rows (rows graph replays carried beyond their steps'), the admission
+        queue (streams and frames waiting now, streams admitted after waiting, the longest wait in seconds),
+        streams preempted for state memory (paged pools) with the host bytes of their saved states and the
+        seconds saving and restoring took, clamped codes and refused requests."""
         c, waiting = self._counters, self._scheduler.waiting
         return {
             "steps_by_path": {"graph": c.steps_graph, "eager": c.steps_eager},
