@@ -400,9 +400,10 @@ def render_gemm(job: Job) -> list[str]:
 
 @renderer("serving")
 def render_serving(job: Job) -> list[str]:
-    """Serving runs under arrival models (``bench_codec_stage.py --arrival``), one file per command: per arm and
-    load (``C`` or ``rate=R``) the codec-added latency, time to first packet, worst stalls, continuity, live
-    streams and the SLO."""
+    """Serving runs under arrival models (``bench_codec_stage.py --arrival``), one file per command (per
+    schedule of a ``--chunks`` sweep): per arm and load (``C`` or ``rate=R``) the codec-added latency, time to
+    first packet, worst stalls, continuity, live streams and the SLO. Job options: ``chunks`` (label rows with
+    the file's chunk schedule), ``arms`` (the arms to show; the notes then say what the others gave)."""
     header = ["arrival, talker RTF", "arm", "load", "codec-added p50 / p99 ms", "TTFP p50 / p99 ms"]
     header += ["worst stall p50 / p99 ms", "C50 / C100 / C200", "live streams mean / max", "SLO"]
     rows = []
@@ -413,7 +414,10 @@ def render_serving(job: Job) -> list[str]:
         if arrival == "poisson":
             arrival += f" (burstiness {run.get('burstiness')}, {run.get('request_rate')} req/s)"
         label = f"{arrival}, {run.get('talker_rtf')}" + (f", chunks {run['chunks']}" if job.option("chunks") else "")
+        shown = job.option("arms")  # the arms to show (default: every arm of the file)
         for arm, per_load in job.need(doc, "arms").items():
+            if shown is not None and arm not in shown:
+                continue
             for load in sorted((k for k in per_load if isinstance(per_load[k], dict)), key=sort_key):
                 r, d = per_load[load], job.need(doc, "details", arm, load)
                 if "error" in d:
@@ -621,6 +625,19 @@ def _environment(manifest: dict, jobs: list[Job], results_dir: Path) -> list[str
     return ["## Environment", ""] + table(["", ""], rows)
 
 
+def _file_lines(job: Job) -> list[str]:
+    """One line per command: the files it wrote (a ``--chunks`` sweep writes one per schedule), their commit,
+    date (the first file's) and command; files keep the manifest's order, grouped with the first file of the same
+    commit and command."""
+    groups: dict[tuple[str, str], tuple[str, list[str]]] = {}
+    for name, commit, date, command in zip(job.spec["files"], job.commits, job.dates, job.commands):
+        groups.setdefault((commit, short_command(command)), (short_date(date), []))[1].append(name)
+    return [
+        "- " + ", ".join(f"[`{name}`](results/{name})" for name in names) + f": commit `{commit}`, {date}: `{command}`"
+        for (commit, command), (date, names) in groups.items()
+    ]
+
+
 def _job_section(job: Job, results_dir: Path, history_dir: Path) -> list[str]:
     spec = job.spec
     older = sorted(set(job.commits) - {job.current_commit})
@@ -628,10 +645,7 @@ def _job_section(job: Job, results_dir: Path, history_dir: Path) -> list[str]:
     title = spec.get("title", job.id)
     label = f" ({'partly ' if mixed else ''}measured at `{'`, `'.join(older)}`)" if older else ""
     lines = [f"## {title}{label}", ""]
-    where = []
-    for name, commit, date, command in zip(spec["files"], job.commits, job.dates, job.commands):
-        where.append(f"- [`{name}`](results/{name}): commit `{commit}`, {short_date(date)}: `{short_command(command)}`")
-    lines += where + [""]
+    lines += _file_lines(job) + [""]
     if older:
         since = f": {spec['since']}" if spec.get("since") else "."
         what = "The files of `" + "`, `".join(older) + "` come from" if mixed else "Measured at"

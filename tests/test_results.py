@@ -269,6 +269,29 @@ def test_serving_runs_under_arrival_models():
         "| poisson (burstiness 1.0, [2, 10] req/s), 1.0 | v2 | rate=10 | 10.0 / 200.0 | 90.0 / 180.0 | 0.0 / 40.0 "
         "| 1.000 / 0.990 / 0.900 | 300.0 / 320 | missed |",
     ]
+    # `arms` shows only the arms it lists; `chunks` labels rows with the file's schedule.
+    ideal = {"rate=2": load(0.0, 80.0), "rate=10": load(0.0, 80.0)}
+    both = doc | {"arms": doc["arms"] | {"ideal": ideal}, "details": doc["details"] | {"ideal": ideal}}
+    assert len(mr.render_serving(_job("serving", [both]))) == 2 + 4
+    only = mr.render_serving(
+        _job("serving", [both | {"run": both["run"] | {"chunks": [3, 5]}}], arms=["v2"], chunks=True)
+    )
+    assert [row.split(" | ")[1] for row in only[2:]] == ["v2", "v2"]
+    assert only[2].startswith("| poisson (burstiness 1.0, [2, 10] req/s), 1.0, chunks [3, 5] | v2 | rate=2 |")
+
+
+def test_files_of_one_command_share_one_line():
+    job = _job("serving", [{}, {}, {}], files=["a.json", "b.json", "c.json"])
+    job.commits, job.commands = (
+        ["abc1234", "abc1234", "abc1234"],
+        ["/venv/bin/python3 x.py --chunks 1", "python x.py --chunks 1", "python y.py"],
+    )
+    job.dates = ["2026-12-02T06:01:09+00:00", "2026-12-02T06:02:10+00:00", "2026-12-01"]
+    assert mr._file_lines(job) == [
+        "- [`a.json`](results/a.json), [`b.json`](results/b.json): commit `abc1234`, 2026-12-02 06:01 UTC: "
+        "`python x.py --chunks 1`",
+        "- [`c.json`](results/c.json): commit `abc1234`, 2026-12-01: `python y.py`",
+    ]
 
 
 def test_fidelity_and_proof_tables():
