@@ -2,7 +2,7 @@
 """Write ``benchmarks/RESULTS.md`` and README's results table from the committed benchmark JSON.
 
     .venv/bin/python scripts/make_results.py            # rewrite both from benchmarks/results/current.yaml
-    .venv/bin/python scripts/make_results.py --check    # exit 1, with a diff summary, if either is stale
+    .venv/bin/python scripts/make_results.py --check    # exit 1, with a diff summary, if either is stale; else one line
 
 ``benchmarks/results/current.yaml`` (the manifest) names what is current: the environment facts that no JSON
 records (driver, clocks, Triton, CUDA), then one entry per job with its ``kind``, its JSON ``files`` (paths
@@ -784,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         print("\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else ""), file=sys.stderr)
+    if args.check and not stale:
+        print(f"{', '.join(str(rel) for rel in files)}: up to date with the JSON")
     return 1 if stale else 0
 
 

@@ -30,7 +30,7 @@ _spec.loader.exec_module(mr)
 def test_committed_results_match_their_json():
     done = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == done.stderr == ""
+    assert done.stdout == "benchmarks/RESULTS.md, README.md: up to date with the JSON\n" and done.stderr == ""
 
 
 def test_results_md_stays_short_and_labels_older_commits():
@@ -383,7 +383,9 @@ def test_generate_then_check_then_detect_drift(tree, capsys):
     assert mr.main(["--root", str(tree), "--check"]) == 1  # nothing generated yet
     capsys.readouterr()
     assert mr.main(["--root", str(tree)]) == 0
+    capsys.readouterr()
     assert mr.main(["--root", str(tree), "--check"]) == 0
+    assert capsys.readouterr().out.endswith(": up to date with the JSON\n")
     readme = (tree / "README.md").read_text()
     assert "| streams | none | **64** | `abc1234` |" in readme and readme.endswith("\n\nrest\n")
     results = tree / "benchmarks" / "RESULTS.md"

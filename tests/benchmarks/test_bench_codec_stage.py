@@ -342,6 +342,8 @@ def test_stage_trace_and_slo_helpers():
     assert "that step decoded 61 chunks of up to 15 frames" in bench.stall_warning("v2", 64, slowest)
     slowest["slowest_step"]["chunks"] = 1
     assert "that step decoded 1 chunk of up to 15 frames" in bench.stall_warning("v2", 64, slowest)
+    slowest["slowest_step"]["max_frames"] = 1
+    assert "that step decoded 1 chunk of up to 1 frame (" in bench.stall_warning("v2", 64, slowest)
 
 
 def test_live_streams_are_a_time_weighted_mean_over_the_window():

@@ -220,7 +220,8 @@ def stall_warning(arm: str, key: str | int, details: dict[str, Any]) -> str | No
     if slowest is None:
         return warning + " (a stall of the machine, not the codec, is the likely cause)"
     chunks = f"{slowest['chunks']} chunk{'' if slowest['chunks'] == 1 else 's'}"
+    frames = f"{slowest['max_frames']} frame{'' if slowest['max_frames'] == 1 else 's'}"
     return (
-        f"{warning}; that step decoded {chunks} of up to {slowest['max_frames']} frames "
+        f"{warning}; that step decoded {chunks} of up to {frames} "
         "(a burst of chunks when that is most of the live streams, a stall of the machine when it is a few)"
     )
