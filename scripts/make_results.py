@@ -72,6 +72,19 @@ class Job:
     def option(self, name: str, default: Any = None) -> Any:
         return self.spec.get(name, default)
 
+    def shown_arms(self, available: list[str]) -> list[str]:
+        """The manifest's ``arms`` (the arms to show, in its order), or ``available`` without one. An ``arms``
+        that is not a non-empty list of names, or names an arm outside ``available``, is an :class:`InputError`."""
+        given = self.spec.get("arms")
+        if given is None:
+            return list(available)
+        if not isinstance(given, list) or not given or not all(isinstance(arm, str) for arm in given):
+            raise InputError(f"job {self.id!r}: arms must be a non-empty list of arm names, got {given!r}")
+        missing = [arm for arm in given if arm not in available]
+        if missing:
+            raise InputError(f"job {self.id!r}: arms {missing} are in none of its files (they have {list(available)})")
+        return given
+
     def need(self, doc: Any, *keys: str | int) -> Any:
         """``doc[k0][k1]...``, or an :class:`InputError` naming the job and the missing key."""
         value = doc
@@ -153,7 +166,7 @@ def render_stage(job: Job) -> list[str]:
     doc = job.docs[0]
     run = job.need(doc, "run")
     slo = job.need(run, "slo", "codec_latency_p99_ms")
-    arms = job.option("arms") or list(job.need(doc, "arms"))
+    arms = job.shown_arms(list(job.need(doc, "arms")))
     preemptions = job.option("show_preemptions", False)
     header = ["arm", "C", "codec-added p50 / p95 / p99 ms", "first chunk p50 / p99 ms", "steps graph / eager"]
     header += ["padded frames", "peak state GiB", "peak memory GiB"] + (["preemptions"] if preemptions else [])
@@ -236,7 +249,7 @@ def _merged_steps(job: Job) -> dict:
 def render_step(job: Job) -> list[str]:
     """``bench_codec_step.py``: median (p10-p90) ms of one step per (B, T) and arm, then its kernel profile."""
     doc = _merged_steps(job)
-    arms = job.option("arms") or job.need(doc, "arms")
+    arms = job.shown_arms(list(job.need(doc, "arms")))
     ours = job.option("ours", "v2")
     baseline = job.option("baseline") or next((a for a in arms if a.startswith("upstream")), None)
     lines: list[str] = []
@@ -407,17 +420,18 @@ def render_serving(job: Job) -> list[str]:
     header = ["arrival, talker RTF", "arm", "load", "codec-added p50 / p99 ms", "TTFP p50 / p99 ms"]
     header += ["worst stall p50 / p99 ms", "C50 / C100 / C200", "live streams mean / max", "SLO"]
     rows = []
+    available = list(dict.fromkeys(arm for doc in job.docs for arm in job.need(doc, "arms")))
+    shown = job.shown_arms(available)
     for doc in job.docs:
         run = job.need(doc, "run")
         slo = job.need(run, "slo", "codec_latency_p99_ms")
         arrival = job.need(run, "arrival")
         if arrival == "poisson":
             arrival += f" (burstiness {run.get('burstiness')}, {run.get('request_rate')} req/s)"
-        label = f"{arrival}, {run.get('talker_rtf')}" + (f", chunks {run['chunks']}" if job.option("chunks") else "")
-        shown = job.option("arms")  # the arms to show (default: every arm of the file)
-        for arm, per_load in job.need(doc, "arms").items():
-            if shown is not None and arm not in shown:
-                continue
+        label = f"{arrival}, {run.get('talker_rtf')}"
+        label += f", chunks {job.need(doc, 'run', 'chunks')}" if job.option("chunks") else ""
+        for arm in (arm for arm in shown if arm in job.need(doc, "arms")):
+            per_load = job.need(doc, "arms", arm)
             for load in sorted((k for k in per_load if isinstance(per_load[k], dict)), key=sort_key):
                 r, d = per_load[load], job.need(doc, "details", arm, load)
                 if "error" in d:

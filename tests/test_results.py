@@ -278,6 +278,10 @@ def test_serving_runs_under_arrival_models():
     )
     assert [row.split(" | ")[1] for row in only[2:]] == ["v2", "v2"]
     assert only[2].startswith("| poisson (burstiness 1.0, [2, 10] req/s), 1.0, chunks [3, 5] | v2 | rate=2 |")
+    ordered = mr.render_serving(_job("serving", [both], arms=["ideal", "v2"]))  # rows in the order of `arms`
+    assert [row.split(" | ")[1] for row in ordered[2:]] == ["ideal", "ideal", "v2", "v2"]
+    with pytest.raises(mr.InputError, match="job 'j': its JSON has no 'run.chunks'"):
+        mr.render_serving(_job("serving", [both], chunks=True))
 
 
 def test_files_of_one_command_share_one_line():
@@ -436,8 +440,22 @@ def test_bad_input_is_one_line(tree, capsys):
     (tree / "benchmarks" / "results" / "stage.json").write_text(json.dumps(doc))
     assert _error(tree, capsys) == "job 'main': its JSON has no 'details.v2.64'"
 
-    (tree / "README.md").write_text("# x\n")
     (tree / "benchmarks" / "results" / "stage.json").write_text(json.dumps(_stage_doc()))
+    arms = _stage_doc()["arms"]  # a job's `arms` lists arms its files have, in the order to show them
+    for bad, said in (
+        (["nosuch"], f"job 'main': arms ['nosuch'] are in none of its files (they have {list(arms)})"),
+        (["v2", "typo"], f"job 'main': arms ['typo'] are in none of its files (they have {list(arms)})"),
+        ([], "job 'main': arms must be a non-empty list of arm names, got []"),
+        ("v2", "job 'main': arms must be a non-empty list of arm names, got 'v2'"),
+        (5, "job 'main': arms must be a non-empty list of arm names, got 5"),
+    ):
+        manifest["jobs"][0]["arms"] = bad
+        _write_manifest(tree, manifest)
+        assert _error(tree, capsys) == said
+    manifest["jobs"][0].pop("arms")
+    _write_manifest(tree, manifest)
+
+    (tree / "README.md").write_text("# x\n")
     assert "README.md has no block between" in _error(tree, capsys)
 
 

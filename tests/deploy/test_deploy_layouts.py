@@ -72,12 +72,13 @@ def _stages(path: Path):
 
 
 def _chunk_frames(path: Path) -> tuple[int, int]:
-    """``(initial_codec_chunk_frames, codec_chunk_frames)`` of ``path``'s connector, or of its ``base_config``."""
+    """``(initial_codec_chunk_frames, codec_chunk_frames)`` of ``path``'s connector: its ``base_config``'s, with
+    the keys ``path`` sets itself over them."""
     doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    while "connectors" not in doc:
-        doc = yaml.safe_load((path.parent / doc["base_config"]).read_text(encoding="utf-8"))
-    extra = doc["connectors"]["shm"]["extra"]
-    return extra["initial_codec_chunk_frames"], extra["codec_chunk_frames"]
+    extra = _chunk_frames(path.parent / doc["base_config"]) if "base_config" in doc else (None, None)
+    own = (doc.get("connectors") or {}).get("shm", {}).get("extra", {})
+    keys = ("initial_codec_chunk_frames", "codec_chunk_frames")
+    return tuple(own.get(key, inherited) for key, inherited in zip(keys, extra))
 
 
 def _plain(node) -> dict:
