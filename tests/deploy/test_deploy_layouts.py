@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from vllm_omni_moss.model_executor.models.moss_tts.deploy_sizing import (
     STEP_RESERVE_BYTES,
@@ -72,13 +71,12 @@ def _stages(path: Path):
 
 
 def _chunk_frames(path: Path) -> tuple[int, int]:
-    """``(initial_codec_chunk_frames, codec_chunk_frames)`` of ``path``'s connector: its ``base_config``'s, with
-    the keys ``path`` sets itself over them."""
-    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    extra = _chunk_frames(path.parent / doc["base_config"]) if "base_config" in doc else (None, None)
-    own = (doc.get("connectors") or {}).get("shm", {}).get("extra", {})
-    keys = ("initial_codec_chunk_frames", "codec_chunk_frames")
-    return tuple(own.get(key, inherited) for key, inherited in zip(keys, extra))
+    """``(initial_codec_chunk_frames, codec_chunk_frames)`` of ``path``'s connector as vLLM-Omni resolves it
+    (an overlay's keys over its ``base_config``'s)."""
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    extra = load_deploy_config(path).connectors["shm"]["extra"]
+    return extra["initial_codec_chunk_frames"], extra["codec_chunk_frames"]
 
 
 def _plain(node) -> dict:
