@@ -4,7 +4,8 @@
 #
 #   bash scripts/build_fork.sh [--wheel PATH] [--out DIR] [--force] [--build-tag TAG]
 #
-# Without --wheel, `pip download --no-deps vllm-omni==0.30.0` fetches the published wheel. Writes
+# Without --wheel, `pip download --no-deps vllm-omni==0.30.0` fetches the published wheel; either way the wheel
+# must have the sha256 pinned in scripts/fork/vllm_omni-0.30.0.sha256 (exit 2 naming both digests). Writes
 # dist/fork/patches/000N-*.patch, dist/fork/vllm_omni-0.30.0-1moss-py3-none-any.whl and
 # dist/fork/manifest.json; an existing dist/fork is replaced only with --force.
 # Needs git and the `wheel` package (installed by scripts/install.sh with the test extras).

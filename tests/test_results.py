@@ -280,7 +280,7 @@ def test_serving_runs_under_arrival_models():
     assert only[2].startswith("| poisson (burstiness 1.0, [2, 10] req/s), 1.0, chunks [3, 5] | v2 | rate=2 |")
     ordered = mr.render_serving(_job("serving", [both], arms=["ideal", "v2"]))  # rows in the order of `arms`
     assert [row.split(" | ")[1] for row in ordered[2:]] == ["ideal", "ideal", "v2", "v2"]
-    with pytest.raises(mr.InputError, match="job 'j': its JSON has no 'run.chunks'"):
+    with pytest.raises(mr.InputError, match="job 'j': f0.json has no 'run.chunks'"):
         mr.render_serving(_job("serving", [both], chunks=True))
 
 
@@ -436,9 +436,9 @@ def test_bad_input_is_one_line(tree, capsys):
     (tree / "benchmarks" / "results" / "stray.json").unlink()
 
     doc = _stage_doc()
-    del doc["details"]
+    del doc["details"]["v2"]["64"]  # a key the shape cannot name alone: the run that arms.v2.64 is
     (tree / "benchmarks" / "results" / "stage.json").write_text(json.dumps(doc))
-    assert _error(tree, capsys) == "job 'main': its JSON has no 'details.v2.64'"
+    assert _error(tree, capsys) == "job 'main': stage.json has no 'details.v2.64'"
 
     (tree / "benchmarks" / "results" / "stage.json").write_text(json.dumps(_stage_doc()))
     arms = _stage_doc()["arms"]  # a job's `arms` lists arms its files have, in the order to show them
@@ -464,3 +464,143 @@ def test_the_script_runs_from_anywhere_and_exits_2_on_bad_input(tree):
     done = subprocess.run([sys.executable, str(SCRIPT), "--root", str(tree)], cwd=tree, capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.startswith("make_results.py: error: ") and "is not valid YAML" in done.stderr
+
+
+# ------------------------------------------------------------------------------------------ bad results files
+
+
+def _serving_doc() -> dict:
+    figures = {name: {"p50": 10.0, "p99": 20.0} for name in ("codec_latency_ms", "ttfp_ms", "underrun_ms")}
+    figures |= {"continuity": {"c50": 1.0, "c100": 1.0, "c200": 1.0}, "live_streams": {"mean": 8.0, "max": 8}}
+    run = {"commit": "abc1234", "date": "2026-12-01", "command": "python bench.py --arrival staggered"}
+    run |= {"arrival": "staggered", "talker_rtf": 1.0, "slo": {"codec_latency_p99_ms": 150.0}}
+    return {"run": run, "arms": {"v2": {"8": figures, "max_streams_at_slo": 8}}, "details": {"v2": {"8": {}}}}
+
+
+def _set(doc: dict, path: str, value) -> dict:
+    *parents, last = path.split(".")
+    for key in parents:
+        doc = doc[key]
+    doc[last] = value
+    return doc
+
+
+def _drop(doc: dict, path: str) -> dict:
+    *parents, last = path.split(".")
+    for key in parents:
+        doc = doc[key]
+    del doc[last]
+    return doc
+
+
+NAN = float("nan")
+# (file, what to do to its JSON text, the error after the file's path); the README row reads
+# arms.<arm>.max_streams_at_slo of stage.json.
+BAD_FILES = {
+    "nan_state": (
+        "stage.json",
+        lambda d: _set(d, "details.v2.128.peak_state_bytes", NAN),
+        "details.v2.128.peak_state_bytes is NaN, expected a finite number",
+    ),
+    "nan_p99": (
+        "stage.json",
+        lambda d: _set(d, "arms.upstream.64.codec_latency_ms.p99", NAN),
+        "arms.upstream.64.codec_latency_ms.p99 is NaN, expected a finite number",
+    ),
+    "infinity": (
+        "stage.json",
+        lambda d: _set(d, "arms.v2.max_streams_at_slo", float("inf")),
+        "arms.v2.max_streams_at_slo is infinite, expected a finite number",
+    ),
+    "null_p99": (
+        "stage.json",
+        lambda d: _set(d, "arms.v2.64.codec_latency_ms.p99", None),
+        "arms.v2.64.codec_latency_ms.p99 is null, expected a number",
+    ),
+    "null_slo": (
+        "stage.json",
+        lambda d: _set(d, "run.slo.codec_latency_p99_ms", None),
+        "run.slo.codec_latency_p99_ms is null, expected a number",
+    ),
+    "missing_key": (
+        "stage.json",
+        lambda d: _drop(d, "arms.v2.64.first_chunk_latency_ms"),
+        "arms.v2.64.first_chunk_latency_ms is missing",
+    ),
+    "missing_run": ("stage.json", lambda d: _drop(d, "run"), "run is missing"),
+    "string_figure": (
+        "stage.json",
+        lambda d: _set(d, "details.upstream.64.peak_state_bytes", "4 GiB"),
+        "details.upstream.64.peak_state_bytes is a string, expected a number",
+    ),
+    "stage_arms_list": ("stage.json", lambda d: _set(d, "arms", [d["arms"]]), "arms is a list, expected an object"),
+    "serving_arms_list": (
+        "serving.json",
+        lambda d: _set(d, "arms", [{"v2": d["arms"]["v2"]}]),
+        "arms is a list, expected an object",
+    ),
+    "serving_null_ttfp": (
+        "serving.json",
+        lambda d: _set(d, "arms.v2.8.ttfp_ms", None),
+        "arms.v2.8.ttfp_ms is null, expected an object",
+    ),
+    "serving_missing_details": ("serving.json", lambda d: _drop(d, "details"), "details is missing"),
+}
+
+
+@pytest.fixture
+def generated(tree):
+    """The scratch tree with a serving job too, its RESULTS.md and README generated."""
+    (tree / "benchmarks" / "results" / "serving.json").write_text(json.dumps(_serving_doc()))
+    manifest = _manifest(tree)
+    manifest["jobs"].append({"id": "serving", "kind": "serving", "files": ["serving.json"]})
+    _write_manifest(tree, manifest)
+    assert mr.main(["--root", str(tree)]) == 0
+    return tree
+
+
+def _outputs(root: Path) -> dict[str, bytes]:
+    return {name: (root / name).read_bytes() for name in ("README.md", "benchmarks/RESULTS.md")}
+
+
+def _run(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_a_bad_results_file_is_one_line_naming_file_and_key_and_nothing_is_written(generated, case):
+    name, spoil, said = BAD_FILES[case]
+    path = generated / "benchmarks" / "results" / name
+    doc = json.loads(path.read_text())
+    spoil(doc)
+    path.write_text(json.dumps(doc))  # NaN and Infinity as Python's json writes them
+    before = _outputs(generated)
+    for args in ((), ("--check",)):
+        done = _run(generated, *args)
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", f"make_results.py: error: {path}: {said}\n")
+    assert _outputs(generated) == before
+
+
+def test_a_truncated_results_file_is_one_line_and_nothing_is_written(generated):
+    path = generated / "benchmarks" / "results" / "serving.json"
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    before = _outputs(generated)
+    done = _run(generated)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"make_results.py: error: {path} is not valid JSON: ")
+    assert _outputs(generated) == before
+
+
+def test_a_readme_cell_needs_a_value_its_format_can_show(generated):
+    manifest = _manifest(generated)
+    manifest["readme"][0]["format"] = "ms"  # arms.upstream.max_streams_at_slo is null: "none" only as an int
+    _write_manifest(generated, manifest)
+    before = _outputs(generated)
+    done = _run(generated)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "make_results.py: error: readme row 'streams': stage.json: arms.upstream.max_streams_at_slo is null, "
+        "expected a number\n",
+    )
+    assert _outputs(generated) == before

@@ -125,7 +125,9 @@ and ``sweep.md`` (one table over the schedules), both rewritten after every run.
 (it takes no device time), so that a command cut short still has every schedule's own stalls. ``--append``
 adds runs to an existing ``--out`` made at the same commit with the same settings (a sweep longer than one
 command's time limit split in parts);
-``--report-only`` rewrites the reports and plots from ``--out``. Bad flags are usage errors (exit 2) before
+``--report-only`` rewrites the reports and plots from ``--out``, after reading and checking every file it needs
+(``codec_stage.results.RESULTS_SHAPE``): a missing, truncated or bad one (``NaN``, a ``null`` or missing key) is
+one line naming the file and the key, exit 2, and no report is written. Bad flags are usage errors (exit 2) before
 any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}.
 
 Changed from the single-module version of this job: ``--talker-rtf`` defaults to 0.5 (it was 1: frames at

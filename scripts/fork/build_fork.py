@@ -17,6 +17,11 @@ Outputs, in ``--out`` (default ``dist/fork``): ``patches/000N-*.patch`` (``git f
 ``vllm_omni-0.30.0-<build tag>-py3-none-any.whl`` (the tree after all commits, without the top-level
 ``tests/`` and ``benchmarks/``, packed with ``wheel pack``) and ``manifest.json`` (what went where).
 
+The base is the published wheel and nothing else: its sha256 is pinned in ``vllm_omni-0.30.0.sha256`` next to
+this file (the digest PyPI lists for ``vllm_omni-0.30.0-py3-none-any.whl``; check a download by hand with
+``sha256sum -c``), and a ``--wheel`` (or a download) with another digest is refused, however consistent its
+``RECORD``.
+
 Facts about the base (read from the 0.30.0 wheel): the codec stage is ``MossTTSCodecDecoder`` in
 ``moss_tts/modeling_moss_tts_codec.py``, registered in ``registry.py`` as the tuple
 ``("moss_tts", "modeling_moss_tts_codec", "MossTTSCodecDecoder")``; only that module imports
@@ -44,6 +49,7 @@ import sys
 import tempfile
 import textwrap
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM_NAME = "vllm-omni"
 UPSTREAM_VERSION = "0.30.0"
 DEFAULT_BUILD_TAG = "1moss"
+UPSTREAM_WHEEL = f"vllm_omni-{UPSTREAM_VERSION}-py3-none-any.whl"
+#: ``<sha256>  <file name>`` of the published wheel (``sha256sum`` format).
+PINNED_SHA256_FILE = Path(__file__).resolve().parent / f"vllm_omni-{UPSTREAM_VERSION}.sha256"
 SIGN_OFF = "Signed-off-by: vllm-omni-moss developers <dev@vllm-omni-moss.invalid>"
 AUTHOR_NAME = "vllm-omni-moss developers"
 AUTHOR_EMAIL = "dev@vllm-omni-moss.invalid"
@@ -127,6 +136,22 @@ class BuildError(Exception):
     """A refused input or an unexpected base: reported as one line, exit status 2."""
 
 
+def pinned_sha256() -> str:
+    """The published wheel's sha256 from :data:`PINNED_SHA256_FILE`.
+
+    Raises:
+        BuildError: the file is missing or does not hold one ``<64 hex digits>  <wheel name>`` line.
+    """
+    try:
+        text = PINNED_SHA256_FILE.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BuildError(f"cannot read the pinned sha256 of {UPSTREAM_WHEEL}: {exc}") from None
+    m = re.fullmatch(rf"([0-9a-f]{{64}})  {re.escape(UPSTREAM_WHEEL)}\n?", text)
+    if m is None:
+        raise BuildError(f"{PINNED_SHA256_FILE} must hold one line '<sha256>  {UPSTREAM_WHEEL}'")
+    return m.group(1)
+
+
 @dataclass
 class Plan:
     """What the build decided, per file; written to ``manifest.json``."""
@@ -147,19 +172,39 @@ def _normalize(name: str) -> str:
 
 
 def check_wheel(path: Path) -> dict[str, str]:
-    """Validate that ``path`` is the pure-Python vllm-omni 0.30.0 wheel.
+    """Validate that ``path`` is the published pure-Python vllm-omni 0.30.0 wheel, byte for byte.
 
     Returns:
-        ``{"name", "version", "sha256"}`` read from the wheel's ``.dist-info/METADATA``.
+        ``{"name", "version", "sha256"}``: name and version from the wheel's ``.dist-info/METADATA``.
 
     Raises:
         BuildError: missing file, not a wheel (no zip, no ``.whl`` name, no ``*.dist-info/WHEEL``), another
-            project, another version, or a platform-specific build.
+            project, another version, a platform-specific build, or (whatever it claims to be) a sha256 other
+            than the pinned one (:func:`pinned_sha256`): an altered, rebuilt or corrupted wheel.
     """
     if not path.is_file():
         raise BuildError(f"wheel not found: {path}")
     if path.suffix != ".whl" or not zipfile.is_zipfile(path):
         raise BuildError(f"{path} is not a wheel (expected a {UPSTREAM_NAME}=={UPSTREAM_VERSION} .whl zip archive)")
+    expected = pinned_sha256()
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    sha = digest.hexdigest()
+    # Another project or version is named as such; anything else that is not the pinned file (a member
+    # altered, its RECORD rewritten to match, a corrupted member) is refused by its digest.
+    name, version = _claimed(path, sha == expected)
+    if sha != expected:
+        raise BuildError(
+            f"{path}: sha256 {sha}, expected {expected} (the published {UPSTREAM_WHEEL}); refusing any other file"
+        )
+    return {"name": name, "version": version, "sha256": sha}
+
+
+def _claimed(path: Path, pinned: bool) -> tuple[str, str]:
+    """The name and version that ``path``'s metadata claims, when they are not vllm-omni 0.30.0 (a BuildError
+    naming them); a wheel whose metadata cannot be read is left to the digest check unless it is ``pinned``."""
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -168,7 +213,9 @@ def check_wheel(path: Path) -> dict[str, str]:
                 raise BuildError(f"{path} is not a wheel: no single *.dist-info/ with WHEEL and METADATA")
             meta = email.parser.Parser().parsestr(archive.read(f"{dist_infos[0]}/METADATA").decode("utf-8"))
             wheel_meta = email.parser.Parser().parsestr(archive.read(f"{dist_infos[0]}/WHEEL").decode("utf-8"))
-    except (zipfile.BadZipFile, UnicodeDecodeError) as exc:
+    except (zipfile.BadZipFile, UnicodeDecodeError, zlib.error, EOFError, OSError) as exc:
+        if not pinned:
+            return "", ""
         raise BuildError(f"{path} is not a readable wheel: {exc}") from exc
     name, version = meta.get("Name", ""), meta.get("Version", "")
     if _normalize(name) != UPSTREAM_NAME:
@@ -183,8 +230,7 @@ def check_wheel(path: Path) -> dict[str, str]:
     pure = wheel_meta.get("Root-Is-Purelib", "").strip().lower() == "true"
     if not pure or "py3-none-any" not in wheel_meta.get_all("Tag", []):
         raise BuildError(f"{path} is not the pure-Python (py3-none-any) {UPSTREAM_NAME} {UPSTREAM_VERSION} wheel")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"name": name, "version": version, "sha256": sha}
+    return name, version
 
 
 def download_wheel(dest: Path) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -644,11 +645,22 @@ def test_main_job_refuses_cuda_on_a_machine_without_it_and_an_out_it_cannot_writ
 @pytest.mark.parametrize(
     "files, message",
     [
-        ({"results.json": "{not json"}, "results.json is not readable JSON (Expecting property name"),
-        ({"results.json": "[1, 2]"}, "results.json is not a file this benchmark wrote (no run, arms, details)"),
-        ({"results.json": '{"run": {}, "arms": {}, "details": {}}'}, "cannot rewrite the reports of"),
-        ({"sweep.json": '{"schedules": 3}'}, "sweep.json is not a file this benchmark wrote (schedules is no object)"),
-        ({"sweep.json": '{"schedules": {"1,15": "chunks_1_15"}}'}, "chunks_1_15/results.json does not exist"),
+        ({"results.json": "{not json"}, "results.json is not valid JSON: Expecting property name"),
+        ({"results.json": "[1, 2]"}, "results.json: the top level is a list, expected an object"),
+        ({"results.json": '{"run": {}, "arms": {}, "details": {}}'}, "results.json: run.slo is missing"),
+        ({"sweep.json": '{"schedules": 3}'}, "sweep.json: commit is missing"),
+        (
+            {"sweep.json": '{"commit": "x", "command": "x", "arrival": "wave", "schedules": 3}'},
+            "sweep.json: schedules is 3, expected an object",
+        ),
+        (
+            {"sweep.json": '{"commit": "x", "command": "x", "arrival": "wave", "schedules": {"1,15": "../x"}}'},
+            "sweep.json: schedules.1,15 is a string, expected a directory name",
+        ),
+        (
+            {"sweep.json": '{"commit": "x", "command": "x", "arrival": "wave", "schedules": {"1,15": "chunks_1_15"}}'},
+            "chunks_1_15/results.json does not exist",
+        ),
     ],
 )
 def test_report_only_names_a_file_it_cannot_read(files, message, tmp_path, capsys):
@@ -659,7 +671,99 @@ def test_report_only_names_a_file_it_cannot_read(files, message, tmp_path, capsy
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def ideal_out(tmp_path_factory) -> Path:
+    """One ``ideal`` run (no decoding) of two schedules: ``sweep/`` with a sub-directory each, and ``one/``."""
+    root = tmp_path_factory.mktemp("report_only")
+    for name, chunks in (("sweep", "1,15;3,5"), ("one", "1,15")):
+        argv = _cpu("--arms ideal --concurrency 2 --requests-per-stream 1", out=root / name) + ["--chunks", chunks]
+        _bench().main(argv)
+    return root
+
+
+def _set(doc, path: str, value):
+    *parents, last = path.split(".")
+    for key in parents:
+        doc = doc[key]
+    if value is _DROP:
+        del doc[last]
+    else:
+        doc[last] = value
+
+
+_DROP = object()
+# (key of results.json, what it becomes, the error after the file's path)
+BAD_RESULTS = {
+    "nan": ("arms.ideal.2.codec_latency_ms.p99", float("nan"), "is NaN, expected a finite number"),
+    "infinity": ("details.ideal.2.peak_state_bytes", float("-inf"), "is infinite, expected a finite number"),
+    "null": ("run.slo.codec_latency_p99_ms", None, "is null, expected a positive number"),
+    "null_figures": ("arms.ideal.2.steps_by_path", None, "is null, expected an object"),
+    "zero_rtf": ("run.talker_rtf", 0, "is 0, expected a positive number"),
+    "missing_key": ("run.frame_rate", _DROP, "is missing"),
+    "missing_playback": ("arms.ideal.2.continuity", _DROP, "is missing"),
+    "missing_details": ("details.ideal.2", _DROP, "is missing (arms.ideal.2 is a run)"),
+    "arms_list": ("arms", [], "is a list, expected an object"),
+}
+REPORTS = ("results.md", "latency_cdf.png", "concurrency.png", "playback.png", "state_over_time.png", "sweep.md")
+
+
+def _without_reports(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` holding only results.json, latencies.npz and sweep.json: every report is to be written."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*REPORTS))
+    return dst
+
+
+def _report_only_refused(out: Path, capsys) -> str:
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(["--out", str(out), "--report-only"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files  # nothing written
+    return err.split(": error: --report-only: ", 1)[1].rstrip("\n")
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RESULTS))
+@pytest.mark.parametrize("layout", ["one", "sweep"])
+def test_report_only_refuses_a_bad_results_file_naming_file_and_key_and_writes_nothing(
+    ideal_out, tmp_path, capsys, case, layout
+):
+    out = _without_reports(ideal_out / layout, tmp_path / layout)
+    # In a sweep the second schedule's file is the bad one: the first schedule's reports are not written either.
+    path = out / ("chunks_3_5" if layout == "sweep" else "") / "results.json"
+    key, value, said = BAD_RESULTS[case]
+    doc = json.loads(path.read_text())
+    _set(doc, key, value)
+    path.write_text(json.dumps(doc))  # NaN and Infinity as Python's json writes them
+    assert _report_only_refused(out, capsys) == f"{path}: {key} {said}"
+
+
+def test_report_only_refuses_a_truncated_results_file_and_bad_latencies(ideal_out, tmp_path, capsys):
+    out = _without_reports(ideal_out / "sweep", tmp_path / "sweep")
+    path = out / "chunks_3_5" / "results.json"
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    assert _report_only_refused(out, capsys).startswith(f"{path} is not valid JSON: ")
+    path.write_text(text)
+    npz = out / "chunks_1_15" / "latencies.npz"
+    np.savez(npz, **{"ideal/2": np.array([0.0, np.nan])})
+    assert _report_only_refused(out, capsys) == f"{npz}: ideal/2 is not a list of finite latencies (ms)"
+    np.savez(npz, **{"ideal": np.array([0.0])})
+    assert _report_only_refused(out, capsys) == f"{npz} is not readable: array 'ideal' is not named <arm>/<run key>"
+
+
+def test_report_only_rewrites_every_report_of_good_files(ideal_out, tmp_path, capsys):
+    out = _without_reports(ideal_out / "sweep", tmp_path / "sweep")
+    result = _bench().main(["--out", str(out), "--report-only"])
+    assert list(result["results"]) == ["chunks_1_15", "chunks_3_5"]
+    assert (out / "sweep.md").read_text() == (ideal_out / "sweep" / "sweep.md").read_text()
+    for schedule in result["results"]:
+        assert (out / schedule / "results.md").read_text() == (
+            ideal_out / "sweep" / schedule / "results.md"
+        ).read_text()
 
 
 def test_report_only_refuses_run_flags(tmp_path, capsys):

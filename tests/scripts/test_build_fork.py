@@ -2,7 +2,9 @@
 """``scripts/build_fork.sh``: the patch series and patched wheel against vLLM-Omni 0.30.0.
 
 * Bad input (fast, no network): another vllm-omni version, a file that is not a wheel, another
-  project's wheel, an existing output directory without ``--force``, a bad build tag.
+  project's wheel, a 0.30.0 wheel that is not the published file (its sha256, pinned in
+  ``scripts/fork/vllm_omni-0.30.0.sha256``: a member altered with its RECORD rewritten to match, a corrupted
+  member), an existing output directory without ``--force``, a bad build tag.
 * A real build from the published 0.30.0 wheel (``.whl/vllm_omni-0.30.0-py3-none-any.whl`` when the
   checkout has it, else ``pip download``; skipped only when neither gives a wheel):
   - three signed-off patches; the registry change is one line; rebuilding is refused without
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import site
+import struct
 import subprocess
 import sys
 import textwrap
@@ -74,6 +78,17 @@ FORK_TESTS_NOT_RUN = {
 FORK_TESTS_DESELECT_EXPR = "not readme and not deploy_file"
 # Child processes get neither this checkout (PYTHONPATH), the caller's site settings nor its git state.
 _SCRUB = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONSAFEPATH")
+PINNED = ROOT / "scripts" / "fork" / "vllm_omni-0.30.0.sha256"
+# The sha256 of vllm_omni-0.30.0-py3-none-any.whl as PyPI lists it (its simple index and a pip download agree).
+PUBLISHED_SHA256 = "141cb0c7b9c07970e5c92a99aab9696e81682dbfa3d2bfcde359c3c1533385f4"
+
+
+def _build_fork_module():
+    spec = importlib.util.spec_from_file_location("_build_fork", ROOT / "scripts" / "fork" / "build_fork.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -229,31 +244,60 @@ def test_force_accepts_an_earlier_build_output_before_checking_the_wheel(tmp_pat
     assert (out / WHEEL_NAME).read_bytes() == b"wheel"  # refused later: nothing replaced
 
 
-def test_refuses_a_0_30_0_wheel_without_the_registry(tmp_path):
-    # A 0.30.0 wheel with a valid RECORD (so `wheel unpack` accepts it) but no registry.py.
+def _repack(path: Path, members: dict[str, bytes]) -> Path:
+    """A wheel of ``members`` whose RECORD lists each with its own sha256 and size (as ``wheel unpack`` checks)."""
     stem = "vllm_omni-0.30.0"
-    files = {
-        f"{stem}.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm-omni\nVersion: 0.30.0\n",
-        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        "vllm_omni/__init__.py": "",
-    }
+    members = {n: b for n, b in members.items() if n != f"{stem}.dist-info/RECORD"}
     record = "".join(
-        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-        f"{len(text.encode())}\n"
-        for name, text in files.items()
+        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
+        for name, data in members.items()
     )
-    wheel = tmp_path / f"{stem}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for name, text in files.items():
-            archive.writestr(name, text)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
         archive.writestr(f"{stem}.dist-info/RECORD", record + f"{stem}.dist-info/RECORD,,\n")
-    proc = _run_script("--wheel", str(wheel), "--out", str(tmp_path / "out"))
-    assert (proc.returncode, proc.stderr) == (
+    return path
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _refused_by_digest(wheel: Path, out: Path) -> None:
+    proc = _run_script("--wheel", str(wheel), "--out", str(out))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
-        "build_fork: error: vllm_omni/model_executor/models/registry.py is not in the base wheel; "
-        "is it vllm-omni 0.30.0?\n",
+        "",
+        f"build_fork: error: {wheel}: sha256 {_sha256(wheel)}, expected {PUBLISHED_SHA256} "
+        "(the published vllm_omni-0.30.0-py3-none-any.whl); refusing any other file\n",
     )
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
+
+
+def test_the_pinned_sha256_is_the_published_wheel():
+    assert PINNED.read_text() == f"{PUBLISHED_SHA256}  vllm_omni-0.30.0-py3-none-any.whl\n"
+    assert _build_fork_module().pinned_sha256() == PUBLISHED_SHA256
+
+
+def test_refuses_a_0_30_0_wheel_that_is_not_the_published_file(tmp_path):
+    # Claims vllm-omni 0.30.0, py3-none-any, with a RECORD that matches every member: `wheel unpack` takes it.
+    stem = "vllm_omni-0.30.0"
+    wheel = _repack(
+        tmp_path / f"{stem}-py3-none-any.whl",
+        {
+            f"{stem}.dist-info/METADATA": b"Metadata-Version: 2.1\nName: vllm-omni\nVersion: 0.30.0\n",
+            f"{stem}.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+            "vllm_omni/__init__.py": b"",
+        },
+    )
+    _refused_by_digest(wheel, tmp_path / "out")
+
+
+def test_a_base_without_the_registry_is_refused(tmp_path):
+    # Only a tree unpacked from a wheel other than the published one could lack it: the check stays as a guard.
+    (tmp_path / "vllm_omni").mkdir()
+    with pytest.raises(Exception, match=r"^vllm_omni/model_executor/models/registry.py is not in the base wheel; "):
+        _build_fork_module().edit_registry(tmp_path, "stage")
 
 
 def test_refuses_a_build_tag_not_starting_with_a_digit(tmp_path):
@@ -311,6 +355,26 @@ def _git(cwd: Path, *args: str, stdin: str | None = None) -> str:
     return proc.stdout
 
 
+def test_refuses_the_published_wheel_altered_with_its_record_rewritten(upstream_wheel, tmp_path):
+    with zipfile.ZipFile(upstream_wheel) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    members["vllm_omni/__init__.py"] += b"\nimport os  # altered\n"
+    _refused_by_digest(_repack(tmp_path / upstream_wheel.name, members), tmp_path / "out")
+
+
+def test_refuses_the_published_wheel_with_a_corrupted_member(upstream_wheel, tmp_path):
+    # One byte of a member's compressed data flipped: the archive still opens, the member no longer inflates.
+    with zipfile.ZipFile(upstream_wheel) as archive:
+        info = max(archive.infolist(), key=lambda i: i.compress_size)
+    data = bytearray(upstream_wheel.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)  # the local file header
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.compress_size // 2] ^= 0xFF
+    wheel = tmp_path / upstream_wheel.name
+    wheel.write_bytes(bytes(data))
+    _refused_by_digest(wheel, tmp_path / "out")
+
+
 def test_outputs_patch_series_and_wheel(fork, manifest):
     patches = sorted((fork / "patches").iterdir())
     assert [p.name[:5] for p in patches] == ["0001-", "0002-", "0003-"]
@@ -322,6 +386,7 @@ def test_outputs_patch_series_and_wheel(fork, manifest):
         assert f"\n{SIGN_OFF}\n---\n" in text
     assert manifest["stage_class"] == _expected_stage_class()
     assert manifest["base_wheel"]["version"] == "0.30.0" and manifest["wheel"] == WHEEL_NAME
+    assert manifest["base_wheel"]["sha256"] == PUBLISHED_SHA256
     assert list(manifest) == MANIFEST_KEYS
 
 

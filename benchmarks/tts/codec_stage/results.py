@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``results.json`` of one schedule (layout in ``bench_codec_stage.py``'s docstring), ``latencies.npz``, the
-merge of ``--append``, and the reports written from them."""
+merge of ``--append``, the reports written from them, and what ``--report-only`` checks before it writes any
+(:data:`RESULTS_SHAPE`, :func:`read_results`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import common
+import json_shape
 import numpy as np
 import torch
+from json_shape import ANY, BOOL, INT, NUMBER, RUN_KEY, STR, Leaf, ListOf, When, maybe
 
 from .metrics import key_order, run_entries, slo_limits, stall_warning
 from .plots import load_plot_name, plot_latency_cdf, plot_load, plot_playback, plot_state_over_time
@@ -24,6 +27,10 @@ __all__ = [
     "load_latencies",
     "merge_previous",
     "new_result",
+    "RESULTS_SHAPE",
+    "SWEEP_SHAPE",
+    "read_results",
+    "read_sweep",
     "record",
     "run_header",
     "save_latencies",
@@ -56,6 +63,102 @@ SAME_RUN_KEYS = (
     "time_replays",
     "trace_calls",
 )
+
+
+POSITIVE = Leaf("a positive number", lambda v: json_shape.NUMBER.test(v) and v > 0)
+_QUANTILES = {"*": maybe(NUMBER)}
+_FIGURES = {
+    "codec_latency_ms": {"*": maybe(NUMBER), "p99": maybe(NUMBER)},
+    "first_chunk_latency_ms": _QUANTILES,
+    "audio_seconds_per_second": maybe(NUMBER),
+    "steps_by_path": {"graph": INT, "eager": INT},
+    "padded_frame_fraction": maybe(NUMBER),
+    "peak_memory_bytes": maybe(NUMBER),
+}
+# Playback figures: every run since the playback table; results.md leaves them out of runs without ttfp_ms.
+_PLAYBACK = {
+    "ttfp_ms": _QUANTILES,
+    "underrun_ms": {"*": maybe(NUMBER), "p99": maybe(NUMBER)},
+    "continuity": _QUANTILES,
+    "live_streams": _QUANTILES,
+    "queued_requests": maybe(INT),
+    "queue_wait_ms": _QUANTILES,
+}
+_DETAILS = {
+    "error?": STR,
+    "stopped_early?": maybe(BOOL),
+    "peak_state_bytes?": maybe(NUMBER),
+    "state_bytes_over_time?": maybe([ListOf(NUMBER, 2)]),
+}
+_SWEEP_LINES = {
+    f"{name}?": maybe(NUMBER) for name in ("max_streams_at_slo", "max_rate_at_slo", "live_streams_at_max_rate")
+}
+_RUN = {
+    "slo": {"codec_latency_p99_ms": POSITIVE},
+    "frame_rate": POSITIVE,
+    "talker_rtf?": POSITIVE,
+    "arrival?": STR,
+    "requests": {"*": ANY},
+    "skipped": {"*": ANY},
+}
+_RUN |= dict.fromkeys(("commit", "date", "command", "preset", "device_name", "chunks", "n_vq", "cuda_graphs"), ANY)
+_RUN |= dict.fromkeys(("graph_frame_sizes", "length_model"), ANY)
+_POISSON = {"request_rate": ANY, "burstiness": NUMBER, "max_concurrency": ANY, "concurrency": ListOf(ANY, 1)}
+_POISSON |= {"warmup_seconds": NUMBER, "measure_seconds": NUMBER}
+#: What results.md and the plots read of a results.json: checked whole before ``--report-only`` writes anything.
+RESULTS_SHAPE = {
+    "run": (_RUN, When(lambda run: run.get("arrival") == "poisson", _POISSON, {"requests_per_stream": ANY})),
+    "arms": {"*": {RUN_KEY: When(lambda f: "ttfp_ms" in f, _FIGURES | _PLAYBACK, _FIGURES)} | _SWEEP_LINES},
+    "details": {"*": {RUN_KEY: _DETAILS}},
+    "warnings": [ANY],
+}
+#: A results.json of a ``--chunks`` sweep: ``sweep.md`` reads the playback figures of every run.
+_IN_SWEEP = RESULTS_SHAPE | {"arms": {"*": {RUN_KEY: _FIGURES | _PLAYBACK} | _SWEEP_LINES}}
+#: ``sweep.json``: each schedule's directory is a name inside ``--out``.
+SWEEP_SHAPE = {
+    "commit": ANY,
+    "command": ANY,
+    "arrival": ANY,
+    "schedules": {
+        "*": Leaf("a directory name", lambda v: isinstance(v, str) and "/" not in v and v not in ("", ".", ".."))
+    },
+}
+
+
+def read_results(directory: Path, in_sweep: bool = False) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+    """``directory``'s results.json and latencies.npz, checked for everything the reports read.
+
+    Returns:
+        ``(results, latencies)``: latencies arm -> run key -> ms per chunk (float64, finite), as
+        :func:`load_latencies`.
+    Raises:
+        ValueError: one line naming the file and the key: a missing, truncated or foreign file, a key that
+            :data:`RESULTS_SHAPE` needs missing, ``null`` or of another type, ``NaN`` anywhere, a run of
+            ``arms`` without its ``details``, or an array of latencies.npz that is not finite ms of a run.
+    """
+    path = directory / "results.json"
+    result = json_shape.load(path, _IN_SWEEP if in_sweep else RESULTS_SHAPE)
+    for arm, entry in result["arms"].items():
+        if arm not in result["details"]:
+            raise ValueError(f"{path}: details.{arm} is missing (arms.{arm} has runs)")
+        for key in (k for k in entry if RUN_KEY.matches(k)):
+            if key not in result["details"][arm]:
+                raise ValueError(f"{path}: details.{arm}.{key} is missing (arms.{arm}.{key} is a run)")
+    try:
+        latencies = load_latencies(directory)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{directory / 'latencies.npz'} is not readable: {exc}") from None
+    for arm, per_key in latencies.items():
+        for key, values in per_key.items():
+            name = f"{directory / 'latencies.npz'}: {arm}/{key}"
+            if values.ndim != 1 or values.dtype.kind not in "fiu" or not np.isfinite(values).all():
+                raise ValueError(f"{name} is not a list of finite latencies (ms)")
+    return result, latencies
+
+
+def read_sweep(out: Path) -> dict[str, Any]:
+    """``out``'s sweep.json, checked (:data:`SWEEP_SHAPE`); ValueError with one line naming the file and key."""
+    return json_shape.load(out / "sweep.json", SWEEP_SHAPE)
 
 
 def schedule_dir(out: Path, sizes: list[int], sweep: bool) -> Path:
@@ -169,7 +272,9 @@ def load_latencies(out: Path) -> dict[str, dict[str, np.ndarray]]:
     if (out / "latencies.npz").is_file():
         with np.load(out / "latencies.npz") as data:
             for name in data.files:
-                arm, key = name.split("/")
+                arm, slash, key = name.partition("/")
+                if not slash or not RUN_KEY.matches(key):
+                    raise ValueError(f"array {name!r} is not named <arm>/<run key>")
                 stored.setdefault(arm, {})[key] = data[name]
     return stored
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,9 +18,10 @@ from .cli import Load, Settings, parse_args, resolve
 from .metrics import NO_STEPS, downsample_max, summarize
 from .report import sweep_markdown
 from .results import (
-    load_latencies,
     merge_previous,
     new_result,
+    read_results,
+    read_sweep,
     record,
     run_header,
     save_latencies,
@@ -152,38 +152,30 @@ def _write_sweep(settings: Settings, schedules: list[Schedule], quiet: bool = Fa
     return {"sweep": sweep, "results": {s.out.name: s.result for s in schedules}}
 
 
-def _read_json(path: Path, keys: tuple[str, ...], error) -> dict[str, Any]:
-    """``path``'s JSON object; a missing, unreadable or foreign file is a usage error naming it."""
-    if not path.is_file():
-        error(f"--report-only: {path} does not exist")
+def _refuse(prog: str, message: str):
+    """``--report-only`` cannot use ``--out``'s files: one line naming the file (and key), exit status 2."""
+    print(f"{prog}: error: --report-only: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _report_only(out: Path, prog: str) -> dict[str, Any]:
+    """Rewrite the reports of ``out`` (and of each schedule of a sweep) from its files: every file is read and
+    checked first (``results.read_results``), so that a bad one leaves every report as it was."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        error(f"--report-only: {path} is not readable JSON ({exc})")
-    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
-    if missing:
-        error(f"--report-only: {path} is not a file this benchmark wrote (no {', '.join(missing)})")
-    return data
-
-
-def _rewrite(directory: Path, error) -> dict[str, Any]:
-    result = _read_json(directory / "results.json", ("run", "arms", "details"), error)
+        sweep = read_sweep(out) if (out / "sweep.json").is_file() else None
+        directories = [out / d for d in sweep["schedules"].values()] if sweep else [out]
+        loaded = [read_results(directory, in_sweep=sweep is not None) for directory in directories]
+    except ValueError as exc:
+        _refuse(prog, str(exc))
     try:
-        write_reports(result, load_latencies(directory), directory, rewrite=True)
-    except (KeyError, TypeError, ValueError, OSError) as exc:  # a results.json edited by hand, a corrupt .npz
-        error(f"--report-only: cannot rewrite the reports of {directory} from its files ({type(exc).__name__}: {exc})")
-    return result
-
-
-def _report_only(out: Path, error) -> dict[str, Any]:
-    if (out / "sweep.json").is_file():
-        sweep = _read_json(out / "sweep.json", ("schedules",), error)
-        if not isinstance(sweep["schedules"], dict):
-            error(f"--report-only: {out / 'sweep.json'} is not a file this benchmark wrote (schedules is no object)")
-        results = {str(d): _rewrite(out / str(d), error) for d in sweep["schedules"].values()}
-        (out / "sweep.md").write_text(sweep_markdown(sweep, results))
-        return {"sweep": sweep, "results": results}
-    return _rewrite(out, error)
+        for directory, (result, latencies) in zip(directories, loaded):
+            write_reports(result, latencies, directory, rewrite=True)
+        if sweep is not None:
+            results = {d.name: result for d, (result, _) in zip(directories, loaded)}
+            (out / "sweep.md").write_text(sweep_markdown(sweep, results))
+    except (KeyError, TypeError, ValueError, OSError) as exc:  # a case RESULTS_SHAPE misses, a full disk
+        _refuse(prog, f"cannot rewrite the reports of {out} from its files ({type(exc).__name__}: {exc})")
+    return {"sweep": sweep, "results": results} if sweep is not None else loaded[0][0]
 
 
 def main(argv: list[str] | None, description: str) -> dict[str, Any]:
@@ -192,7 +184,7 @@ def main(argv: list[str] | None, description: str) -> dict[str, Any]:
     command = [sys.executable, "benchmarks/tts/bench_codec_stage.py", *(sys.argv[1:] if argv is None else argv)]
     args, parser = parse_args(argv, description)
     if args.report_only:
-        return _report_only(Path(args.out), parser.error)
+        return _report_only(Path(args.out), parser.prog)
     settings = resolve(args, parser)
     if settings.device.type == "cpu":
         torch.set_num_threads(1)  # tiny kernels: a second intra-op thread only adds contention
