@@ -300,7 +300,7 @@ class LegacyRingAttention:
 
     Args:
         rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
-        offset_table: ``(R, S)`` int64 offsets (rows per :class:`~.state_pool.LegacyDecoderStatePool`).
+        offset_table: ``(R, S)`` int64 offsets (rows per :class:`~.state.LegacyDecoderStatePool`).
         layer_rows: per layer, its (attention offset, ring end offset) rows of ``offset_table``.
         group_rows: last layer of a group -> that group's own offset row (v2 codecs only).
         semantics: the pool's ring semantics.

@@ -15,7 +15,7 @@ Read top-down:
 
 Modules hold weights only. Attention and state are reached through a
 :class:`~.attention.StepPlan` built once per step by the state's owner: offline
-decode and the fixed-width reference stream here, the pools in ``state_pool.py``.
+decode and the fixed-width reference stream here, the pools in ``state/``.
 A whole step reads top-down in :func:`run_decoder` and ``attention.py``.
 Architecture facts: docs/codec_architecture.md.
 """
