@@ -44,6 +44,7 @@ from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache, commit_offsets
+from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 
@@ -189,7 +190,7 @@ def gathered_ring_attention(
         :func:`~.ops.ring_attention.attend_gathered_rows` after RoPE.
     """
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    return ring_ops.attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
+    return attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
 
 
 # --------------------------------------------------------------------------- backends
