@@ -193,6 +193,11 @@ def _check_attention(op, q, k, v, cache, slot_ids, offsets, num_written, semanti
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    # The kernel's body for one block of queries is _attend_query_block: it walks the old key positions the
+    # block may see in the slot's ring (position p in cell p mod C, addressed by cell_pointers, so paged
+    # caches too), then the new positions in the chunk, and folds each block of keys into a float32 online
+    # softmax with base-2 exponentials (_online_softmax_block). The kernel runs it once per program, or,
+    # with the fused write, for each query block of its row in order.
 
     @triton.jit
     def _online_softmax_block(
