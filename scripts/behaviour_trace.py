@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
 from vllm_omni_moss.testing.weights import fill_random_weights_  # noqa: E402
 
 #: (preset, pool kind, attention backend, ring semantics, page fraction)

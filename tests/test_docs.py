@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
+import functools
 import math
 import re
 import subprocess
@@ -117,14 +120,128 @@ def test_checkpoint_sizes_match_the_random_writer():
     assert params["encoder"] == params["decoder"]
 
 
+#: A backticked span the glossary gives as code: a name, ``Class.attr`` / ``module.name``, a call or subscript of
+#: one (``stats()["preemptions"]``, ``valid_rows[b]``), or a module path (``serving/requests.py``).
+CODE_SPAN = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)(?:[(\[][^`]*)?`|`((?:[a-z_]+/)*[a-z_]+\.py)`")
+CODEC = ROOT / "vllm_omni_moss" / "model_executor" / "models" / "moss_tts"
+
+
+def _bound_names(node: ast.AST) -> set[str]:
+    """Identifiers ``node`` binds or spells: definitions, arguments, assignment targets (names and
+    attributes), imports, keywords, and string constants that are identifiers (option names, kinds)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, ast.arg):
+        return {node.arg}
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return {node.id}
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        return {node.attr}
+    if isinstance(node, ast.alias):
+        return {(node.asname or node.name).split(".")[0]}
+    if isinstance(node, ast.keyword) and node.arg:
+        return {node.arg}
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+        return {node.value}
+    return set()
+
+
+@functools.cache
+def _code_index() -> tuple[set[str], dict[str, set[str]], dict[str, set[str]]]:
+    """``(names, members, modules)`` of the package: every identifier it binds or spells; per class its
+    members (own body, ``self.x`` assignments, and those of its bases in the package); per module stem (a
+    package's directory name for its ``__init__``) the names bound at its top level."""
+    names: set[str] = set()
+    own: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    modules: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "vllm_omni_moss").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        top = modules.setdefault(stem, set())
+        for node in tree.body:
+            for sub in [node, *(getattr(node, "names", None) or [])]:
+                top |= _bound_names(sub)
+            for target in getattr(node, "targets", [getattr(node, "target", None)]):
+                top |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)} if target else set()
+        for node in ast.walk(tree):
+            names |= _bound_names(node)
+            if isinstance(node, ast.ClassDef):
+                body = {n for child in node.body for sub in ast.walk(child) for n in _bound_names(sub)}
+                own.setdefault(node.name, set()).update(body)
+                bases.setdefault(node.name, []).extend(ast.unparse(b).split(".")[-1] for b in node.bases)
+    members = {}
+    for cls in own:
+        seen, todo = set(), [cls]
+        while todo:
+            c = todo.pop()
+            if c in own and c not in seen:
+                seen.add(c)
+                todo += bases[c]
+        members[cls] = set().union(*(own[c] for c in seen))
+    return names, members, modules
+
+
+def glossary_code_names_missing(text: str) -> list[str]:
+    """The code names of glossary ``text`` (:data:`CODE_SPAN`) the package does not have: a name it never
+    binds or spells; ``Class.attr`` where the class has no such member; ``module.name`` where the module binds
+    no such name at its top level; ``variable.attr`` where no class has the attribute; a ``.py`` path that is
+    no module of the codec package. Names of one or two characters are the glossary's notation (``B``, ``Dh``,
+    ``p``), and Python's builtins (``min(...)``) its arithmetic."""
+    names, members, modules = _code_index()
+    attrs = set().union(*members.values())
+    missing = []
+    for match in CODE_SPAN.finditer(text):
+        name, path = match.groups()
+        path = name if name and name.endswith(".py") else path
+        if path is not None:
+            if not (CODEC / path).is_file():
+                missing.append(path)
+            continue
+        first, *rest = name.split(".")
+        if len(name) <= 2 or hasattr(builtins, name) or name.endswith((".json", ".yaml", ".md")):
+            continue
+        if not rest:
+            found = name in names
+        elif first in members:
+            found = rest[0] in members[first]
+        elif first in modules:
+            found = rest[0] in modules[first] or rest[0] in attrs
+        else:
+            found = first in names and rest[0] in attrs
+        if not found:
+            missing.append(name)
+    return sorted(set(missing))
+
+
 def test_glossary_names_exist_in_the_code():
-    """Every identifier the glossary cites as code (``name``, ``Class.attr``, ``call(...)``) is in the package."""
+    """Every code name the glossary gives (names, ``Class.attr``, calls, module paths) is in the package."""
     text = _text("glossary.md")
-    source = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "vllm_omni_moss").rglob("*.py"))
-    names = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_.]*)(?:\(|\[|`)", text))
-    assert {"CompactDecoderStatePool.null_slot", "frames_decoded", "AdmissionQueue"} <= names
-    missing = [n for n in sorted(names) if not re.search(rf"\b{re.escape(n.split('.')[-1])}\b", source)]
-    assert missing == []
+    spans = {m.group(1) or m.group(2) for m in CODE_SPAN.finditer(text)}
+    assert {"CompactDecoderStatePool.null_slot", "DecoderStatePool.reserve", "serving/streams.py"} <= spans
+    assert glossary_code_names_missing(text) == []
+
+
+def test_the_glossary_check_reports_names_the_code_lacks():
+    """Negative control: names, members, module names and paths the package lacks are each reported."""
+    text = (
+        "Code: `NoSuchPool`, `CompactDecoderStatePool.no_such_member`, `Stream.frames_decoded` (a field),\n"
+        "`DecoderStatePool.null_slot` (a subclass's member), `state.NO_SUCH_TABLE`, `state.POOL_KINDS`,\n"
+        '`pool.no_such_attribute`, `pool.rings`, `no_such_call(x)`, `no_such_rows[b]`, `stats()["preemptions"]`,\n'
+        "`serving/no_such.py`, `serving/streams.py`, `no_such.py`, `decoder.py`, `codec_pool_kind` (an option\n"
+        "name), `B`, `min(a, b)`."
+    )
+    assert glossary_code_names_missing(text) == [
+        "CompactDecoderStatePool.no_such_member",
+        "DecoderStatePool.null_slot",
+        "NoSuchPool",
+        "no_such.py",
+        "no_such_call",
+        "no_such_rows",
+        "pool.no_such_attribute",
+        "serving/no_such.py",
+        "state.NO_SUCH_TABLE",
+    ]
 
 
 def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():
@@ -168,5 +285,6 @@ def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():
         "admission queue",
         "waiting stream",
         "preemption",
+        "reserve",
         "state budget",
     }

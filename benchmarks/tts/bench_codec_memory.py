@@ -62,7 +62,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state import (  # noqa: E402
     PagedDecoderStatePool,
     PagesExhausted,
     make_state_pool,

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
 
 
 def _process_start_seconds_ago() -> float | None:

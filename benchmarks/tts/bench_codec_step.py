@@ -67,7 +67,7 @@ import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
 from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
 ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")

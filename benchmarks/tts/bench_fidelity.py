@@ -87,7 +87,7 @@ import upstream_stage  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import official_decoder_names  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
 
 CHUNKS = (1, 15)  # frames: the first chunk, then the steady chunk size
 DEFAULT_MARKS = "43,94,171,400,1000,4000"

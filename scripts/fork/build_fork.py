@@ -77,8 +77,8 @@ FORK_OP_NAMESPACE = "moss_tts_codec"
 
 # Upstream moss_tts modules removed in commit 2, each with the module(s) of ours that take over its role.
 SUPERSEDED = {
-    "modeling_moss_tts_codec.py": "the stage module (Stage-1 class), session.py (stream session), "
-    "state_pool.py (decoder state pool)",
+    "modeling_moss_tts_codec.py": "the stage module (Stage-1 class), serving/ (stream session), "
+    "state/ (decoder state pool)",
     "cuda_graph_streaming_decoder_wrapper.py": "cuda_graph.py and compile.py (graph runner, compiled adapters)",
     "moss_codec_cudagraph.py": "cuda_graph.py (graph capture and replay)",
     "streaming_attention.py": "decoder.py and step_metadata.py (ring attention and its metadata)",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
+from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
 from vllm_omni_moss.testing import upstream as oracle
 
 pytestmark = [pytest.mark.cpu]
@@ -107,7 +107,7 @@ def test_profile_kernel_categories(name, category):
 def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
     import torch
 
-    from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+    from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 
     bench = _bench()
     decoder = bench.common.random_decoder("tiny-v2", "cpu", seed=3)

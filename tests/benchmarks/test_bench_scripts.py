@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
+from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
 
 pytestmark = [pytest.mark.cpu]
 

@@ -21,8 +21,8 @@ import torch
 import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 
 from .trace import FRAME_RATE
 

@@ -15,7 +15,7 @@ import torch
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint, save_random_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import _transformer as config_transformer
 from vllm_omni_moss.model_executor.models.moss_tts.config import parse_config
-from vllm_omni_moss.model_executor.models.moss_tts.ops.commit import (
+from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     HAS_TRITON,
     TRITON_INTERPRET_AT_IMPORT,
     cpu_uses_triton_interpreter,

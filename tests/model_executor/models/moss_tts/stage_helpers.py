@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_omni_moss.model_executor.models.moss_tts import session as session_module
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkResult
 
 
 def vllm_config(
@@ -118,4 +118,4 @@ def fresh_decode(stage, codes: torch.Tensor, chunks: list[int]) -> torch.Tensor:
 
 def error_result(result, message: str):
     """``result`` turned into a failed request's result (zero frames, ``error`` set)."""
-    return session_module.ChunkResult(result.audio[..., :0], result.sample_rate, 0, error=message)
+    return ChunkResult(result.audio[..., :0], result.sample_rate, 0, error=message)

@@ -22,16 +22,16 @@ from vllm_omni_moss.model_executor.models.moss_tts.compile import compile_decode
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule
-from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import cpu_uses_triton_interpreter
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.testing.weights import fill_random_weights_
 
 pytestmark = [pytest.mark.core_model]
 
 SEMANTICS = ("upstream", "exact")
-REFERENCE_DISPATCH = not commit_ops.cpu_uses_triton_interpreter()
+REFERENCE_DISPATCH = not cpu_uses_triton_interpreter()
 
 
 def stream_pool(pool, codes, schedule):

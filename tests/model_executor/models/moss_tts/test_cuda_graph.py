@@ -29,8 +29,8 @@ from vllm_omni_moss.model_executor.models.moss_tts.compile import (
 )
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import CompactDecoderStatePool, make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool, make_state_pool
 
 pytestmark = [pytest.mark.core_model]
 

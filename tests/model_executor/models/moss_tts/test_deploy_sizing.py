@@ -23,7 +23,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.deploy_sizing import (
     pool_slots,
     slots_that_fit,
 )
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import POOL_KINDS, make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state import POOL_KINDS, make_state_pool
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 

@@ -16,7 +16,7 @@ from moss_codecs import cuda_kernel_test
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.testing.weights import fill_random_weights_
 
 pytestmark = [pytest.mark.core_model]

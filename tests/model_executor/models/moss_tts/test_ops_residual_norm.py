@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from moss_codecs import cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
 
-from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import residual_norm as ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import cpu_uses_triton_interpreter
 
-INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
+INTERPRETED = cpu_uses_triton_interpreter()
 cpu = pytest.mark.cpu
 
 

@@ -28,11 +28,16 @@ from moss_codecs import cuda_kernel_test as cuda
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.ops import commit as commit_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
-from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention_launch as launch_ops
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_write as write_ops
+from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
+    TRITON_INTERPRET_AT_IMPORT,
+    cpu_uses_triton_interpreter,
+)
+from vllm_omni_moss.model_executor.models.moss_tts.ops.ring_reference import attend_gathered_rows
+from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, build_ring_metadata, rope_tables
 
-INTERPRETED = commit_ops.cpu_uses_triton_interpreter()
+INTERPRETED = cpu_uses_triton_interpreter()
 SEMANTICS = ("upstream", "exact")
 
 cpu = pytest.mark.cpu
@@ -46,12 +51,12 @@ cpu = pytest.mark.cpu
 @contextlib.contextmanager
 def block_sizes(queries: int, keys: int):
     """Run the attention kernel with these block sizes (small blocks exercise multi-block loops)."""
-    saved = launch_ops._MAX_BLOCK_QUERIES, launch_ops._BLOCK_KEYS
-    launch_ops._MAX_BLOCK_QUERIES, launch_ops._BLOCK_KEYS = queries, keys
+    saved = ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS
+    ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS = queries, keys
     try:
         yield
     finally:
-        launch_ops._MAX_BLOCK_QUERIES, launch_ops._BLOCK_KEYS = saved
+        ring_ops._MAX_BLOCK_QUERIES, ring_ops._BLOCK_KEYS = saved
 
 
 def reference_layer(cache, routed, offsets, written, q, k, v, semantics):
@@ -63,7 +68,7 @@ def reference_layer(cache, routed, offsets, written, q, k, v, semantics):
     B, H, T, Dh = q.shape
     rows = cache.index_select(1, routed)
     meta = build_ring_metadata(ring_ops._Window(cache.shape[3], Dh), semantics, offsets, written, T)
-    out = ring_ops.attend_gathered_rows(semantics, rows, meta, q, k, v)
+    out = attend_gathered_rows(semantics, rows, meta, q, k, v)
     commit_ops.commit_cache(rows, cache, routed, offsets, written, T)
     valid = (torch.arange(T, device=q.device) < written.view(B, 1)).view(B, 1, T, 1)
     return torch.where(valid, out, 0.0).transpose(1, 2)
@@ -80,7 +85,7 @@ def kernel_layer(cache, slot_ids, offsets, written, q, k, v, semantics, rope=(No
     args = (q, k, v, cache, slot_ids, offsets, written, semantics, *rope)
     if op == "pair":
         out = ring_ops.ring_attention(*args)
-        ring_ops.ring_write(k, v, cache, slot_ids, offsets, written, *rope)
+        write_ops.ring_write(k, v, cache, slot_ids, offsets, written, *rope)
         return out
     if op == "auto":
         return ring_ops.ring_attention_write(*args)
@@ -206,7 +211,7 @@ def test_ring_write_keeps_the_last_capacity_tokens_of_each_row():
     v = -k
     # Row 0: 10 tokens from offset 6 -> tokens 6..9 at positions 12..15 -> cells 0..3.
     # Row 1: 3 tokens from offset 1 -> positions 1..3 -> cells 1..3. Row 2 (padding, junk slot id).
-    ring_ops.ring_write_reference(
+    write_ops.ring_write_reference(
         torch.cat([k, torch.zeros(1, 1, T, 1)]),
         torch.cat([v, torch.zeros(1, 1, T, 1)]),
         cache,
@@ -265,7 +270,7 @@ def test_ops_reject_bad_inputs(name, bad, message):
     if name != "q":
         del args["q"]
         with pytest.raises(ValueError, match=f"ring_write: {message}"):
-            ring_ops.ring_write(**args)
+            write_ops.ring_write(**args)
 
 
 @cpu
@@ -295,7 +300,7 @@ def test_ops_reject_bad_rope_tables(cos, sin, message):
         ring_ops.ring_attention_write(**args, semantics="exact", cos=cos, sin=sin)
     del args["q"]
     with pytest.raises(ValueError, match=f"ring_write: {message}"):
-        ring_ops.ring_write(**args, cos=cos, sin=sin)
+        write_ops.ring_write(**args, cos=cos, sin=sin)
 
 
 @cpu
@@ -310,7 +315,7 @@ def test_ops_handle_an_empty_chunk(rope):
     out = ring_ops.ring_attention(q, q, q, cache, ids, offsets, written, "upstream", *tables)
     assert out.shape == (2, 0, 2, 16)
     before = cache.clone()
-    ring_ops.ring_write(q, q, cache, ids, offsets, written, *tables)
+    write_ops.ring_write(q, q, cache, ids, offsets, written, *tables)
     assert torch.equal(cache, before)
     out = ring_ops.ring_attention_write(q, q, q, cache, ids, offsets, written, "exact", *tables)
     assert out.shape == (2, 0, 2, 16) and torch.equal(cache, before)
@@ -330,7 +335,7 @@ def test_ring_attention_rejects_unknown_semantics():
 
 def _compiled_layer(q, k, v, cache, slot_ids, offsets, written):
     out = ring_ops.ring_attention(q, k, v, cache, slot_ids, offsets, written, "upstream")
-    ring_ops.ring_write(k, v, cache, slot_ids, offsets, written)
+    write_ops.ring_write(k, v, cache, slot_ids, offsets, written)
     # The fused op on the ring just written: its fake impl, and the mutation seen by what follows.
     again = ring_ops.ring_attention_write(q, k, v, cache, slot_ids, offsets + 1, written, "exact")
     return out * 2 + again
@@ -482,7 +487,7 @@ def test_kernels_interpreted_never_read_cells_no_query_sees(semantics, blocks, f
     assert torch.equal(dirty, clean) and torch.isfinite(dirty).all()
     touched = commit_ops.touched_ring_mask(offsets, written, C)  # (B, C)
     expected = poisoned.clone()
-    ring_ops.ring_write_reference(k, v, expected, slot_ids, offsets, written, *rope)
+    write_ops.ring_write_reference(k, v, expected, slot_ids, offsets, written, *rope)
     for b in range(6):
         cells = touched[b].nonzero().flatten()
         assert torch.equal(after[:, slot_ids[b], :, cells], expected[:, slot_ids[b], :, cells])
@@ -523,8 +528,8 @@ def test_bfloat16_rings_take_the_reference_under_the_interpreter():
         got = ring_ops.ring_attention(q, k, v, cache, *args, semantics, *rope)
         assert torch.equal(got, ring_ops.ring_attention_reference(q, k, v, cache, *args, semantics, *rope))
     expected = cache.clone()
-    ring_ops.ring_write(k, v, cache, *args, *rope)
-    ring_ops.ring_write_reference(k, v, expected, *args, *rope)
+    write_ops.ring_write(k, v, cache, *args, *rope)
+    write_ops.ring_write_reference(k, v, expected, *args, *rope)
     assert torch.equal(cache, expected)
 
 
@@ -543,8 +548,8 @@ def test_kernels_interpreted_follow_strides():
         expected = ring_ops.ring_attention_reference(qkv[0], qkv[1], qkv[2], ref_cache, *args, semantics)
         got = ring_ops.ring_attention(qkv[0], qkv[1], qkv[2], cache, *args, semantics)
         assert_outputs_close(got, expected, args[2])
-    ring_ops.ring_write(qkv[1], qkv[2], cache, *args)
-    ring_ops.ring_write_reference(qkv[1], qkv[2], ref_cache, *args)
+    write_ops.ring_write(qkv[1], qkv[2], cache, *args)
+    write_ops.ring_write_reference(qkv[1], qkv[2], ref_cache, *args)
     assert torch.equal(cache, ref_cache)
 
 
@@ -753,7 +758,7 @@ def test_cuda_ring_attention_addresses_beyond_int32():
     host = (torch.tensor([0]), torch.tensor([5000]), torch.tensor([4]))  # the one slot is slot 0 of the copy
     expected = ring_ops.ring_attention_reference(*floats, *host, "exact")
     assert ((got.cpu().float() - expected).norm() / expected.norm()).item() <= 1e-2
-    ring_ops.ring_write(k, v, cache, *args, written)
+    write_ops.ring_write(k, v, cache, *args, written)
     cells = (5000 + torch.arange(4, device=device)) % C
     assert torch.equal(cache[0, num_slots - 1, :, cells], k[0]) and torch.equal(cache[1, num_slots - 1, :, cells], v[0])
 
@@ -793,7 +798,7 @@ def test_launch_configuration_follows_the_step_size_and_refuses_unknown_keys():
 
 _CUDA_MARKS = (
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(commit_ops.TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here"),
+    pytest.mark.skipif(TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here"),
     pytest.mark.cuda,
 )
 
@@ -821,7 +826,7 @@ def test_paged_kernels_interpreted_equal_unpaged_rings(semantics, num_tokens):
 
 def _check_paged_equals_unpaged(path, semantics, num_tokens, device):
     attend = ring_ops.ring_attention if path == "kernel" else ring_ops.ring_attention_reference
-    write = ring_ops.ring_write if path == "kernel" else ring_ops.ring_write_reference
+    write = write_ops.ring_write if path == "kernel" else write_ops.ring_write_reference
     gen = torch.Generator().manual_seed(11)
     S, H, Dh, page_size, n = 4, 2, 16, 5, 4  # rings of 20 cells in 4 pages of 5
     num_pages = S * n + 3
@@ -852,7 +857,7 @@ def test_page_table_is_checked_at_the_op_boundary():
     k = torch.zeros(1, 1, 2, 8)
     ids = torch.zeros(1, dtype=torch.long)
     with pytest.raises(ValueError, match=r"`page_table` must be int32 or int64, got torch.float32"):
-        ring_ops.ring_write(k, k, cache, ids, ids, ids, page_table=torch.zeros(2, 3))
+        write_ops.ring_write(k, k, cache, ids, ids, ids, page_table=torch.zeros(2, 3))
     with pytest.raises(
         ValueError, match=r"`page_table` must be \(S, pages per ring\) with at least one page, got \(3,\)"
     ):

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The paged pool (state_pool.PagedDecoderStatePool) against the compact pool it must equal bit for bit."""
+"""The paged pool (state.PagedDecoderStatePool) against the compact pool it must equal bit for bit."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from moss_codecs import build_decoder, random_codes, ring_codec_raw
 
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.state import (
     PagedDecoderStatePool,
     PagesExhausted,
     make_state_pool,

@@ -12,8 +12,8 @@ import pytest
 import torch
 from moss_codecs import random_codes
 
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, ChunkResult, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, ChunkResult, CodecStreamSession
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 

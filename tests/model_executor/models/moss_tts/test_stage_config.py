@@ -267,7 +267,7 @@ def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
 
     from vllm_omni_moss.model_executor.models.moss_tts.compile import adapter_class_for
     from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
-    from vllm_omni_moss.model_executor.models.moss_tts.state_pool import make_state_pool
+    from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
     from vllm_omni_moss.model_executor.models.moss_tts.vllm_compile import vllm_adapter_class as _vllm_adapter_class
 
     bases = [
@@ -328,7 +328,7 @@ def test_h200_deploy_file_fits_stage_1_state_in_its_share():
     import yaml
 
     from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
-    from vllm_omni_moss.model_executor.models.moss_tts.state_pool import state_bytes_for
+    from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
 
     deploy = yaml.safe_load((DEPLOY_DIR / "moss_tts_local_h200.yaml").read_text())
     (codec,) = [s for s in deploy["stages"] if s["stage_id"] == 1]

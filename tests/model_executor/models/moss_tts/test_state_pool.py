@@ -12,7 +12,7 @@ from moss_codecs import assert_slot_state_equal, random_codes
 from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import (
+from vllm_omni_moss.model_executor.models.moss_tts.state import (
     CompactDecoderStatePool,
     LegacyDecoderStatePool,
     make_state_pool,

@@ -17,7 +17,7 @@ import torch
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
-from vllm_omni_moss.model_executor.models.moss_tts.state_pool import LegacyDecoderStatePool
+from vllm_omni_moss.model_executor.models.moss_tts.state import LegacyDecoderStatePool
 from vllm_omni_moss.testing import upstream as uo
 
 pytestmark = [

@@ -44,6 +44,7 @@ from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache, commit_offsets
+from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 
@@ -189,7 +190,7 @@ def gathered_ring_attention(
         :func:`~.ops.ring_attention.attend_gathered_rows` after RoPE.
     """
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    return ring_ops.attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
+    return attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
 
 
 # --------------------------------------------------------------------------- backends
@@ -300,7 +301,7 @@ class LegacyRingAttention:
 
     Args:
         rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
-        offset_table: ``(R, S)`` int64 offsets (rows per :class:`~.state_pool.LegacyDecoderStatePool`).
+        offset_table: ``(R, S)`` int64 offsets (rows per :class:`~.state.LegacyDecoderStatePool`).
         layer_rows: per layer, its (attention offset, ring end offset) rows of ``offset_table``.
         group_rows: last layer of a group -> that group's own offset row (v2 codecs only).
         semantics: the pool's ring semantics.

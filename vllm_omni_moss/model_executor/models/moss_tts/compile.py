@@ -68,7 +68,7 @@ class _DecodeCompileAdapter(nn.Module):
 
 
 class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
-    """Adapter for :class:`~.state_pool.LegacyDecoderStatePool` (scratch slots, whole-ring write-back)."""
+    """Adapter for :class:`~.state.LegacyDecoderStatePool` (scratch slots, whole-ring write-back)."""
 
     pool_class = LegacyDecoderStatePool
 
@@ -85,7 +85,7 @@ class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
 
 
 class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
-    """Adapter for :class:`~.state_pool.CompactDecoderStatePool` (null slot, masked commits)."""
+    """Adapter for :class:`~.state.CompactDecoderStatePool` (null slot, masked commits)."""
 
     pool_class = CompactDecoderStatePool
 

@@ -15,7 +15,7 @@ Read top-down:
 
 Modules hold weights only. Attention and state are reached through a
 :class:`~.attention.StepPlan` built once per step by the state's owner: offline
-decode and the fixed-width reference stream here, the pools in ``state_pool.py``.
+decode and the fixed-width reference stream here, the pools in ``state/``.
 A whole step reads top-down in :func:`run_decoder` and ``attention.py``.
 Architecture facts: docs/codec_architecture.md.
 """
@@ -180,7 +180,7 @@ class CodecDecoder(nn.Module):
         codes = codes.to(self.device, torch.long)
         if chunk_frames is None:
             plan = StepPlan(group_steps(self.config, codes.shape[-1], None), OfflineAttention())
-            with _autocast(self):
+            with decode_autocast(self):
                 return run_decoder(self, codes, plan)
         with self.streaming(codes.shape[1], ring_semantics) as stream:
             parts = [stream.decode(codes[:, :, a:b]) for a, b in chunk_schedule(codes.shape[-1], chunk_frames)]
@@ -345,9 +345,10 @@ def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> t
     return to_audio(decoder.config, x)
 
 
-def _autocast(decoder: CodecDecoder):
-    # Upstream decodes its bf16 (v2) codec under bf16 autocast on accelerators; float32
-    # weights (CPU, and the v1 codec everywhere) decode in float32.
+def decode_autocast(decoder: CodecDecoder):
+    """The autocast context a decode of ``decoder`` runs in: bfloat16 autocast for a bfloat16 decoder on
+    CUDA, as upstream decodes its bf16 (v2) codec on accelerators (``audio_tokenizer_v2.py``); else a null
+    context, float32 weights (CPU, and the v1 codec everywhere) decoding in float32."""
     if decoder.device.type == "cuda" and decoder.state_dtype == torch.bfloat16:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -418,7 +419,7 @@ class FixedWidthStream:
         config = self.decoder.config
         attention = FixedWidthAttention(self.state.rings, self.state.offsets, self.ring_semantics)
         plan = StepPlan(group_steps(config, num_frames, lengths), attention)
-        with _autocast(self.decoder):
+        with decode_autocast(self.decoder):
             return run_decoder(self.decoder, codes, plan)
 
     def close(self) -> None:

@@ -48,7 +48,6 @@ from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, me
 from .serving import ChunkRequest, ChunkResult, CodecStreamSession
 from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for, connector_chunk_frames
 from .state import StateSpec
-from .vllm_compile import vllm_adapter_class as _vllm_adapter_class  # noqa: F401 - old import path
 from .vllm_compile import vllm_compile_factory
 
 __all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames"]

@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Custom ops of the codec decoder: one file per op family, each holding its Triton kernel, its
-``torch.library.custom_op`` with ``register_fake``, and the PyTorch reference it is tested against.
+"""Custom ops of the codec decoder: one file per op family, each holding its Triton kernels, their
+launch, the ``torch.library.custom_op`` with ``register_fake``, and the PyTorch reference it is tested
+against. No module imports another's private name.
 
 * :mod:`.commit` - ``commit_cache`` / ``commit_offsets``: masked write-back of a step's ring cells
   and offsets into the state pool.
+* :mod:`.ring_write` - ``ring_write``: the write of each row's last ``min(tokens, C)`` chunk tokens
+  into its ring; and what both ring ops build on: the jit helpers of the ring kernels, their RoPE and
+  paging arguments, the argument checks, ``RING_DTYPES``.
 * :mod:`.ring_attention` - ``ring_attention``: one layer's streaming attention reading the pool's
   rings in place; it can rotate queries and keys by RoPE as it loads them. ``ring_attention_write``
   is it and ``ring_write`` in turn as one op (the attention kernel stores the chunk itself for rows
-  of at most 32 tokens). It re-exports ``ring_write``, ``ring_write_reference`` and ``RING_DTYPES``.
-* :mod:`.ring_write` - ``ring_write``: the write of each row's last ``min(tokens, C)`` chunk tokens
-  into its ring, and the argument checks both ring ops share.
-* :mod:`.ring_attention_launch` - the attention kernel's launch table (block sizes, warps, stages,
-  fused write per step shape); :mod:`.ring_reference` - ``attend_gathered_rows``, the SDPA
-  computation over gathered ring rows that the ``"sdpa"`` backend runs and the ring ops' references
-  build on (both re-exported by :mod:`.ring_attention`).
+  of at most 32 tokens). With its launch table (``attention_launch_config``: block sizes, warps,
+  stages, fused write per step shape).
+* :mod:`.ring_reference` - ``attend_gathered_rows``, the SDPA computation over gathered ring rows
+  that the ``"sdpa"`` backend runs and the ring ops' references build on, and the logical view of a
+  paged cache those references read and write.
 * :mod:`.rope` - ``rope``: RoPE of a layer's queries and keys as one pass, bitwise
   ``step_metadata.apply_rope``; the triton backend runs it before the attention kernel, which then
   reads ready keys.
@@ -22,6 +24,6 @@
 * :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32
   ``erf`` (CUDA; CPU decodes with ``aten.gelu_``).
 
-The private :mod:`._triton` holds what they share: the optional Triton import, the dispatch between
-kernel and reference, the shape check, and the jit helpers of the two ring kernels.
+:mod:`.dispatch` holds what every family shares: the optional Triton import, the dispatch between
+kernel and reference, the device guard of a launch and the shape check.
 """

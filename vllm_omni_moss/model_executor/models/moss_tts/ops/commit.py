@@ -15,10 +15,9 @@ Each operation has four parts that sit together below: a Triton kernel, a ``torc
 (namespace ``vllm_omni_moss``) with its ``register_fake``, a plain PyTorch reference, and a public
 function that validates shapes and calls the op.
 
-Dispatch inside the ops is ``ops/_triton.py``'s: CUDA tensors launch the Triton kernel; CPU tensors run
+Dispatch inside the ops is ``ops/dispatch.py``'s: CUDA tensors launch the Triton kernel; CPU tensors run
 the PyTorch reference unless the Triton interpreter is active at import, then the kernel runs
-interpreted. ``HAS_TRITON``, ``TRITON_INTERPRET_AT_IMPORT``, ``cpu_uses_triton_interpreter`` and
-``runs_triton_kernel`` are re-exported from there for the callers that import them from this module.
+interpreted.
 
 Both ops are safe inside ``torch.compile(fullgraph=True, dynamic=True)`` (fake impls, shape-only
 validation) and inside CUDA-graph capture on CUDA (no host syncs, no data-dependent allocation).
@@ -26,16 +25,7 @@ validation) and inside CUDA-graph capture on CUDA (no host syncs, no data-depend
 
 import torch
 
-from ._triton import (
-    HAS_TRITON,
-    TRITON_INTERPRET_AT_IMPORT,
-    _check_tensor,
-    _device_guard,
-    cpu_uses_triton_interpreter,
-    runs_triton_kernel,
-    tl,
-    triton,
-)
+from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
 
 # Elements per (time x head_dim) tile of commit_cache; 1024 keeps a bf16 tile at 2 KiB per plane.
 _COMMIT_CACHE_TILE_ELEMENTS = 1024
@@ -153,7 +143,7 @@ def _launch_commit_cache_triton(
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(triton.next_power_of_2(num_touched), _COMMIT_CACHE_TILE_ELEMENTS // block_d))
     grid = (num_rows, num_heads, triton.cdiv(num_touched, block_t))
-    with _device_guard(cache):
+    with device_guard(cache):
         _commit_cache_kernel[grid](
             rows,
             cache,
@@ -256,17 +246,17 @@ def commit_cache(
         RuntimeError: CUDA tensors without Triton installed.
     """
     op = "commit_cache"
-    _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+    check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
     _, _, num_heads, capacity, head_dim = cache.shape
-    _check_tensor(op, "rows", rows, "(2, B, H, C, Dh)", (2, None, num_heads, capacity, head_dim), None, None)
+    check_tensor(op, "rows", rows, "(2, B, H, C, Dh)", (2, None, num_heads, capacity, head_dim), None, None)
     if rows.dtype != cache.dtype:
         raise ValueError(f"{op}: `rows` must have the dtype of `cache` ({cache.dtype}), got {rows.dtype}")
     if rows.device != cache.device:
         raise ValueError(f"{op}: `rows` must be on the device of `cache` ({cache.device}), got {rows.device}")
     num_rows = rows.shape[1]
-    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
     _check_max_written(op, max_written)
     torch.ops.vllm_omni_moss.commit_cache(rows, cache, slot_ids, offsets, num_written, max_written)
 
@@ -317,7 +307,7 @@ def _launch_commit_offsets_triton(
     if num_rows == 0:
         return
     grid = (triton.cdiv(num_rows, _COMMIT_OFFSETS_BLOCK),)
-    with _device_guard(table):
+    with device_guard(table):
         _commit_offsets_kernel[grid](
             values,
             table,
@@ -382,22 +372,18 @@ def commit_offsets(
         RuntimeError: CUDA tensors without Triton installed.
     """
     op = "commit_offsets"
-    _check_tensor(op, "table", table, "(S,)", (None,), torch.int64, None)
-    _check_tensor(op, "values", values, "(B,)", (None,), torch.int64, table.device)
+    check_tensor(op, "table", table, "(S,)", (None,), torch.int64, None)
+    check_tensor(op, "values", values, "(B,)", (None,), torch.int64, table.device)
     num_rows = values.shape[0]
-    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, table.device)
-    _check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, table.device)
+    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, table.device)
+    check_tensor(op, "valid_rows", valid_rows, "(B,)", (num_rows,), torch.bool, table.device)
     torch.ops.vllm_omni_moss.commit_offsets(values, table, slot_ids, valid_rows)
 
 
 __all__ = [
-    "HAS_TRITON",
-    "TRITON_INTERPRET_AT_IMPORT",
     "commit_cache",
     "commit_cache_reference",
     "commit_offsets",
     "commit_offsets_reference",
-    "cpu_uses_triton_interpreter",
-    "runs_triton_kernel",
     "touched_ring_mask",
 ]

@@ -25,7 +25,7 @@ check on the device that the kernel misses no more values than ``aten.gelu_`` do
 one bfloat16 step from ``x = -3`` up, and hold bfloat16, float16 and float32 results to the float32
 formula's error bound (``2e-7 |x|`` plus the dtype's rounding).
 
-Dispatch is ``ops/_triton.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference
+Dispatch is ``ops/dispatch.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference
 (``aten.gelu_``) unless the Triton interpreter is active at import (bfloat16 excepted). The decoder calls
 the op only on CUDA steps with ``CodecDecoder.fused_glue`` set and not under ``torch.compile`` (inductor
 fuses its own GELU there).
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
+from .dispatch import HAS_TRITON, device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["GELU_DTYPES", "gelu_", "gelu_reference_"]
 
@@ -95,7 +95,7 @@ def _launch_triton(x: torch.Tensor) -> None:
     numel = x.numel()
     if numel == 0:
         return
-    with _device_guard(x):
+    with device_guard(x):
         coefficients = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"), _ERFC_LOG2))
         _gelu_kernel[(triton.cdiv(numel, _BLOCK),)](
             x, numel, **coefficients, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False

@@ -17,7 +17,7 @@ projection. :func:`residual_layer_norm` does it in one kernel per token row, wit
   LayerNorm of the same ``x'`` only in how the mean and variance are accumulated (a two-pass float32
   sum here, Welford there): a few float32 ulps before the final rounding.
 
-Dispatch is ``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run
+Dispatch is ``ops/dispatch.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run
 the reference (bitwise the unfused decoder) unless the Triton interpreter is active at import (bfloat16
 excepted). The decoder calls the kernel only on CUDA, so CPU decoding (and its parity with upstream) is
 unchanged.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, _device_guard, runs_triton_kernel, tl, triton
+from .dispatch import HAS_TRITON, device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["add_scaled", "layer_norm_float32", "residual_layer_norm", "residual_layer_norm_reference"]
 
@@ -103,7 +103,7 @@ def _launch_triton(x, update, layer_scale, weight, bias, eps):
     # The kernel indexes the (d,) vectors with unit stride.
     weight, bias = weight.contiguous(), bias.contiguous()
     scale = layer_scale.contiguous() if layer_scale is not None else weight
-    with _device_guard(x):
+    with device_guard(x):
         _residual_layer_norm_kernel[(rows,)](
             x,
             update,

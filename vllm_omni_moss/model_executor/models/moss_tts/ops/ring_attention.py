@@ -29,7 +29,7 @@ their slot id) and output zeros; padding tokens are never read as keys and never
 
 Each operation comes with a Triton kernel, a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``)
 with ``register_fake``, a PyTorch reference, and a public function that validates shapes. Dispatch is
-``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
+``ops/dispatch.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
 unless the Triton interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs
 interpreted, except for bfloat16 rings (the interpreter's bfloat16 arithmetic is not the GPU's). Both are
 safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
@@ -47,66 +47,124 @@ kernels do; faster than TF32 in every v2 shape of the launch sweep, see :func:`a
 and they stay float32 (IEEE products) for float32 rings. Runs are deterministic: a fixed launch grid and
 a fixed key order per program.
 
-The kernel's body for one block of queries is ``ops/_ring_attention_block.py``'s ``_attend_query_block``,
-and the store of the fused write ``ops/ring_write.py``'s ``_store_tokens``. ``ring_write``,
-``ring_write_reference`` and ``RING_DTYPES`` (``ops/ring_write.py``), the launch table
-(``attention_launch_config``, ``FUSED_WRITE_MAX_TOKENS``, ..., ``ops/ring_attention_launch.py``) and
-``attend_gathered_rows`` (``ops/ring_reference.py``) are re-exported here, where callers import them from.
+The kernel walks one block of queries with ``_attend_query_block`` (its online softmax is
+``_online_softmax_block``); the fused write stores chunk tokens with ``ring_write.py``'s
+``store_tokens``, which also holds the jit helpers, RoPE and paging arguments and argument checks both
+ring ops share. The launch table (:func:`attention_launch_config`) is plain Python: it answers where
+Triton is not installed.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..step_metadata import RING_SEMANTICS, apply_rope, build_ring_metadata
-from ._triton import (
-    HAS_TRITON,
-    _check_tensor,
-    _device_guard,
-    _paging_arguments,
-    _rope_arguments,
-    runs_triton_kernel,
-    tl,
-    triton,
-)
-from .ring_attention_launch import (
-    FUSED_WRITE_MAX_TOKENS,
-    LAUNCH_KEYS,
-    MIN_ATTENTION_PROGRAMS,
-    _launch_config,
-    attention_launch_config,
-)
-from .ring_reference import _logical_rings, _Window, attend_gathered_rows
+from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
+from .ring_reference import attend_gathered_rows, logical_rings
 from .ring_write import (
-    RING_DTYPES,
-    _check_page_table,
-    _check_rope,
-    _check_step,
-    _launch_ring_write_triton,
-    ring_write,
+    check_page_table,
+    check_rope,
+    check_step,
+    launch_ring_write_triton,
+    paging_arguments,
     ring_write_reference,
+    rope_arguments,
 )
 
 if HAS_TRITON:
-    from ._ring_attention_block import _attend_query_block
-    from .ring_write import _store_tokens
+    from .ring_write import cell_pointers, load_rotated, store_tokens
 
 __all__ = [
     "FUSED_WRITE_MAX_TOKENS",
     "LAUNCH_KEYS",
     "MIN_ATTENTION_PROGRAMS",
-    "RING_DTYPES",
-    "attend_gathered_rows",
     "attention_launch_config",
     "ring_attention",
     "ring_attention_reference",
     "ring_attention_write",
     "ring_attention_write_reference",
-    "ring_write",
-    "ring_write_reference",
 ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch table (per step shape: blocks, warps, stages, how probabilities meet values, fused write)
+# --------------------------------------------------------------------------------------------------
+
+#: Keys per inner iteration of the attention kernel.
+_BLOCK_KEYS = 64
+#: Largest block of queries per program for float32 rings (smaller steps use the next power of two >= T,
+#: at least 16); 16-bit rings go up to 128 (``attention_launch_config``).
+_MAX_BLOCK_QUERIES = 64
+#: Most tokens per row for which ``ring_attention_write`` fuses the write (``attention_launch_config``).
+FUSED_WRITE_MAX_TOKENS = 32
+#: Fewest programs of 128 queries a 16-bit step needs before it uses 128-query blocks (about two per SM
+#: of an H200's 132; ``attention_launch_config``).
+MIN_ATTENTION_PROGRAMS = 256
+#: The keys of a launch configuration (``attention_launch_config``), which ``tuning`` may override.
+LAUNCH_KEYS = ("block_q", "block_k", "num_warps", "num_stages", "pv", "fused_write")
+
+
+def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype, row_heads: int | None = None) -> dict:
+    """Launch parameters of the attention kernel for a step of ``num_tokens`` tokens per row.
+
+    Args:
+        num_tokens: ``T``, tokens per row in the step.
+        ring_dtype: the rings' dtype.
+        row_heads: ``B x H``, the step's (row, head) pairs; None counts as many.
+    Returns:
+        A dict with ``block_q`` (queries per program), ``block_k`` (keys per inner iteration),
+        ``num_warps``, ``num_stages`` (software pipelining depth of the key loops), ``pv`` (how
+        probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
+        16-bit tensor cores, ``"ieee"`` keeps float32) and ``fused_write`` (whether
+        ``ring_attention_write`` stores the chunk from the attention kernel, one program per
+        (row, head) walking its query blocks in order, rather than with the write kernel after it).
+
+    Chosen on an H200 from the launch sweeps of ``benchmarks/RESULTS.md`` (block sizes, stages and
+    ``pv`` over the v2 codec's six group shapes at 64 and 128 rows, T = 1 and 15 frames; the 64-query
+    block and the fused write at 1 to 128 rows). For 16-bit rings ``"low"`` was the fastest in every
+    shape. The best block is
+    the smallest power of two >= T up to 64 queries (16, 32, 64), and 128 above, except when a step
+    has fewer than ``MIN_ATTENTION_PROGRAMS`` programs of 128 queries (one row at T = 15): 64 then
+    doubles them. Three pipeline stages won at 30 tokens and above, two at 15. The fused write pays
+    only where a row is one small block (T <= 32 tokens: reading the chunk again and one launch are
+    a large share there); with several blocks per row, one program per (row, head) left the device
+    idler than the separate write costs. Float32 rings keep the configuration they were validated
+    with (and the same write rule).
+    """
+    if ring_dtype == torch.float32:
+        block_q = min(_MAX_BLOCK_QUERIES, max(16, _next_power_of_2(num_tokens)))
+        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=2, pv="ieee")
+    else:
+        block_q = max(16, _next_power_of_2(num_tokens))
+        if block_q > 64:
+            few = row_heads is not None and row_heads * -(-num_tokens // 128) < MIN_ATTENTION_PROGRAMS
+            block_q = 64 if few else 128
+        num_stages = 2 if num_tokens <= 16 else 3
+        config = dict(block_q=block_q, block_k=_BLOCK_KEYS, num_warps=4, num_stages=num_stages, pv="low")
+    config["fused_write"] = num_tokens <= FUSED_WRITE_MAX_TOKENS
+    return config
+
+
+def _launch_config(num_tokens: int, ring_dtype: torch.dtype, tuning: dict | None, row_heads: int | None = None) -> dict:
+    """:func:`attention_launch_config` with ``tuning``'s entries in place of the defaults.
+
+    Raises:
+        ValueError: ``tuning`` names a key outside :data:`LAUNCH_KEYS`.
+    """
+    config = attention_launch_config(num_tokens, ring_dtype, row_heads)
+    unknown = sorted(set(tuning or ()) - set(LAUNCH_KEYS))
+    if unknown:
+        raise ValueError(f"ring_attention: unknown launch configuration keys {unknown}; expected some of {LAUNCH_KEYS}")
+    config.update(tuning or {})
+    return config
+
+
+def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2's value, here so that attention_launch_config also answers without Triton.
+    return 1 << max(n - 1, 0).bit_length()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,19 +180,213 @@ def _check_semantics(op: str, semantics) -> None:
 def _check_attention(op, q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table) -> None:
     """The argument checks of both attention ops (:func:`ring_attention`, :func:`ring_attention_write`)."""
     _check_semantics(op, semantics)
-    shape = _check_step(op, k, v, cache, slot_ids, offsets, num_written)
-    _check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
+    shape = check_step(op, k, v, cache, slot_ids, offsets, num_written)
+    check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
     if not q.dtype.is_floating_point:
         raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
-    _check_rope(op, cos, sin, shape, cache.device)
-    _check_page_table(op, page_table, cache)
+    check_rope(op, cos, sin, shape, cache.device)
+    check_page_table(op, page_table, cache)
 
 
 # --------------------------------------------------------------------------------------------------
-# ring_attention
+# ring_attention: the kernel (one block of queries, its online softmax, the program), launch, op
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    # The kernel's body for one block of queries is _attend_query_block: it walks the old key positions the
+    # block may see in the slot's ring (position p in cell p mod C, addressed by cell_pointers, so paged
+    # caches too), then the new positions in the chunk, and folds each block of keys into a float32 online
+    # softmax with base-2 exponentials (_online_softmax_block). The kernel runs it once per program, or,
+    # with the fused write, for each query block of its row in order.
+
+    @triton.jit
+    def _online_softmax_block(
+        q,
+        keys,
+        values,
+        visible,
+        m_i,
+        l_i,
+        acc,
+        scale_log2,
+        QK_PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
+    ):
+        # One block of keys folded into the running (max, sum, output) of each query, base 2.
+        scores = tl.dot(q, tl.trans(keys), input_precision=QK_PRECISION) * scale_log2
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A query with no visible key so far keeps m = -inf; rebasing on 0 keeps exp2 finite (it gives 0).
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(scores - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if PV_PRECISION == "low":
+            # Probabilities rounded to the values' 16-bit dtype (as fused SDPA kernels do), accumulated in float32.
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision=PV_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attend_query_block(
+        first,  # the block's first query (chunk token index)
+        row,
+        head,
+        written,
+        slot,
+        offset,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        cache_ptr,
+        out_ptr,
+        num_tokens,
+        capacity,
+        head_dim,
+        scale_log2,
+        rope_stride_b,
+        rope_stride_t,
+        rope_stride_d,
+        q_stride_b,
+        q_stride_h,
+        q_stride_t,
+        q_stride_d,
+        k_stride_b,
+        k_stride_h,
+        k_stride_t,
+        k_stride_d,
+        v_stride_b,
+        v_stride_h,
+        v_stride_t,
+        v_stride_d,
+        cache_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        cache_stride_d,
+        out_stride_b,
+        out_stride_t,
+        out_stride_h,
+        out_stride_d,
+        page_table_ptr,
+        page_table_stride_s,
+        page_table_stride_p,
+        UPSTREAM: tl.constexpr,
+        ROPE: tl.constexpr,
+        PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        QK_PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
+    ):
+        # Queries t in [first, first + BLOCK_Q) of one (row, head): attend, then store the output block.
+        t = first + tl.arange(0, BLOCK_Q)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        i = tl.arange(0, BLOCK_D // 2)  # RoPE pair index
+        i_ok = i < head_dim // 2
+        cos_row = cos_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
+        sin_row = sin_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        # Blocks holding no valid query (all of a padding row's) read nothing and store zeros.
+        if first < written:
+            q_ok = t < written
+            q = load_rotated(
+                q_ptr + row * q_stride_b + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
+                cos_row + t[:, None] * rope_stride_t,
+                sin_row + t[:, None] * rope_stride_t,
+                q_ok[:, None] & d_ok[None, :],
+                q_ok[:, None] & i_ok[None, :],
+                BLOCK_Q,
+                BLOCK_D,
+                ROPE,
+            ).to(cache_ptr.dtype.element_ty)
+            # Oldest position any query of the block may see: the window of its first query, and under
+            # "upstream" the oldest position the post-write ring still holds.
+            lowest = offset + first - capacity + 1
+            if UPSTREAM:
+                lowest = tl.maximum(lowest, offset + written - capacity)
+            lowest = tl.maximum(lowest, 0)
+
+            # Old positions [lowest, offset) from the ring: position p lives in cell p mod C.
+            num_old = (offset - lowest).to(tl.int32)  # <= C - 1; negative when there is none
+            first_cell = (lowest % capacity).to(tl.int32)
+            ring_lo = num_old + t - capacity + 1  # the oldest ring key j each query sees
+            for start in range(0, num_old, BLOCK_K):
+                j = start + tl.arange(0, BLOCK_K)  # key position lowest + j
+                key_ok = j < num_old
+                cell = (first_cell + j) % capacity
+                cells = cell_pointers(
+                    cache_ptr,
+                    slot,
+                    head,
+                    cell,
+                    key_ok,
+                    page_table_ptr,
+                    page_table_stride_s,
+                    page_table_stride_p,
+                    cache_stride_s,
+                    cache_stride_h,
+                    cache_stride_c,
+                    PAGED,
+                    PAGE_SIZE,
+                )
+                address = cells[:, None] + d[None, :] * cache_stride_d
+                load_ok = key_ok[:, None] & d_ok[None, :]
+                keys = tl.load(address, mask=load_ok, other=0.0)
+                values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
+                # Query t sees key j when j >= num_old + t - C + 1 (q - p < C); keys past the ring never.
+                # One compare per (query, key): cheaper than forming q - p (benchmarks/RESULTS.md).
+                visible = tl.where(key_ok, j, -capacity)[None, :] >= ring_lo[:, None]
+                m_i, l_i, acc = _online_softmax_block(
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
+                )
+
+            # New positions from the chunk: tokens [max(lowest - offset, 0), min(written, first + BLOCK_Q)).
+            chunk_lo = tl.maximum(lowest - offset, 0).to(tl.int32)
+            chunk_hi = tl.minimum(written, first + BLOCK_Q)
+            k_row = k_ptr + row * k_stride_b + head * k_stride_h
+            v_row = v_ptr + row * v_stride_b + head * v_stride_h
+            for start in range(chunk_lo, chunk_hi, BLOCK_K):
+                s = start + tl.arange(0, BLOCK_K)
+                key_ok = s < chunk_hi
+                load_ok = key_ok[:, None] & d_ok[None, :]
+                keys = load_rotated(
+                    k_row + s[:, None] * k_stride_t + d[None, :] * k_stride_d,
+                    cos_row + s[:, None] * rope_stride_t,
+                    sin_row + s[:, None] * rope_stride_t,
+                    load_ok,
+                    key_ok[:, None] & i_ok[None, :],
+                    BLOCK_K,
+                    BLOCK_D,
+                    ROPE,
+                )
+                values = tl.load(v_row + s[:, None] * v_stride_t + d[None, :] * v_stride_d, mask=load_ok, other=0.0)
+                # Query t sees token s when t - C < s <= t; a stored query (t < T) never sees a token past
+                # the loop's end, which compares as 2C + T.
+                s_key = tl.where(key_ok, s, 2 * capacity + num_tokens)[None, :]
+                visible = (s_key <= t[:, None]) & (s_key > t[:, None] - capacity)
+                m_i, l_i, acc = _online_softmax_block(
+                    q, keys, values, visible, m_i, l_i, acc, scale_log2, QK_PRECISION, PV_PRECISION
+                )
+
+        # l == 0: the query saw no key (zeros, as SDPA). A NaN l (a NaN or infinite key or value it saw)
+        # is kept: the output is NaN, as SDPA's, not a silent zero.
+        has_keys = (t < written) & (l_i != 0.0)
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        out = tl.where(has_keys[:, None], out, 0.0)
+        tl.store(
+            out_ptr + row * out_stride_b + head * out_stride_h + t[:, None] * out_stride_t + d[None, :] * out_stride_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=(t < num_tokens)[:, None] & d_ok[None, :],
+        )
 
     @triton.jit
     def _ring_attention_kernel(
@@ -226,7 +478,7 @@ if HAS_TRITON:
                 )  # fmt: skip
                 token = first + tl.arange(0, BLOCK_Q)
                 if first + BLOCK_Q > kept_lo and first < written:
-                    _store_tokens(
+                    store_tokens(
                         token, (token >= kept_lo) & (token < written), row, head, slot, offset,
                         k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
                         rope_stride_b, rope_stride_t, rope_stride_d,
@@ -288,7 +540,7 @@ def _launch_ring_attention_triton(
         q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
     )
     if write and not fused:
-        _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+        launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
     return out
 
 
@@ -299,12 +551,12 @@ def _run_attention_kernel(
     :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk. Grid
     ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one program walks a row's blocks)."""
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
+    capacity, paging, paged, page_size = paging_arguments(cache, page_table, slot_ids)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_q = config["block_q"]
     grid = (num_rows, num_heads, 1 if fused else triton.cdiv(num_tokens, block_q))
-    (cos_arg, sin_arg, *rope_strides), rope = _rope_arguments(cos, sin, q)
-    with _device_guard(cache):
+    (cos_arg, sin_arg, *rope_strides), rope = rope_arguments(cos, sin, q)
+    with device_guard(cache):
         _ring_attention_kernel[grid](
             q,
             k,
@@ -346,6 +598,19 @@ def _run_attention_kernel(
         )
 
 
+@dataclass(frozen=True)
+class _Window:
+    # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
+    # build_ring_metadata computes them, so any base serves.
+    ring_capacity: int
+    head_dim: int
+    max_period: float = 10000.0
+
+    @property
+    def window(self) -> int:
+        return self.ring_capacity
+
+
 def ring_attention_reference(
     q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
@@ -362,7 +627,7 @@ def ring_attention_reference(
     # Rows that write nothing are never looked up (their ids may be out of range).
     slots = torch.where(num_written > 0, slot_ids, 0)
     if page_table is not None:
-        cache = _logical_rings(cache, page_table)
+        cache = logical_rings(cache, page_table)
     rows = cache.index_select(1, slots)
     meta = build_ring_metadata(_Window(cache.shape[3], head_dim), semantics, offsets, num_written, num_tokens)
     out = attend_gathered_rows(semantics, rows, meta, q, k, v)  # (B, H, T, Dh)

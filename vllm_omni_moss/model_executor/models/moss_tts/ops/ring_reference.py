@@ -6,23 +6,19 @@ pool: scatter the chunk's valid tokens into the rows, then SDPA with the step's 
 (``step_metadata.build_ring_metadata``). The ``"sdpa"`` attention backend runs it on every step, and
 ``ring_attention.py``'s references run it on the rows they gather. Those references and
 ``ring_write.py``'s read and write a paged cache through a copy of its rings in logical order
-(``_logical_rings``, stored back by ``_store_logical_rings``, whose boolean row selection is a host
-sync on CUDA): a reference path for CPU execution and tests, not for graph capture. Nothing here runs
-Triton.
-
-``ring_attention.py`` re-exports :func:`attend_gathered_rows`, where callers have imported it from.
+(:func:`logical_rings`, stored back by :func:`store_logical_rings`, whose boolean row selection is a
+host sync on CUDA): a reference path for CPU execution and tests, not for graph capture. Nothing here
+runs Triton.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..step_metadata import RingMetadata
 
-__all__ = ["attend_gathered_rows"]
+__all__ = ["attend_gathered_rows", "logical_rings", "store_logical_rings"]
 
 
 def attend_gathered_rows(
@@ -73,20 +69,7 @@ def attend_gathered_rows(
     return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
 
 
-@dataclass(frozen=True)
-class _Window:
-    # The fields of GroupSpec that build_ring_metadata reads; the reference needs no RoPE tables but
-    # build_ring_metadata computes them, so any base serves.
-    ring_capacity: int
-    head_dim: int
-    max_period: float = 10000.0
-
-    @property
-    def window(self) -> int:
-        return self.ring_capacity
-
-
-def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
+def logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
     """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``cache`` itself when unpaged, else a
     gathered copy of each slot's pages in logical order (``C = pages per ring x page size``)."""
     if page_table is None:
@@ -96,8 +79,10 @@ def _logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torc
     return pages.permute(0, 1, 3, 2, 4, 5).reshape(planes, num_slots, heads, num_pages * page_size, head_dim)
 
 
-def _store_logical_rings(cache, page_table, rings, slots) -> None:
-    # Write the logical rings of `slots` back into their pages (the inverse of _logical_rings).
+def store_logical_rings(cache, page_table, rings, slots) -> None:
+    """Write the logical rings ``(2, S, H, C, Dh)`` of ``slots`` (a ``(N,)`` int64 tensor) back into their
+    pages of ``cache`` ``(2, P, H, page_size, Dh)`` through ``page_table`` ``(S, C / page_size)``: the
+    inverse of :func:`logical_rings` for those slots."""
     planes, _, heads, capacity, head_dim = rings.shape
     num_pages = page_table.shape[1]
     pages = rings[:, slots].view(planes, len(slots), heads, num_pages, capacity // num_pages, head_dim)

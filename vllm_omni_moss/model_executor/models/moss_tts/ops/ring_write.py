@@ -12,10 +12,11 @@ chunk's RoPE tables; the kernel then rotates them as it loads them, bitwise ``st
 
 Beside the kernel, its ``torch.library.custom_op`` (``vllm_omni_moss::ring_write``) with
 ``register_fake``, the PyTorch reference and the public :func:`ring_write`, this module holds what the
-attention ops of ``ops/ring_attention.py`` share with the write: the store of a block of chunk tokens
-(``_store_tokens``, which the attention kernel's fused write runs too) and the argument checks of the
-ring ops. Dispatch is ``ops/_triton.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel, CPU
-tensors run the reference unless the Triton interpreter is active at import (bfloat16 excepted).
+attention ops of ``ops/ring_attention.py`` build on: the jit helpers of both ring kernels (rotated
+loads, the addresses of ring cells, and the store of a block of chunk tokens that the attention kernel's
+fused write runs too), their RoPE and paging arguments, the write's launch, and the argument checks of
+the ring ops. Dispatch is ``ops/dispatch.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel,
+CPU tensors run the reference unless the Triton interpreter is active at import (bfloat16 excepted).
 """
 
 from __future__ import annotations
@@ -23,22 +24,20 @@ from __future__ import annotations
 import torch
 
 from ..step_metadata import apply_rope
-from ._triton import (
-    HAS_TRITON,
-    _check_tensor,
-    _device_guard,
-    _paging_arguments,
-    _rope_arguments,
-    runs_triton_kernel,
-    tl,
-    triton,
-)
-from .ring_reference import _logical_rings, _store_logical_rings
+from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
+from .ring_reference import logical_rings, store_logical_rings
 
-if HAS_TRITON:
-    from ._triton import _cell_pointers, _load_rotated
-
-__all__ = ["RING_DTYPES", "ring_write", "ring_write_reference"]
+__all__ = [
+    "RING_DTYPES",
+    "check_page_table",
+    "check_rope",
+    "check_step",
+    "launch_ring_write_triton",
+    "paging_arguments",
+    "ring_write",
+    "ring_write_reference",
+    "rope_arguments",
+]
 
 #: Ring dtypes the ring kernels support (the attention kernel's dot products take 16- or 32-bit floats).
 RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,8 +50,14 @@ _WRITE_TILE_ELEMENTS = 2048
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_rope(op: str, cos, sin, shape, device) -> None:
-    """Check the optional RoPE tables against the step's ``(B, H, T, Dh)``."""
+def check_rope(op: str, cos, sin, shape, device) -> None:
+    """Check the optional RoPE tables ``cos``, ``sin`` (float32 ``(B, 1, T, Dh/2)``, equal strides, on
+    ``device``) against the step's ``shape`` ``(B, H, T, Dh)``; ``op`` names the op in the message.
+
+    Raises:
+        TypeError: a table is not a tensor. ValueError: one table without the other, an odd ``Dh``, or a
+            shape, dtype, device or stride mismatch.
+    """
     if (cos is None) != (sin is None):
         raise ValueError(f"{op}: `cos` and `sin` must be given together")
     if cos is None:
@@ -61,14 +66,20 @@ def _check_rope(op: str, cos, sin, shape, device) -> None:
     if head_dim % 2:
         raise ValueError(f"{op}: RoPE needs an even head dim, got Dh = {head_dim}")
     table = (num_rows, 1, num_tokens, head_dim // 2)
-    _check_tensor(op, "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, device)
-    _check_tensor(op, "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, device)
+    check_tensor(op, "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, device)
+    check_tensor(op, "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, device)
     if cos.stride() != sin.stride():
         raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
 
 
-def _check_page_table(op: str, page_table, cache) -> None:
-    """Check the optional ``(S, n)`` page table against the ``(2, P, H, page_size, Dh)`` paged cache."""
+def check_page_table(op: str, page_table, cache) -> None:
+    """Check the optional ``(S, n)`` int32/int64 page table against the ``(2, P, H, page_size, Dh)`` paged
+    ``cache``; ``op`` names the op in the message.
+
+    Raises:
+        TypeError: not a tensor or None. ValueError: not 2-D with at least one page per ring, another
+            dtype, or another device than the cache's.
+    """
     if page_table is None:
         return
     if not isinstance(page_table, torch.Tensor):
@@ -83,30 +94,91 @@ def _check_page_table(op: str, page_table, cache) -> None:
         raise ValueError(f"{op}: `page_table` is on {page_table.device}, the cache on {cache.device}")
 
 
-def _check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
-    """Check the arguments both ops share; return ``(B, H, T, Dh)``."""
-    _check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+def check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
+    """Check the arguments every ring op shares and return the step's ``(B, H, T, Dh)``: ``cache``
+    ``(2, S, H, C, Dh)`` of a :data:`RING_DTYPES` dtype; ``k``, ``v`` ``(B, H, T, Dh)`` in its dtype and on
+    its device; ``slot_ids``, ``offsets``, ``num_written`` ``(B,)`` int64. ``op`` names the op in the message.
+
+    Raises:
+        TypeError: an argument is not a tensor. ValueError: a shape, dtype or device mismatch.
+    """
+    check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
     if cache.dtype not in RING_DTYPES:
         raise ValueError(f"{op}: `cache` must have one of the dtypes {RING_DTYPES}, got {cache.dtype}")
     _, _, num_heads, _, head_dim = cache.shape
-    _check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
+    check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
     num_rows, _, num_tokens, _ = k.shape
     shape = (num_rows, num_heads, num_tokens, head_dim)
-    _check_tensor(op, "v", v, "(B, H, T, Dh)", shape, cache.dtype, cache.device)
-    _check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
-    _check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "v", v, "(B, H, T, Dh)", shape, cache.dtype, cache.device)
+    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
     return shape
 
 
 # --------------------------------------------------------------------------------------------------
-# ring_write
+# What both ring kernels use (this module's and ring_attention.py's): rotated loads, the addresses
+# of ring cells, the store of a block of chunk tokens, and the kernel arguments of RoPE and paging
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
 
     @triton.jit
-    def _store_tokens(
+    def load_rotated(
+        x_ptrs,
+        cos_ptrs,
+        sin_ptrs,
+        load_ok,
+        half_ok,
+        BLOCK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROPE: tl.constexpr,
+    ):
+        # A (BLOCK, BLOCK_D) tile of queries or keys in its own dtype; with ROPE, rotated by GPT-J pairs
+        # (x[2i], x[2i+1]) with the (BLOCK, BLOCK_D // 2) float32 tables, each product and sum rounded
+        # to float32 on its own (launched with enable_fp_fusion=False), then rounded to the input dtype:
+        # bitwise step_metadata.apply_rope.
+        x = tl.load(x_ptrs, mask=load_ok, other=0.0)
+        if ROPE:
+            cos = tl.load(cos_ptrs, mask=half_ok, other=0.0)
+            sin = tl.load(sin_ptrs, mask=half_ok, other=0.0)
+            re, im = tl.split(tl.reshape(x.to(tl.float32), (BLOCK, BLOCK_D // 2, 2)))
+            rotated = tl.join(re * cos - im * sin, re * sin + im * cos)
+            x = tl.reshape(rotated, (BLOCK, BLOCK_D)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def cell_pointers(
+        cache_ptr,
+        slot,
+        head,
+        cell,
+        ok,
+        page_table_ptr,
+        page_table_stride_s,
+        page_table_stride_p,
+        cache_stride_s,
+        cache_stride_h,
+        cache_stride_c,
+        PAGED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+    ):
+        # Pointers to ring cells `cell` (a vector) of one (slot, head). Unpaged, the slot indexes the
+        # cache's second axis; paged, that axis holds pages and cell c of the slot lives at row
+        # c mod PAGE_SIZE of page page_table[slot, c // PAGE_SIZE]. Masked-off cells read no page id.
+        # PAGE_SIZE is a compile-time constant, so both become multiplies and shifts.
+        if PAGED:
+            page = tl.load(
+                page_table_ptr + slot * page_table_stride_s + (cell // PAGE_SIZE) * page_table_stride_p,
+                mask=ok,
+                other=0,
+            ).to(tl.int64)
+            return cache_ptr + page * cache_stride_s + head * cache_stride_h + (cell % PAGE_SIZE) * cache_stride_c
+        else:
+            return cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell * cache_stride_c
+
+    @triton.jit
+    def store_tokens(
         token,
         ok,
         row,
@@ -146,12 +218,12 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
     ):
         # Store chunk tokens `token` (a BLOCK_T vector, only where `ok`) of one (row, head) into cells
-        # (offset + token) mod C of the slot's ring: keys rotated as _load_rotated rotates them.
+        # (offset + token) mod C of the slot's ring: keys rotated as load_rotated rotates them.
         d = tl.arange(0, BLOCK_D)
         load_ok = ok[:, None] & (d < head_dim)[None, :]
         pair = tl.arange(0, BLOCK_D // 2)
         rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
-        keys = _load_rotated(
+        keys = load_rotated(
             k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
             cos_ptr + rope,
             sin_ptr + rope,
@@ -165,7 +237,7 @@ if HAS_TRITON:
             v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
             mask=load_ok,
         )
-        cells = _cell_pointers(
+        cells = cell_pointers(
             cache_ptr,
             slot,
             head,
@@ -183,6 +255,35 @@ if HAS_TRITON:
         dst = cells[:, None] + d[None, :] * cache_stride_d
         tl.store(dst, keys, mask=load_ok)
         tl.store(dst + cache_stride_p, values, mask=load_ok)
+
+
+def paging_arguments(cache, page_table, fallback):
+    """The ring kernels' view of a cache: ``(capacity, page-table arguments, PAGED, PAGE_SIZE)``.
+
+    ``cache`` is ``(2, S, H, C, Dh)``, or ``(2, P, H, page_size, Dh)`` with ``page_table`` ``(S, n)``;
+    the page-table arguments are the table and its two strides, or ``(fallback, 0, 0)`` unpaged (a
+    tensor the kernel never reads). Capacity is ``C``, or ``n x page_size``.
+    """
+    if page_table is None:
+        return cache.shape[3], (fallback, 0, 0), False, 1
+    page_size = cache.shape[3]
+    return page_table.shape[1] * page_size, (page_table, *page_table.stride()), True, page_size
+
+
+def rope_arguments(cos, sin, fallback):
+    """The ring kernels' RoPE arguments: ``((cos, sin, stride_b, stride_t, stride_d), ROPE)`` for
+    ``(B, 1, T, Dh/2)`` tables, or ``((fallback, fallback, 0, 0, 0), False)`` without them (``fallback``
+    is a tensor the kernel never reads)."""
+    if cos is None:
+        return (fallback, fallback, 0, 0, 0), False
+    return (cos, sin, cos.stride(0), cos.stride(2), cos.stride(3)), True
+
+
+# --------------------------------------------------------------------------------------------------
+# ring_write
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
 
     @triton.jit
     def _ring_write_kernel(
@@ -237,7 +338,7 @@ if HAS_TRITON:
             # earlier tokens would be overwritten within the step, so they are skipped.
             kept = tl.minimum(written, capacity)
             i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-            _store_tokens(
+            store_tokens(
                 written - kept + i, i < kept, row, head, slot, offset,
                 k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
                 rope_stride_b, rope_stride_t, rope_stride_d,
@@ -249,7 +350,7 @@ if HAS_TRITON:
             )  # fmt: skip
 
 
-def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+def launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
     """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
     Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
@@ -258,15 +359,15 @@ def _launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=N
     if not HAS_TRITON:
         raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = k.shape
-    capacity, paging, paged, page_size = _paging_arguments(cache, page_table, slot_ids)
+    capacity, paging, paged, page_size = paging_arguments(cache, page_table, slot_ids)
     kept = min(num_tokens, capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(triton.next_power_of_2(kept), _WRITE_TILE_ELEMENTS // block_d))
     grid = (num_rows, num_heads, triton.cdiv(kept, block_t))
-    (cos, sin, *rope_strides), rope = _rope_arguments(cos, sin, k)
-    with _device_guard(cache):
+    (cos, sin, *rope_strides), rope = rope_arguments(cos, sin, k)
+    with device_guard(cache):
         _ring_write_kernel[grid](
             k,
             v,
@@ -302,9 +403,9 @@ def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, 
     A paged cache is written through a gathered copy of the rows' rings, stored back page by page.
     """
     if page_table is not None:
-        rings = _logical_rings(cache, page_table)
+        rings = logical_rings(cache, page_table)
         ring_write_reference(k, v, rings, slot_ids, offsets, num_written, cos, sin)
-        _store_logical_rings(cache, page_table, rings, slot_ids[num_written > 0])
+        store_logical_rings(cache, page_table, rings, slot_ids[num_written > 0])
         return
     if cos is not None:
         k = apply_rope(k, cos, sin)
@@ -334,7 +435,7 @@ def _ring_write_op(
 ) -> None:
     args = (k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
     if runs_triton_kernel(cache):
-        _launch_ring_write_triton(*args)
+        launch_ring_write_triton(*args)
     else:
         ring_write_reference(*args)
 
@@ -380,7 +481,7 @@ def ring_write(
         ValueError: a shape, dtype or device is inconsistent (the message names the argument).
         RuntimeError: CUDA tensors without Triton installed.
     """
-    shape = _check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
-    _check_rope("ring_write", cos, sin, shape, cache.device)
-    _check_page_table("ring_write", page_table, cache)
+    shape = check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
+    check_rope("ring_write", cos, sin, shape, cache.device)
+    check_page_table("ring_write", page_table, cache)
     torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)

@@ -16,7 +16,7 @@ result is rounded once to the input dtype. Index arithmetic: token and row offse
 head terms are int32 products, which the decoder's layouts keep far below 2**31 words (a head is ``Dh / 2``
 words apart, a plane ``H x Dh / 2``).
 
-Dispatch is ``ops/_triton.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
+Dispatch is ``ops/dispatch.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
 Triton interpreter is active at import, then the kernel runs interpreted (bfloat16 excepted).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..step_metadata import apply_rope
-from ._triton import HAS_TRITON, _check_tensor, _device_guard, runs_triton_kernel, tl, triton
+from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
 
 __all__ = ["ROPE_DTYPES", "rope", "rope_reference"]
 
@@ -100,7 +100,7 @@ def _launch_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     half = head_dim // 2
     dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
     grid = (num_rows, triton.cdiv(num_tokens, _BLOCK_T), num_planes * num_heads)
-    with _device_guard(x):
+    with device_guard(x):
         _rope_kernel[grid](
             words, cos, sin, out.view(words.dtype), num_rows, num_heads, num_tokens, half,
             *words.stride()[:4], cos.stride(0), cos.stride(2), cos.stride(3),
@@ -150,8 +150,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if head_dim % 2:
         raise ValueError(f"rope: RoPE needs an even head dim, got Dh = {head_dim}")
     table = (num_rows, 1, num_tokens, head_dim // 2)
-    _check_tensor("rope", "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
-    _check_tensor("rope", "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
+    check_tensor("rope", "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
+    check_tensor("rope", "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, x.device)
     # The kernel reads both tables with cos's strides of the B, T and Dh/2 dims (dim 1 has size 1).
     if [cos.stride(d) for d in (0, 2, 3)] != [sin.stride(d) for d in (0, 2, 3)]:
         raise ValueError(

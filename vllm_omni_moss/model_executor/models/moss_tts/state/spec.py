@@ -17,7 +17,7 @@ import torch
 
 from ..attention import check_attention_backend, default_attention_backend
 from ..checks import check_count
-from ..ops.ring_attention import RING_DTYPES
+from ..ops.ring_write import RING_DTYPES
 from ..step_metadata import check_ring_semantics, default_ring_semantics
 from .offsets import offset_table_rows
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decoder import _autocast, run_decoder
+from ..decoder import decode_autocast, run_decoder
 
 __all__ = ["decode_batch", "decode_tensors", "validate_step"]
 
@@ -28,7 +28,7 @@ def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[tor
     slots = pool.route(slot_ids, valid_rows)
     valid_frames = torch.where(valid_rows, valid_frames, 0)
     plan = pool.step_plan(slots, valid_frames, codes.shape[-1])
-    with torch.no_grad(), _autocast(pool.decoder):
+    with torch.no_grad(), decode_autocast(pool.decoder):
         audio = run_decoder(pool.decoder, codes, plan)
     audio_lengths = valid_frames * pool.config.samples_per_frame
     sample = torch.arange(audio.shape[-1], device=audio.device)
