@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """CodecStreamSession when things go wrong around it: a pool step that raises fails its own rows' streams alone
-(the audio decoded before it is returned, the other streams decode on and stay exact).
+(the audio decoded before it is returned, the other streams decode on and stay exact); a session refuses a second
+caller (another thread, or a call from inside a running one).
 
 Audio is compared with the solo decode ``decoder.decode(codes[:, None], chunk_frames=<the pieces it was fed>)``.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -140,3 +143,95 @@ def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkey
     monkeypatch.setattr(s.pool, "decode_streaming_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
+
+
+# ----------------------------------------------------------------------------- one caller
+
+
+def _busy_message(called: str, running: str) -> str:
+    return (
+        f"CodecStreamSession.{called}() called while CodecStreamSession.{running}() of the same session runs "
+        "(from another thread or from inside it); a session takes one caller at a time"
+    )
+
+
+def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch):
+    """While one thread's decode() is inside a pool step, every mutating method called from another thread
+    raises at once, changing nothing; the first call then finishes exactly and the session serves again."""
+    s = CodecStreamSession(ring_decoder, 2)
+    real = s.pool.decode_streaming_batch
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(codes, lengths, slot_ids, valid):
+        entered.set()
+        assert release.wait(timeout=60)
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", blocking)
+    a = _codes(ring_decoder, 3, 1)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(s.decode([ChunkRequest("a", a[:, :2])])))
+    worker.start()
+    try:
+        assert entered.wait(timeout=60)
+        calls = {
+            "decode": lambda: s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 2))]),
+            "on_requests_finished": lambda: s.on_requests_finished(["a"]),
+            "close": s.close,
+            "enable_call_traces": s.enable_call_traces,
+            "disable_call_traces": s.disable_call_traces,
+        }
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError) as info:
+                call()
+            assert str(info.value) == _busy_message(name, "decode")
+    finally:
+        release.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive()
+    _close(out["a"].audio, ring_decoder.decode(a[:, None, :2], [2])[0], "a")
+    assert set(s.live_requests) == {"a"} and s.free_slots == 1
+    monkeypatch.undo()
+    rest = s.decode([ChunkRequest("a", a[:, 2:], True)])["a"]
+    spf = ring_decoder.config.samples_per_frame
+    _close(rest.audio, ring_decoder.decode(a[:, None], [2, 1])[0][:, 2 * spf :], "a after")
+    assert s.free_slots == 2
+
+
+def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
+    """Re-entrant calls (a generator of requests or ids, a step) raise; the outer call is not disturbed."""
+    s = CodecStreamSession(ring_decoder, 2)
+    a = _codes(ring_decoder, 2, 1)
+    s.decode([ChunkRequest("a", a[:, :1])])
+
+    def requests():
+        s.decode([])
+        yield ChunkRequest("a", a[:, 1:])
+
+    with pytest.raises(RuntimeError) as info:
+        s.decode(requests())
+    assert str(info.value) == _busy_message("decode", "decode")
+
+    def ids():
+        yield "a"
+        s.close()
+
+    with pytest.raises(RuntimeError) as info:
+        s.on_requests_finished(ids())
+    assert str(info.value) == _busy_message("close", "on_requests_finished")
+    assert s.live_requests == {} and s.free_slots == 2  # the id seen before the failure was released
+
+    real, refused = s.pool.decode_streaming_batch, []
+
+    def step(codes, lengths, slot_ids, valid):
+        try:
+            s.on_requests_finished(["b"])
+        except RuntimeError as exc:
+            refused.append(str(exc))
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", step)
+    got = s.decode([ChunkRequest("b", a, True)])["b"]
+    assert refused == [_busy_message("on_requests_finished", "decode")]
+    _close(got.audio, ring_decoder.decode(a[:, None], [2])[0], "b")
+    assert s.free_slots == 2

@@ -33,12 +33,18 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   raises (a CUDA out-of-memory error, say) fails the streams of its rows alone: each gets its audio decoded
   before the failure with ``error`` set, its slot is released, and later chunks under its id get that error
   until the request ends; every other stream decodes on, in that call and later ones.
+* **One caller.** A session is not thread-safe: one caller at a time, as vLLM's runner calls ``forward``. Its
+  mutating methods (:meth:`decode`, :meth:`on_requests_finished`, :meth:`close`, the call-trace switches) raise
+  ``RuntimeError`` when called while another of them runs, from another thread or from inside it (a
+  generator of requests or ids, a callback); reads are not guarded.
 
 The session imports nothing from vLLM; it runs wherever the pool runs.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -55,6 +61,29 @@ from .step_runner import StepRunner
 from .tracing import CallTrace, CallTracer
 
 __all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]
+
+
+def _one_caller(method):
+    """Make ``method`` of a session refuse to start while another guarded method of that session runs: a
+    non-blocking lock, so a second thread or a re-entrant call fails at once instead of corrupting streams."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if not self._caller.acquire(blocking=False):
+            running = self._running or "another method"  # read without the lock: for the message only
+            raise RuntimeError(
+                f"CodecStreamSession.{name}() called while {running} of the same session runs (from another "
+                "thread or from inside it); a session takes one caller at a time"
+            )
+        self._running = f"CodecStreamSession.{name}()"
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._running = None
+            self._caller.release()
+
+    return guarded
 
 
 class CodecStreamSession:
@@ -91,7 +120,9 @@ class CodecStreamSession:
         graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
             (``cuda_graph.StreamingGraphRunner``).
 
-    Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty.
+    Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty. A session
+    takes one caller at a time (it is not thread-safe): a mutating method called while another runs raises
+    ``RuntimeError`` naming both.
 
     Raises:
         ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, or an
@@ -149,6 +180,7 @@ class CodecStreamSession:
         )  # fmt: skip
         self._scheduler = Scheduler(self.pool, state_capacity, max_waiting_streams, max_waiting_frames, self._counters)
         self._closed = False
+        self._caller, self._running = threading.Lock(), None  # _one_caller's lock, and the method holding it
 
     # ------------------------------------------------------------------ properties
     @property
@@ -208,18 +240,21 @@ class CodecStreamSession:
         return self._counters.stats(len(waiting), waiting.buffered_frames, self.clamped_codes)
 
     # ------------------------------------------------------------------ lifecycle
+    @_one_caller
     def on_requests_finished(self, request_ids: Iterable[str]) -> None:
         """Abort, disconnect or completion: release every slot these ids hold and drop their buffered chunks.
         Ids that are not live or waiting are ignored.
 
         Raises:
             TypeError: ``request_ids`` is a single ``str`` (or bytes), not a collection of ids.
+            RuntimeError: another of the session's methods runs (one caller at a time; so do the methods below).
         """
         if isinstance(request_ids, (str, bytes)):
             raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
         if not self._closed:
             self._scheduler.finish_requests(request_ids)
 
+    @_one_caller
     def enable_call_traces(self, max_calls: int | None = 4096) -> deque[CallTrace]:
         """Record a :class:`CallTrace` of every later :meth:`decode` call in :attr:`call_traces` (the last
         ``max_calls``; None keeps all), for latency diagnosis. Costs a few clock reads a step, and a look at the
@@ -229,27 +264,30 @@ class CodecStreamSession:
 
         Raises:
             ValueError: ``max_calls`` is not None or an integer in ``1..sys.maxsize``.
-            RuntimeError: the session is closed.
+            RuntimeError: the session is closed, or another of its methods runs.
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
         return self._tracer.enable(max_calls)
 
+    @_one_caller
     def disable_call_traces(self) -> None:
         """Stop recording call traces; :attr:`call_traces` becomes None. Idempotent."""
         self._tracer.disable()
 
+    @_one_caller
     def close(self) -> None:
         """Drop graphs and pool state. Idempotent; :meth:`decode` raises afterwards."""
         if self._closed:
             return
         self._closed = True
-        self.disable_call_traces()
+        self._tracer.disable()
         self._steps.close()
         self.pool.close()
         self._scheduler.clear()
 
     # ------------------------------------------------------------------ decode
+    @_one_caller
     @torch.no_grad()
     def decode(self, requests: Sequence[ChunkRequest]) -> dict[str, ChunkResult]:
         """Decode one Stage-1 batch.
@@ -266,7 +304,7 @@ class CodecStreamSession:
         Raises:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
-            RuntimeError: the session is closed.
+            RuntimeError: the session is closed, or another of its methods runs (one caller at a time).
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
