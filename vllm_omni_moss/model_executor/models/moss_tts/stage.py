@@ -13,7 +13,7 @@ Differences in behaviour (details in ``docs/serving_stage.md``):
 * Streams are keyed by the runner's request ids (the strings ``on_requests_finished`` receives), never by
   batch position; the payload's own id is a logged cross-check.
 * A request fails alone: a malformed payload, a missing stream id or a session error is logged once for that
-  request, which gets empty audio (or, when a codec step of its stream raised, the audio decoded before it); the
+  request, which gets empty audio (or, when a decoder step of its stream raised, the audio decoded before it); the
   others decode. A terminal payload always ends its stream and frees its slot, even when malformed.
 * A chunk the engine's token budget split across steps is buffered until the size its payload declares is
   complete.
