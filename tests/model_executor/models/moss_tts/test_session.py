@@ -704,14 +704,19 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert empty.steps == 0 and empty.chunks == 2 and empty.plan_ms == pytest.approx(empty.total_ms, rel=1e-9)
     assert empty.stage_ms == empty.run_ms == empty.to_host_ms == empty.finish_ms == empty.wait_ms == 0.0
 
-    # A call whose step raises is recorded as failed; the session goes on decoding and tracing.
+    # A step that raises fails its streams alone and is counted; the call completes.
     def broken(codes, lengths, slot_ids, valid):
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(s.pool, "decode_streaming_batch", broken)
+    assert "the device fell over" in s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])["c"].error
+    assert not traces[-1].failed and traces[-1].failed_steps == 1 and traces[-1].steps == 0
+    # A call that raises is recorded as failed; the session goes on decoding and tracing.
+    monkeypatch.setattr(s._scheduler, "ready", lambda: broken(None, None, None, None))
     with pytest.raises(RuntimeError, match="the device fell over"):
         s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
     assert traces[-1].failed and traces[-1].steps == 0 and s._tracer.trace is None
+    monkeypatch.undo()
     monkeypatch.setattr(s.pool, "decode_streaming_batch", real)
     s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 7))])
     assert not traces[-1].failed and traces[-1].steps == 1

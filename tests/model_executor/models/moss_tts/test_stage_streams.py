@@ -9,9 +9,10 @@
   step that left token budget unused, or the `[0]` placeholder); a chunk split by the
   token budget is buffered until its declared size; a malformed payload (a bad count
   field, a ``meta`` that is not a dict, in streaming and offline decode) fails alone.
-* Session errors are logged once per request; audio decoded from the admission queue
-  after a request's last row is logged as lost when the request finishes; session
-  statistics are logged periodically.
+* Session errors are logged once per request (a step that raises fails its own rows' requests, which return
+  the audio decoded before it); audio decoded from the admission queue
+  after a request's last row is logged as lost when the request finishes; what the stage
+  keeps per stream ends with the stream; session statistics are logged periodically.
 """
 
 from __future__ import annotations
@@ -435,6 +436,51 @@ def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, capl
     assert got.shape[-1] == ref.shape[-1] + spf
     assert torch.equal(got[..., :spf], held.reshape(got[..., :spf].shape))
     _assert_audio(got[..., spf:], ref, "q")
+
+
+def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_request(stage, caplog, monkeypatch):
+    """Request f's 5-frame chunk is cut into 3 + 2 frames; the step of its second piece raises: its row returns
+    the 3 frames decoded before (the error logged once), request g's row beside it is exact, and f's next row
+    returns empty audio while g decodes on."""
+    session = stage._ensure_session()
+    real, tried = session.pool.decode_streaming_batch, []
+
+    def step(codes, lengths, slot_ids, valid):
+        tried.append(codes.shape[1:])
+        if len(tried) == 3:  # 1: g's frame, 2: f's first piece, 3: f's second piece
+            raise RuntimeError("injected")
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(session.pool, "decode_streaming_batch", step)
+    g, f = _codes(stage, 2, seed=31), _codes(stage, 6, seed=32)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [g[:, :1], f[:, :5]], [delay_info(), delay_info()], ["g", "f"])
+        assert [tuple(t) for t in tried] == [(1, 1), (1, 3), (1, 3)]
+        _assert_audio(out[0], fresh_decode(stage, g[:, :1], [1]), "g")
+        _assert_audio(out[1], fresh_decode(stage, f[:, :3], [3]), "f: the piece decoded before the failure")
+        later = run(stage, [g[:, 1:], f[:, 5:]], [delay_info(), delay_info()], ["g", "f"])
+    assert later[1].numel() == 0
+    _assert_audio(later[0], fresh_decode(stage, g, [1, 1])[..., -later[0].shape[-1] :], "g after")
+    assert _warnings(caplog) == [
+        "MOSS codec request f (batch row 1): request 'f': its decoder step (1 rows x 3 frames) failed with "
+        "RuntimeError: injected; the stream was ended, frames left undecoded: 2; returning the 3 frames decoded "
+        "before it"
+    ]
+    assert set(session.live_requests) == {"g"}
+
+
+def test_bookkeeping_of_ended_streams_does_not_grow_without_on_requests_finished(stage, caplog):
+    """A caller that drives the stage without vLLM-Omni's runner never calls ``on_requests_finished``: what the
+    stage keeps per stream (the warnings it logged once) is dropped when the stream's terminal chunk ends it."""
+    n = stage.n_vq
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        for i in range(50):
+            c = _codes(stage, 2, seed=40 + i)
+            run(stage, [c[:, :1]], [raw_info(f"other-{i}", 1, n)], [f"r{i}"])  # its payload names another id
+            run(stage, [c[:, 1:]], [raw_info(f"other-{i}", 1, n, finished=True)], [f"r{i}"])
+    assert len(_warnings(caplog)) == 50  # one mismatch warning per stream
+    assert stage._mismatch_warned == set() and stage._reported == set()
+    assert not stage._session.live_requests and not stage._held and not stage._payloads.partial
 
 
 def test_a_terminal_chunk_of_a_waiting_stream_is_decoded_in_its_step(tmp_path, caplog):

@@ -13,8 +13,8 @@ Differences in behaviour (details in ``docs/serving_stage.md``):
 * Streams are keyed by the runner's request ids (the strings ``on_requests_finished`` receives), never by
   batch position; the payload's own id is a logged cross-check.
 * A request fails alone: a malformed payload, a missing stream id or a session error is logged once for that
-  request, which gets empty audio; the others decode. A terminal payload always ends its stream and frees its
-  slot, even when malformed.
+  request, which gets empty audio (or, when a decoder step of its stream raised, the audio decoded before it); the
+  others decode. A terminal payload always ends its stream and frees its slot, even when malformed.
 * A chunk the engine's token budget split across steps is buffered until the size its payload declares is
   complete.
 * Precision per codec as upstream (v1 in float32, v2 in bfloat16 on CUDA), overridable with
@@ -306,36 +306,39 @@ class MossTTSCodecDecoder(nn.Module):
                 audios[c.index] = self._deliver(c, result)
         for key, result in results.items():  # streams decoded from the admission queue, not in this batch
             if result.error is not None:
-                self._report(key, None, result.error)
-            elif result.frames:
+                self._report(key, None, result.error, result.frames)
+            if result.frames:  # with an error too: the audio decoded before its step failed
                 self._held.setdefault(key, []).append(result.audio)
                 self._held_frames[key] = self._held_frames.get(key, 0) + result.frames
         for c in chunks:
-            if c.finished and c.codes is not None:
-                self._reported.discard(c.key)  # the stream ended: the id may start a new one
+            if c.finished and c.codes is not None:  # the stream ended: the id may start a new one
+                self._reported.discard(c.key)
+                self._mismatch_warned.discard(c.key)
         return audios
 
     def _deliver(self, chunk: StreamChunk, result: ChunkResult) -> torch.Tensor:
-        """The audio a batch row returns: anything held for its stream, then this step's."""
-        if result.error is not None:
-            self._report(chunk.key, chunk.index, result.error)
+        """The audio a batch row returns: anything held for its stream, then this step's (with an error, the
+        audio its stream decoded before it failed)."""
         parts = self._held.pop(chunk.key, [])
+        if result.error is not None:
+            self._report(chunk.key, chunk.index, result.error, self._held_frames.get(chunk.key, 0) + result.frames)
         self._held_frames.pop(chunk.key, None)
-        if result.error is None and result.frames:
+        if result.frames:
             parts.append(result.audio)
         if not parts:
             return self._empty_audio()
         return self._shape_audio(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
 
-    def _report(self, key: str | None, index: int | None, error: str) -> None:
+    def _report(self, key: str | None, index: int | None, error: str, frames: int = 0) -> None:
         """Log a request's error: once per stream key (every time for a row without one). ``index`` is the
-        request's batch row, None for a stream outside the batch."""
+        request's batch row, None for a stream outside the batch; ``frames``: decoded frames it still returns."""
         if key is not None:
             if key in self._reported:
                 return
             self._reported.add(key)
         where = "not in this batch" if index is None else f"batch row {index}"
-        logger.warning("MOSS codec request %s (%s): %s; returning empty audio", key, where, error)
+        returned = f"returning the {frames} frames decoded before it" if frames else "returning empty audio"
+        logger.warning("MOSS codec request %s (%s): %s; %s", key, where, error, returned)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
@@ -368,9 +371,8 @@ class MossTTSCodecDecoder(nn.Module):
                 logger.error(
                     "MOSS codec request %s finished with %d decoded frames never returned: the session decoded "
                     "them from its admission queue after the request's last batch row; dropped",
-                    rid,
-                    self._held_frames.get(rid, 0),
-                )
+                    rid, self._held_frames.get(rid, 0),
+                )  # fmt: skip
             self._held_frames.pop(rid, None)
             self._reported.discard(rid)
             self._mismatch_warned.discard(rid)

@@ -22,7 +22,7 @@ class SessionCounters:
         preemptions: streams whose state was saved to the host to free pages; preempted_bytes: the host bytes
             of those saved states; preemption_s: host seconds spent saving and restoring them (the device copies
             included: both wait for them).
-        request_errors: chunks refused.
+        request_errors: chunks refused, and streams failed by a step that raised.
         clamped_codes: codes clamped into the codebook, counted so far on the host.
         clamped_on_device: counts of steps whose codes were on the device, not read yet (a lazy sum).
     """
@@ -40,3 +40,22 @@ class SessionCounters:
     request_errors: int = 0
     clamped_codes: int = 0
     clamped_on_device: torch.Tensor | None = None
+
+    def stats(self, waiting_streams: int, waiting_frames: int, clamped_codes: int) -> dict[str, object]:
+        """The counters as ``CodecStreamSession.stats`` reports them, with the streams and frames waiting for a
+        slot now and the codes clamped so far (the session reads them)."""
+        return {
+            "steps_by_path": {"graph": self.steps_graph, "eager": self.steps_eager},
+            "decoded_frames": self.decoded_frames,
+            "padded_frames": self.padded_frames,
+            "padding_rows": self.padding_rows,
+            "waiting_streams": waiting_streams,
+            "waiting_frames": waiting_frames,
+            "admitted_from_queue": self.admitted_from_queue,
+            "preemptions": self.preemptions,
+            "preempted_bytes": self.preempted_bytes,
+            "preemption_seconds": self.preemption_s,
+            "queue_wait_s_max": self.queue_wait_s_max,
+            "clamped_codes": clamped_codes,
+            "request_errors": self.request_errors,
+        }

@@ -39,8 +39,9 @@ class ChunkResult:
         sample_rate: samples per second per channel.
         frames: code frames decoded for this request in this call.
         error: why this request's chunk in this call was refused (nothing of its stream changed by it), or
-            None. A refused chunk of a stream whose earlier, buffered chunks were decoded in the same call
-            comes back with that audio and the error together.
+            why its stream failed (a pool step of it raised: the stream ended), or None. A refused chunk of a
+            stream whose earlier, buffered chunks were decoded in the same call comes back with that audio and
+            the error together; so does a failed stream with the audio decoded before its step raised.
         queued: True while the stream waits for a slot (its chunk is buffered).
     """
 

@@ -218,6 +218,16 @@ class Scheduler:
         if streams:
             self.pool.release([s.slot for s in streams])
 
+    def fail(self, errors: dict[str, str]) -> None:
+        """End the live streams of ``errors`` (request id -> error) whose step raised: their slots are released
+        (reset; their state is unknown). A stream that has not got its terminal chunk stays refused with its
+        error until its request ends, so that it never resumes from an empty state."""
+        streams = [self.live.pop(rid) for rid in errors]
+        for stream in streams:
+            if not stream.finished:
+                self.refused[stream.request_id] = errors[stream.request_id]
+        self.pool.release([s.slot for s in streams])
+
     # ------------------------------------------------------------------ lifecycle
     def finish_requests(self, request_ids) -> None:
         """Abort, disconnect or completion: release every slot these ids hold and drop their buffered chunks.

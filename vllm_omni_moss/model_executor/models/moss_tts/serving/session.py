@@ -29,13 +29,22 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
 * **Errors.** A request whose chunk is malformed (codes that are not an integer ``(n_vq, T)`` tensor, an empty
   id) gets a :class:`ChunkResult` with ``error`` set and nothing of its stream changes; the other requests of
   the batch decode normally. A batch holding the same request id twice is refused whole (``ValueError``)
-  before anything changes. Codes outside ``[0, codebook_size)`` are clamped and counted.
+  before anything changes. Codes outside ``[0, codebook_size)`` are clamped and counted. A pool step that
+  raises (a CUDA out-of-memory error, say) fails the streams of its rows alone: each gets its audio decoded
+  before the failure with ``error`` set, its slot is released, and later chunks under its id get that error
+  until the request ends; every other stream decodes on, in that call and later ones.
+* **One caller.** A session is not thread-safe: one caller at a time, as vLLM's runner calls ``forward``. Its
+  mutating methods (:meth:`decode`, :meth:`on_requests_finished`, :meth:`close`, the call-trace switches) raise
+  ``RuntimeError`` when called while another of them runs, from another thread or from inside it (a
+  generator of requests or ids, a callback); reads are not guarded.
 
 The session imports nothing from vLLM; it runs wherever the pool runs.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -52,6 +61,29 @@ from .step_runner import StepRunner
 from .tracing import CallTrace, CallTracer
 
 __all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]
+
+
+def _one_caller(method):
+    """Make ``method`` of a session refuse to start while another guarded method of that session runs: a
+    non-blocking lock, so a second thread or a re-entrant call fails at once instead of corrupting streams."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if not self._caller.acquire(blocking=False):
+            running = self._running or "another method"  # read without the lock: for the message only
+            raise RuntimeError(
+                f"CodecStreamSession.{name}() called while {running} of the same session runs (from another "
+                "thread or from inside it); a session takes one caller at a time"
+            )
+        self._running = f"CodecStreamSession.{name}()"
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._running = None
+            self._caller.release()
+
+    return guarded
 
 
 class CodecStreamSession:
@@ -88,7 +120,9 @@ class CodecStreamSession:
         graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
             (``cuda_graph.StreamingGraphRunner``).
 
-    Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty.
+    Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty. A session
+    takes one caller at a time (it is not thread-safe): a mutating method called while another runs raises
+    ``RuntimeError`` naming both.
 
     Raises:
         ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, or an
@@ -121,7 +155,7 @@ class CodecStreamSession:
         state_spec: StateSpec | None = None,
         graph_memory_bytes: int | None = None,
     ):
-        self._check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq)
+        _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq)
         cfg = decoder.config
         self.decoder, self.state_capacity, self.device = decoder, state_capacity, decoder.device
         self.n_vq = cfg.num_quantizers if n_vq is None else int(n_vq)
@@ -146,16 +180,7 @@ class CodecStreamSession:
         )  # fmt: skip
         self._scheduler = Scheduler(self.pool, state_capacity, max_waiting_streams, max_waiting_frames, self._counters)
         self._closed = False
-
-    @staticmethod
-    def _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq):
-        check_count(state_capacity, "state_capacity", 1)
-        check_count(max_step_frames, "max_step_frames", 1)
-        check_count(max_waiting_streams, "max_waiting_streams", 0)
-        check_count(max_waiting_frames, "max_waiting_frames", 0)
-        quantizers = decoder.config.num_quantizers
-        if n_vq is not None and not 1 <= int(n_vq) <= quantizers:
-            raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {n_vq!r}")
+        self._caller, self._running = threading.Lock(), None  # _one_caller's lock, and the method holding it
 
     # ------------------------------------------------------------------ properties
     @property
@@ -210,37 +235,26 @@ class CodecStreamSession:
         frames of rows in steps), padding rows (rows graph replays carried beyond their steps'), the admission
         queue (streams and frames waiting now, streams admitted after waiting, the longest wait in seconds),
         streams preempted for state memory (paged pools) with the host bytes of their saved states and the
-        seconds saving and restoring took, clamped codes and refused requests."""
-        c, waiting = self._counters, self._scheduler.waiting
-        return {
-            "steps_by_path": {"graph": c.steps_graph, "eager": c.steps_eager},
-            "decoded_frames": c.decoded_frames,
-            "padded_frames": c.padded_frames,
-            "padding_rows": c.padding_rows,
-            "waiting_streams": len(waiting),
-            "waiting_frames": waiting.buffered_frames,
-            "admitted_from_queue": c.admitted_from_queue,
-            "preemptions": c.preemptions,
-            "preempted_bytes": c.preempted_bytes,
-            "preemption_seconds": c.preemption_s,
-            "queue_wait_s_max": c.queue_wait_s_max,
-            "clamped_codes": self.clamped_codes,
-            "request_errors": c.request_errors,
-        }
+        seconds saving and restoring took, clamped codes and requests refused or failed."""
+        waiting = self._scheduler.waiting
+        return self._counters.stats(len(waiting), waiting.buffered_frames, self.clamped_codes)
 
     # ------------------------------------------------------------------ lifecycle
+    @_one_caller
     def on_requests_finished(self, request_ids: Iterable[str]) -> None:
         """Abort, disconnect or completion: release every slot these ids hold and drop their buffered chunks.
         Ids that are not live or waiting are ignored.
 
         Raises:
             TypeError: ``request_ids`` is a single ``str`` (or bytes), not a collection of ids.
+            RuntimeError: another of the session's methods runs (one caller at a time; so do the methods below).
         """
         if isinstance(request_ids, (str, bytes)):
             raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
         if not self._closed:
             self._scheduler.finish_requests(request_ids)
 
+    @_one_caller
     def enable_call_traces(self, max_calls: int | None = 4096) -> deque[CallTrace]:
         """Record a :class:`CallTrace` of every later :meth:`decode` call in :attr:`call_traces` (the last
         ``max_calls``; None keeps all), for latency diagnosis. Costs a few clock reads a step, and a look at the
@@ -250,27 +264,30 @@ class CodecStreamSession:
 
         Raises:
             ValueError: ``max_calls`` is not None or an integer in ``1..sys.maxsize``.
-            RuntimeError: the session is closed.
+            RuntimeError: the session is closed, or another of its methods runs.
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
         return self._tracer.enable(max_calls)
 
+    @_one_caller
     def disable_call_traces(self) -> None:
         """Stop recording call traces; :attr:`call_traces` becomes None. Idempotent."""
         self._tracer.disable()
 
+    @_one_caller
     def close(self) -> None:
         """Drop graphs and pool state. Idempotent; :meth:`decode` raises afterwards."""
         if self._closed:
             return
         self._closed = True
-        self.disable_call_traces()
+        self._tracer.disable()
         self._steps.close()
         self.pool.close()
         self._scheduler.clear()
 
     # ------------------------------------------------------------------ decode
+    @_one_caller
     @torch.no_grad()
     def decode(self, requests: Sequence[ChunkRequest]) -> dict[str, ChunkResult]:
         """Decode one Stage-1 batch.
@@ -279,14 +296,15 @@ class CodecStreamSession:
             requests: at most one chunk per request id.
         Returns:
             A :class:`ChunkResult` for every request id in ``requests`` (with ``error`` set for a refused chunk,
-            ``queued`` while the stream waits), plus one for every waiting stream that got a slot and was decoded
-            in this call. A request whose id is not a non-empty ``str`` gets its error under
-            ``InvalidRequestId(position, request_id)`` (``serving.requests``), a key no other request shares. With
-            :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
+            and beside the audio decoded before it for a stream whose pool step raised; ``queued`` while the
+            stream waits), plus one for every waiting stream that got a slot and was decoded in this call. A
+            request whose id is not a non-empty ``str`` gets its error under ``InvalidRequestId(position,
+            request_id)`` (``serving.requests``), a key no other request shares. With :meth:`enable_call_traces`,
+            the call also appends its :class:`CallTrace`.
         Raises:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
-            RuntimeError: the session is closed.
+            RuntimeError: the session is closed, or another of its methods runs (one caller at a time).
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
@@ -315,7 +333,7 @@ class CodecStreamSession:
             else:
                 self._counters.request_errors += 1
                 results[key] = self._empty(error=error)
-        scheduler = self._scheduler
+        scheduler, failed = self._scheduler, {}  # failed: request id -> the error of a stream whose step raised
         scheduler.begin(accepted)
         scheduler.admit_waiting()  # slots freed since the last call go to waiting streams first
         try:
@@ -324,16 +342,21 @@ class CodecStreamSession:
                 if error is not None:
                     self._counters.request_errors += 1
                     results[req.request_id] = self._empty(error=error)
-            audio = self._decode_ready()
+            audio = self._decode_ready(failed)
         finally:
             # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
             scheduler.own_buffered_chunks(accepted)
+        for rid, error in failed.items():
+            self._counters.request_errors += 1
+            refused = results.get(rid)  # this call's chunk under the id was refused too: both errors
+            results[rid] = self._empty(error=error if refused is None else f"{refused.error}; {error}")
         return self._results(results, audio, ids)
 
-    def _decode_ready(self) -> dict[str, list[torch.Tensor]]:
-        """Decode every live stream's buffered chunks; end finished streams. Admits waiting streams whenever
-        slots are free (also those freed by this call's terminal chunks). Returns each stream's audio rows in
-        order; on CUDA their copies may still be running."""
+    def _decode_ready(self, failed: dict[str, str]) -> dict[str, list[torch.Tensor]]:
+        """Decode every live stream's buffered chunks; end finished streams, and streams whose step raised (their
+        errors are added to ``failed``). Admits waiting streams whenever slots are free (also those freed by this
+        call's terminal chunks). Returns each stream's audio rows in order; on CUDA their copies may still be
+        running."""
         scheduler, audio = self._scheduler, {}
         while True:
             scheduler.admit_waiting()
@@ -341,9 +364,13 @@ class CodecStreamSession:
             ready = scheduler.ready()
             ending = scheduler.finished_live()
             if ready:
-                for rid, rows in self._steps.decode_streams(ready).items():
+                decoded, errors = self._steps.decode_streams(ready)
+                for rid, rows in decoded.items():
                     audio.setdefault(rid, []).extend(rows)
-            scheduler.end(ending)
+                if errors:
+                    scheduler.fail(errors)
+                    failed.update(errors)
+            scheduler.end([s for s in ending if s.request_id not in failed])
             if not (ending and scheduler.waiting):
                 return audio
 
@@ -387,3 +414,13 @@ def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
     if dupes:
         raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
     return requests, ids
+
+
+def _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq):
+    check_count(state_capacity, "state_capacity", 1)
+    check_count(max_step_frames, "max_step_frames", 1)
+    check_count(max_waiting_streams, "max_waiting_streams", 0)
+    check_count(max_waiting_frames, "max_waiting_frames", 0)
+    quantizers = decoder.config.num_quantizers
+    if n_vq is not None and not 1 <= int(n_vq) <= quantizers:
+        raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {n_vq!r}")

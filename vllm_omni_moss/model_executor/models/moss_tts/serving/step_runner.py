@@ -5,11 +5,13 @@ It cuts chunks into pieces of at most :attr:`StepRunner.max_piece_frames` frames
 of every stream into steps of at most :attr:`StepRunner.max_step_rows` rows, stages each step's inputs
 (through one page-locked buffer on CUDA), dispatches the step (a CUDA-graph replay when one fits, else the
 eager step) and queues each row's audio to the host. Streams and slots are the scheduler's; the runner only
-reads a stream's slot and chunks and advances its frames decoded.
+reads a stream's slot and chunks and advances its frames decoded. A step that raises fails its own rows'
+streams and no other (:meth:`StepRunner.decode_streams`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +22,8 @@ from .streams import Stream
 from .tracing import CallTracer
 
 __all__ = ["StepRunner", "padding_slack"]
+
+logger = logging.getLogger(__name__)
 
 
 def padding_slack(frames: int) -> int:
@@ -122,15 +126,23 @@ class StepRunner:
         return self.graph_batch_sizes[-1] if self.graph_batch_sizes else None
 
     # ------------------------------------------------------------------ cut and dispatch
-    def decode_streams(self, streams: list[Stream]) -> dict[str, list[torch.Tensor]]:
+    def decode_streams(self, streams: list[Stream]) -> tuple[dict[str, list[torch.Tensor]], dict[str, str]]:
         """Decode the buffered chunks of ``streams`` (slots in use, pages reserved) in few, well-filled steps.
 
         Each stream's chunks keep their boundaries (a stream that waited is decoded chunk by chunk, as if it
         had never waited); a chunk longer than :attr:`max_piece_frames` is cut into pieces. Round ``i`` decodes
         every stream's ``i``-th piece: grouped by the frame size each piece pads to (shortest first, so that
         first chunks come out first and a 1-frame chunk never pays for a 15-frame row), each group cut into
-        steps by :meth:`split_rows`. Returns each stream's audio rows, one per piece (on CUDA their copies may
-        still run: :meth:`await_host_copies`).
+        steps by :meth:`split_rows`.
+
+        A step that raises an ``Exception`` (a CUDA out-of-memory error, say) fails its rows' streams alone: a
+        failed stream keeps the audio of its pieces decoded before, its later pieces are dropped (its state is
+        unknown: the step may have written part of it), and the other streams' steps go on.
+
+        Returns:
+            Each stream's audio rows, one per piece decoded (on CUDA their copies may still run:
+            :meth:`await_host_copies`; a failed stream with none is left out), and the error of each failed
+            stream by request id.
         """
         limit = self.max_piece_frames
         pieces: dict[str, list[torch.Tensor]] = {}
@@ -140,10 +152,11 @@ class StepRunner:
             ]
             s.chunks = []
         parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
+        failed: dict[str, str] = {}
         for i in range(max(len(p) for p in pieces.values())):
             by_frames: dict[int, list[Stream]] = {}
             for s in streams:
-                if len(pieces[s.request_id]) > i:
+                if len(pieces[s.request_id]) > i and s.request_id not in failed:
                     by_frames.setdefault(self._group_frames(pieces[s.request_id][i].shape[1]), []).append(s)
             for frames in sorted(by_frames):
                 rows, first = by_frames[frames], 0
@@ -151,10 +164,33 @@ class StepRunner:
                 for size in self.split_rows(len(rows), self._step_frames(longest)):
                     batch, first = rows[first : first + size], first + size
                     step_pieces = [pieces[s.request_id][i] for s in batch]
-                    for s, piece, wav in zip(batch, step_pieces, self._step([s.slot for s in batch], step_pieces)):
+                    try:
+                        wavs = self._step([s.slot for s in batch], step_pieces)
+                    except Exception as exc:  # the step's streams fail, the call goes on (docs/serving.md)
+                        failed.update(self._step_failed(batch, [pieces[s.request_id][i:] for s in batch], exc))
+                        continue
+                    for s, piece, wav in zip(batch, step_pieces, wavs):
                         parts[s.request_id].append(wav)
                         s.frames_decoded += piece.shape[1]
-        return parts
+        return {rid: rows for rid, rows in parts.items() if rows}, failed
+
+    def _step_failed(self, batch: list[Stream], undecoded: list[list[torch.Tensor]], exc: Exception) -> dict[str, str]:
+        """Log the failure ``exc`` of the step of ``batch`` (with its traceback) and return each of its streams'
+        error, naming the step, the exception and the frames of the stream left undecoded in this call."""
+        rows, frames = len(batch), self._step_frames(max(u[0].shape[1] for u in undecoded))
+        logger.error(
+            "MOSS codec: a decoder step of %d rows x %d frames failed; its streams %s end with an error",
+            rows, frames, [s.request_id for s in batch], exc_info=exc,
+        )  # fmt: skip
+        if self.tracer.trace is not None:
+            self.tracer.trace.failed_steps += 1
+        return {
+            s.request_id: (
+                f"request {s.request_id!r}: its decoder step ({rows} rows x {frames} frames) failed with "
+                f"{type(exc).__name__}: {exc}; the stream was ended, frames left undecoded: {sum(p.shape[1] for p in u)}"
+            )
+            for s, u in zip(batch, undecoded)
+        }
 
     def split_rows(self, rows: int, frames: int) -> list[int]:
         """Step sizes for ``rows`` rows of ``frames`` frames, in order.
@@ -228,25 +264,6 @@ class StepRunner:
             self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=True)
         return self._pinned_inputs[:numel]
 
-    def _gather(self, codes: torch.Tensor, pieces: list[torch.Tensor], valid_frames: list[int], T: int) -> None:
-        # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
-        # row by row; zero past each row's length.
-        kinds = {(p.dtype, p.device) for p in pieces}
-        uniform = len(kinds) == 1
-        if uniform and all(n == T for n in valid_frames):
-            if kinds == {(codes.dtype, codes.device)}:
-                torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
-            else:
-                codes.copy_(torch.stack(pieces, dim=1))
-        elif uniform:
-            padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
-            codes.zero_()
-            codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
-        else:
-            codes.zero_()
-            for b, p in enumerate(pieces):
-                codes[:, b, : valid_frames[b]] = p
-
     def _stage_inputs(self, pieces: list[torch.Tensor], valid_frames: list[int], slots: list[int], T: int):
         """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
         device, codes clamped into ``[0, codebook_size)`` and zero past each row's length. On CUDA, codes from
@@ -265,7 +282,7 @@ class StepRunner:
             codes = staged[:codes_numel].view(self.n_vq, B, T)
         else:
             codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        self._gather(codes, pieces, valid_frames, T)
+        _gather(codes, pieces, valid_frames, T)
         self._count_clamped(codes)
         codes.clamp_(0, self.codebook_size - 1)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
@@ -333,3 +350,24 @@ class StepRunner:
         torch.cuda.current_stream(self.device).synchronize()
         self._copies_pending = False
         self.tracer.lap("wait_ms")
+
+
+def _gather(codes: torch.Tensor, pieces: list[torch.Tensor], valid_frames: list[int], T: int) -> None:
+    """Gather a step's ``pieces`` (``(n_vq, valid_frames[b])`` integer codes) into ``codes`` ``(n_vq, B, T)``."""
+    # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
+    # row by row; zero past each row's length.
+    kinds = {(p.dtype, p.device) for p in pieces}
+    uniform = len(kinds) == 1
+    if uniform and all(n == T for n in valid_frames):
+        if kinds == {(codes.dtype, codes.device)}:
+            torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
+        else:
+            codes.copy_(torch.stack(pieces, dim=1))
+    elif uniform:
+        padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
+        codes.zero_()
+        codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
+    else:
+        codes.zero_()
+        for b, p in enumerate(pieces):
+            codes[:, b, : valid_frames[b]] = p

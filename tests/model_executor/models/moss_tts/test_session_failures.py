@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CodecStreamSession when things go wrong around it: a pool step that raises fails its own rows' streams alone
+(the audio decoded before it is returned, the other streams decode on and stay exact); a session refuses a second
+caller (another thread, or a call from inside a running one).
+
+Audio is compared with the solo decode ``decoder.decode(codes[:, None], chunk_frames=<the pieces it was fed>)``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from moss_codecs import random_codes
+
+from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
+
+pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
+
+#: Frames per stream in the second call. With graph frame sizes 1 and 4 and batch buckets 1 and 2 its steps are:
+#: 1: (a, b) x 1 frame; 2: (c, d) x 4; 3: (e, f) x 4 (e's first 4-frame piece); 4: (e) x 4 (e's last 2 frames).
+SECOND = {"a": 1, "b": 1, "c": 3, "d": 4, "e": 6, "f": 2}
+STEPS = [["a", "b"], ["c", "d"], ["e", "f"], ["e"]]
+STEP_SHAPES = [(2, 1), (2, 4), (2, 4), (1, 4)]
+THIRD = 2  # frames per surviving stream in the third call
+
+
+def _codes(decoder, frames: int, seed: int) -> torch.Tensor:
+    return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
+
+
+def _pieces(frames: int) -> list[int]:
+    return [min(4, frames - a) for a in range(0, frames, 4)]
+
+
+def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, int]]:
+    """Make the ``fail_at``-th pool step from now raise (``before`` it runs, or ``after`` it wrote its state);
+    returns the ``(B, T)`` of every step tried."""
+    real, tried = session.pool.decode_streaming_batch, []
+
+    def step(codes, lengths, slot_ids, valid):
+        tried.append((codes.shape[1], codes.shape[2]))
+        if len(tried) == fail_at and when == "before":
+            raise RuntimeError(f"injected failure in step {fail_at}")
+        out = real(codes, lengths, slot_ids, valid)
+        if len(tried) == fail_at:
+            raise RuntimeError(f"injected failure in step {fail_at}")
+        return out
+
+    monkeypatch.setattr(session.pool, "decode_streaming_batch", step)
+    return tried
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_a_failing_step_fails_its_rows_alone_and_keeps_every_decoded_frame(fail_at, when, ring_decoder, monkeypatch):
+    """Step ``fail_at`` of a call holding chunks of 1 to 6 frames (four steps in three frame groups) raises:
+    exactly its streams get an error (the exception and the frames left undecoded), with the audio of their
+    pieces decoded before it; their slots are released; the steps after it run; later chunks of a failed
+    stream get its error until it ends, then the id starts afresh; every other stream stays exact."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 6, graph_frame_sizes=[1, 4], graph_batch_sizes=[1, 2])
+    total = {rid: 1 + frames + THIRD for rid, frames in SECOND.items()}
+    codes = {rid: _codes(ring_decoder, n, seed) for seed, (rid, n) in enumerate(total.items())}
+    first = s.decode([ChunkRequest(rid, c[:, :1]) for rid, c in codes.items()])  # every stream holds a slot
+    assert not any(r.error for r in first.values())
+
+    tried = _inject(s, monkeypatch, fail_at, when)
+    second = [ChunkRequest(rid, codes[rid][:, 1 : 1 + n], rid == "b") for rid, n in SECOND.items()]
+    got = s.decode(second)
+    assert tried == STEP_SHAPES if fail_at != 3 else tried == STEP_SHAPES[:3]  # e's last piece is dropped
+    failed = set(STEPS[fail_at - 1])
+    rows, frames = STEP_SHAPES[fail_at - 1]
+    for rid, n in SECOND.items():
+        res = got[rid]
+        if rid not in failed:
+            assert res.error is None and res.frames == n, rid
+            _close(res.audio, ring_decoder.decode(codes[rid][:, None, : 1 + n], [1, *_pieces(n)])[0][:, spf:], rid)
+            continue
+        kept = 4 if (rid, fail_at) == ("e", 4) else 0  # e's first piece was decoded in step 3
+        assert res.error == (
+            f"request {rid!r}: its decoder step ({rows} rows x {frames} frames) failed with RuntimeError: "
+            f"injected failure in step {fail_at}; the stream was ended, frames left undecoded: {n - kept}"
+        )
+        assert res.frames == kept and res.audio.shape == (ring_decoder.config.number_channels, kept * spf)
+        if kept:
+            _close(res.audio, ring_decoder.decode(codes[rid][:, None, :5], [1, 4])[0][:, spf:], f"{rid} kept")
+    survivors = [rid for rid in SECOND if rid not in failed and rid != "b"]
+    assert sorted(s.live_requests) == sorted(survivors) and s.free_slots == 6 - len(survivors)
+    assert s.stats()["request_errors"] == len(failed)
+
+    # Later calls: the survivors decode exactly; a failed stream that has not ended keeps its error until it
+    # ends; the ended id "b" (and every failed id after its terminal chunk) starts a fresh stream.
+    monkeypatch.undo()
+    third = s.decode([ChunkRequest(rid, codes[rid][:, -THIRD:], True) for rid in SECOND])
+    for rid in SECOND:
+        if rid in failed and rid != "b":
+            assert third[rid].error == got[rid].error and third[rid].frames == 0, rid
+        elif rid == "b":
+            assert third[rid].error is None
+            _close(third[rid].audio, ring_decoder.decode(codes[rid][:, None, -THIRD:], [THIRD])[0], "b afresh")
+        else:
+            schedule = [1, *_pieces(SECOND[rid]), THIRD]
+            _close(third[rid].audio, ring_decoder.decode(codes[rid][:, None], schedule)[0][:, -THIRD * spf :], rid)
+    assert not s.live_requests and s.free_slots == 6
+    fresh = s.decode([ChunkRequest(rid, codes[rid][:, :2], True) for rid in SECOND])
+    for rid in SECOND:
+        assert fresh[rid].error is None
+        _close(fresh[rid].audio, ring_decoder.decode(codes[rid][:, None, :2], [2])[0], f"{rid} afresh")
+
+
+def test_a_failing_step_fails_a_stream_admitted_from_the_queue_alone(ring_decoder, monkeypatch):
+    """A waiting stream admitted in a call whose step for it raises: its result (not in the batch) carries the
+    error; the stream that ended to free its slot keeps its audio."""
+    s = CodecStreamSession(ring_decoder, 1)
+    a, w = _codes(ring_decoder, 2, 1), _codes(ring_decoder, 2, 2)
+    s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("w", w)])  # "w" waits for the only slot
+    _inject(s, monkeypatch, 2, "before")  # step 1: a's terminal chunk; step 2: w's buffered chunk
+    got = s.decode([ChunkRequest("a", a[:, 1:], True)])
+    _close(got["a"].audio, ring_decoder.decode(a[:, None], [1, 1])[0][:, ring_decoder.config.samples_per_frame :], "a")
+    assert got["w"].error == (
+        "request 'w': its decoder step (1 rows x 2 frames) failed with RuntimeError: injected failure in step 2; "
+        "the stream was ended, frames left undecoded: 2"
+    )
+    assert got["w"].frames == 0 and not got["w"].queued
+    assert s.live_requests == {} and s.waiting_requests == [] and s.free_slots == 1
+
+
+def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkeypatch):
+    """Only ``Exception`` fails a step's rows; a ``KeyboardInterrupt`` inside a step leaves the call at once."""
+    s = CodecStreamSession(ring_decoder, 2)
+
+    def interrupted(codes, lengths, slot_ids, valid):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
+
+
+# ----------------------------------------------------------------------------- one caller
+
+
+def _busy_message(called: str, running: str) -> str:
+    return (
+        f"CodecStreamSession.{called}() called while CodecStreamSession.{running}() of the same session runs "
+        "(from another thread or from inside it); a session takes one caller at a time"
+    )
+
+
+def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch):
+    """While one thread's decode() is inside a pool step, every mutating method called from another thread
+    raises at once, changing nothing; the first call then finishes exactly and the session serves again."""
+    s = CodecStreamSession(ring_decoder, 2)
+    real = s.pool.decode_streaming_batch
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(codes, lengths, slot_ids, valid):
+        entered.set()
+        assert release.wait(timeout=60)
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", blocking)
+    a = _codes(ring_decoder, 3, 1)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(s.decode([ChunkRequest("a", a[:, :2])])))
+    worker.start()
+    try:
+        assert entered.wait(timeout=60)
+        calls = {
+            "decode": lambda: s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 2))]),
+            "on_requests_finished": lambda: s.on_requests_finished(["a"]),
+            "close": s.close,
+            "enable_call_traces": s.enable_call_traces,
+            "disable_call_traces": s.disable_call_traces,
+        }
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError) as info:
+                call()
+            assert str(info.value) == _busy_message(name, "decode")
+    finally:
+        release.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive()
+    _close(out["a"].audio, ring_decoder.decode(a[:, None, :2], [2])[0], "a")
+    assert set(s.live_requests) == {"a"} and s.free_slots == 1
+    monkeypatch.undo()
+    rest = s.decode([ChunkRequest("a", a[:, 2:], True)])["a"]
+    spf = ring_decoder.config.samples_per_frame
+    _close(rest.audio, ring_decoder.decode(a[:, None], [2, 1])[0][:, 2 * spf :], "a after")
+    assert s.free_slots == 2
+
+
+def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
+    """Re-entrant calls (a generator of requests or ids, a step) raise; the outer call is not disturbed."""
+    s = CodecStreamSession(ring_decoder, 2)
+    a = _codes(ring_decoder, 2, 1)
+    s.decode([ChunkRequest("a", a[:, :1])])
+
+    def requests():
+        s.decode([])
+        yield ChunkRequest("a", a[:, 1:])
+
+    with pytest.raises(RuntimeError) as info:
+        s.decode(requests())
+    assert str(info.value) == _busy_message("decode", "decode")
+
+    def ids():
+        yield "a"
+        s.close()
+
+    with pytest.raises(RuntimeError) as info:
+        s.on_requests_finished(ids())
+    assert str(info.value) == _busy_message("close", "on_requests_finished")
+    assert s.live_requests == {} and s.free_slots == 2  # the id seen before the failure was released
+
+    real, refused = s.pool.decode_streaming_batch, []
+
+    def step(codes, lengths, slot_ids, valid):
+        try:
+            s.on_requests_finished(["b"])
+        except RuntimeError as exc:
+            refused.append(str(exc))
+        return real(codes, lengths, slot_ids, valid)
+
+    monkeypatch.setattr(s.pool, "decode_streaming_batch", step)
+    got = s.decode([ChunkRequest("b", a, True)])["b"]
+    assert refused == [_busy_message("on_requests_finished", "decode")]
+    _close(got.audio, ring_decoder.decode(a[:, None], [2])[0], "b")
+    assert s.free_slots == 2
