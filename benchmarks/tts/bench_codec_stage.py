@@ -92,7 +92,10 @@ wave and staggered, ``"rate=<R>"`` (``%g``) for poisson):
 ``stopped_early``, ``serving_seconds``, ``window_seconds`` [start, end], ``codec_busy_seconds``,
 ``audio_seconds``, ``decoded_frames``, ``padded_frames``, ``padding_rows`` (rows graph replays carried beyond
 their steps'), ``step_ms`` {p50, p99, max}, ``slowest_step``,
-``setup_seconds``, ``preemptions``, ``slots``, ``state_bytes``, ``graphs``, ``graph_batch_sizes``,
+``setup_seconds``, ``preemptions``, ``preemptions_per_stream`` {max, mean} (our arms: over the streams that
+ended in the run, by ``session.stats()["streams_by_preemptions"]``), ``session_wait_ms_max`` (the longest a
+measured request's chunk stayed queued in the arm, for a slot or state pages: from the call that left it queued
+to the call that returned its audio, simulated clock), ``slots``, ``state_bytes``, ``graphs``, ``graph_batch_sizes``,
 ``peak_state_bytes`` (the most decoder state the live streams needed after any decode call:
 ``pool.state_in_use_bytes()``), ``state_bytes_over_time`` (``[seconds, bytes]`` after each decode call, cut to
 at most 200 points keeping each run of calls' largest value), ``wall_seconds``; with ``--time-replays`` (CUDA,

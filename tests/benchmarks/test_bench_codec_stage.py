@@ -313,6 +313,9 @@ def test_stage_trace_and_slo_helpers():
     assert bench.ramp_schedule(40, [1, 15]) == [(0, 1), (1, 16), (16, 31), (31, 40)]
     assert bench.ramp_schedule(3, [5]) == [(0, 3)]
     assert bench.upstream_batch_sizes(3) == [1, 2, 3]
+    per_stream = bench.metrics.preemptions_per_stream
+    assert per_stream({0: 2, 1: 1}, {0: 5, 1: 2, 3: 1}) == {"max": 3, "mean": 0.8}  # 3, 1 and 1 more streams
+    assert per_stream({0: 2}, {0: 2}) == {"max": None, "mean": None}
     assert bench.upstream_batch_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 512]
     lengths = bench.request_lengths(4000, seed=0)
     assert lengths.min() >= 13 and lengths.max() <= 256 and 48 <= int(sorted(lengths)[2000]) <= 52
@@ -470,6 +473,13 @@ def test_stage_paged_arm_short_of_pages_preempts_and_still_decodes_every_frame(t
     assert paged["decoded_frames"] == v2["decoded_frames"]
     assert paged["chunks"] == v2["chunks"]  # every chunk's latency counted once, when its audio came back
     assert paged["peak_state_bytes"] < paged["state_bytes"] < v2["state_bytes"]
+    # Per stream, over the 4 streams of the run (the warm-up's ended before it): most and mean preemptions.
+    per = paged["preemptions_per_stream"]
+    assert per["mean"] == round(paged["preemptions"] / 4, 4) and 1 <= per["max"] <= paged["preemptions"]
+    assert v2["preemptions_per_stream"] == {"max": 0, "mean": 0.0} and v2["session_wait_ms_max"] == 0.0
+    assert paged["session_wait_ms_max"] > 0
+    report = (tmp_path / "results.md").read_text()
+    assert f"| v2-paged | 4 | {paged['preemptions']} | {per['max']} / {per['mean']:.2f} | " in report
 
 
 def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatch):

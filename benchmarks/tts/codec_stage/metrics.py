@@ -23,6 +23,7 @@ __all__ = [
     "live_stream_stats",
     "max_rate_at_slo",
     "max_streams_at_slo",
+    "preemptions_per_stream",
     "rate_key",
     "run_entries",
     "slo_limits",
@@ -153,6 +154,16 @@ def _slowest_step(run: Run, details: dict[str, Any]) -> None:
         details["slowest_step"]["trace"] = {
             k: round(v, 3) if k.endswith("_ms") else v for k, v in traces[slowest].items()
         }
+
+
+def preemptions_per_stream(before: dict[int, int], after: dict[int, int]) -> dict[str, float | int | None]:
+    """``{max, mean}`` preemptions per stream over the streams that ended between two readings of a session's
+    ``stats()["streams_by_preemptions"]`` (``{preemptions: streams}``); Nones when no stream ended."""
+    ended = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+    streams = sum(ended.values())
+    if not streams:
+        return {"max": None, "mean": None}
+    return {"max": int(max(ended)), "mean": round(sum(k * n for k, n in ended.items()) / streams, 4)}
 
 
 def downsample_max(points: list[tuple[float, int]], limit: int = STATE_TRACE_POINTS) -> list[list[float | int]]:

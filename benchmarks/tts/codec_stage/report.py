@@ -96,6 +96,25 @@ def _playback_rows(result: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _preemption_rows(result: dict[str, Any]) -> list[str]:
+    """Paged arms: preemptions, per stream (max / mean over the streams that ended) and the longest a chunk
+    waited in the session's queue."""
+    rows = []
+    for arm, entry in result["arms"].items():
+        if "paged" not in arm:
+            continue
+        for key in run_entries(entry):
+            d = result["details"][arm][key]
+            if "preemptions_per_stream" not in d:
+                continue
+            per = d["preemptions_per_stream"]
+            rows.append(
+                f"| {arm} | {key.removeprefix('rate=')} | {d.get('preemptions', '-')} | {fmt(per['max'], 'd')} / "
+                f"{fmt(per['mean'], '.2f')} | {fmt(d.get('session_wait_ms_max'))} |"
+            )
+    return rows
+
+
 def _header(run: dict[str, Any]) -> list[str]:
     arrival = run.get("arrival", "wave")
     if arrival == "poisson":
@@ -143,6 +162,14 @@ def results_markdown(result: dict[str, Any]) -> str:
             "| queued | queue wait p50 / p99 ms |",
             "|---|---|---|---|---|---|---|---|",
             *playback,
+        ]
+    preemption = _preemption_rows(result)
+    if preemption:
+        lines += [
+            "",
+            f"| arm | {col} | preemptions | per stream max / mean | longest session wait ms |",
+            "|---|---|---|---|---|",
+            *preemption,
         ]
     if poisson:
         lines += ["", "| arm | max rate at SLO (req/s) | live streams at that rate |", "|---|---|---|"]

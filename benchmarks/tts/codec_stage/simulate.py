@@ -46,6 +46,9 @@ class Run:
     step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
     step_trace: list[Any] = field(default_factory=list)  # session.CallTrace of each step (--trace-calls)
     state_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock s, state bytes) after each step
+    # The longest a measured request's chunk stayed queued in the arm (for a slot or state pages): from the call
+    # that left it queued to the call that returned its audio.
+    longest_session_wait: float = 0.0
     serving_s: float = 0.0
     audio_s: float = 0.0  # audio that came out inside the window (s of audio)
     requests: int = 0  # measured requests
@@ -96,6 +99,7 @@ class Driver:
         self.streams: dict[int, _Stream] = {}
         self.ready: list[tuple[float, int, int]] = []  # (ready time, request, chunk index)
         self.sent: list[tuple[float, int, int]] = []  # heap of chunks sent, stale once their audio is back
+        self.queued_since: dict[int, float] = {}  # request -> clock of the call that first left it queued
         self.playback = Playback(len(trace))
         self.run = Run(requests=trace.measured_count)
         self.run.window = trace.window or (0.0, math.inf)
@@ -174,7 +178,7 @@ class Driver:
             a, b = self.streams[r].schedule[k]
             last = k == len(self.streams[r].schedule) - 1
             chunks.append(upstream_stage.StageChunk(f"req-{r}", self.codes.take(r)[:, a:b], last))
-        t0 = time.perf_counter()
+        called_at, t0 = self.clock, time.perf_counter()
         audio = self.arm.decode(chunks)
         self.sync()
         wall = time.perf_counter() - t0 if self.arm.timed else 0.0
@@ -191,8 +195,14 @@ class Driver:
                 heapq.heappush(self.ready, (ready, r, k + 1))
         worst = -1.0
         for rid, wav in audio.items():
-            if wav is not None:  # None: queued in the arm, its audio comes in a later call
-                worst = max(worst, self._on_audio(int(rid.removeprefix("req-")), wav))
+            r = int(rid.removeprefix("req-"))
+            if wav is None:  # queued in the arm, its audio comes in a later call
+                self.queued_since.setdefault(r, called_at)
+                continue
+            since = self.queued_since.pop(r, None)
+            if since is not None and self.trace.measured[r]:
+                self.run.longest_session_wait = max(self.run.longest_session_wait, self.clock - since)
+            worst = max(worst, self._on_audio(r, wav))
         if not batch and worst < 0:
             raise AssertionError("streams wait in the session but nothing can be decoded")
         return worst > self.give_up_s

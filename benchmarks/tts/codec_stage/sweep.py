@@ -15,7 +15,7 @@ import torch
 
 from .arms import arm_builder
 from .cli import Load, Settings, parse_args, resolve
-from .metrics import NO_STEPS, downsample_max, summarize
+from .metrics import NO_STEPS, downsample_max, preemptions_per_stream, summarize
 from .report import sweep_markdown
 from .results import (
     merge_previous,
@@ -94,6 +94,11 @@ def run_arm(name: str, make_arm, trace: Trace, load: Load, sizes: list[int], set
     for key in ("preemptions", "preempted_bytes", "preemption_seconds"):
         details[key] = after.get(key, 0) - before.get(key, 0)
     details["preemption_seconds"] = round(details["preemption_seconds"], 4)
+    details["session_wait_ms_max"] = round(run.longest_session_wait * 1e3, 3)
+    if "streams_by_preemptions" in after:  # our sessions: the streams that ended in the run
+        details["preemptions_per_stream"] = preemptions_per_stream(
+            before["streams_by_preemptions"], after["streams_by_preemptions"]
+        )
     details.update(described)
     details["state_bytes_over_time"] = downsample_max(run.state_trace)
     return figures, details, run

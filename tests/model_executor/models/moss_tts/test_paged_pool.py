@@ -558,3 +558,64 @@ def test_a_session_call_writes_the_page_tables_once_however_many_streams_it_admi
     assert CountWrites.writes == groups, "one page-table write per group for the whole call"
     for rid in want:
         assert torch.equal(got[rid].audio, want[rid].audio), rid
+
+
+def _terminal_waiters_beside_two_live_streams(decoder, caplog):
+    """Pages for two full streams in four slots: "a" and "b" fill their rings, "h" arrives and waits, then three
+    later streams "x", "y", "z" arrive one after the other, each waiting a call and sending its terminal chunk in
+    the next, beside a chunk of "a" and of "b". Everything then ends and drains. Returns (the result of every
+    call, the streams preempted, in order, the session's stats); every stream's audio equals its solo decode."""
+    session = CodecStreamSession(decoder, 4, pool_kind="paged", page_fraction=0.6)
+    assert session.pool.free_page_counts() == [3, 5]
+    plan = {"a": [5, 1, 1, 1, 1], "b": [5, 1, 1, 1, 1], "h": [3, 1], "x": [2, 2], "y": [2, 2], "z": [2, 2]}
+    codes = {r: random_codes(decoder, 1, sum(n), seed=i)[:, 0] for i, (r, n) in enumerate(plan.items())}
+    sent = dict.fromkeys(plan, 0)
+    audio = {r: [] for r in plan}
+
+    def chunk(r):
+        k = sent[r]
+        start = sum(plan[r][:k])
+        sent[r] += 1
+        return ChunkRequest(r, codes[r][:, start : start + plan[r][k]], sent[r] == len(plan[r]))
+
+    calls = [["a", "b"], ["h"]]
+    for r in "xyz":
+        calls += [[r], [r, "a", "b"]]
+    calls.append(["a", "b", "h"])
+    results = []
+    with caplog.at_level(logging.INFO, logger="vllm_omni_moss.model_executor.models.moss_tts.serving.scheduler"):
+        for names in calls:
+            results.append(session.decode([chunk(r) for r in names]))
+            for r, res in results[-1].items():
+                assert res.error is None, (r, res.error)
+                audio[r].append(res.audio)
+        while session.waiting_requests:
+            for r, res in session.decode([]).items():
+                audio[r].append(res.audio)
+    assert session.live_requests == {} and session.free_slots == 4
+    for r in plan:
+        got, want = torch.cat(audio[r], -1), _solo(decoder, codes[r], plan[r])
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), r
+    preempted = [m.split("'")[1] for m in caplog.messages if m.endswith("preempted to free decoder state pages")]
+    assert session.stats()["preemptions"] == len(preempted)
+    return results, preempted, session.stats()
+
+
+def test_no_stream_is_preempted_again_before_the_others_were(ring_decoder, caplog):
+    """Each terminal chunk of a waiting stream needs a live stream's pages for one call. The victim is the live
+    stream preempted the fewest times (then the youngest), and a preempted stream resumes behind those preempted
+    before it: "b", "a" and "h" take turns (before, "b", re-admitted last, was preempted for every one of them
+    while "a" never was)."""
+    _, preempted, stats = _terminal_waiters_beside_two_live_streams(ring_decoder, caplog)
+    assert preempted == ["b", "a", "h", "a"]
+    assert stats["streams_by_preemptions"] == {0: 3, 1: 2, 2: 1}  # x, y, z; b, h; a
+
+
+def test_a_waiting_new_stream_is_admitted_no_later_than_later_arrivals(ring_decoder, caplog):
+    """A new stream, "h", waits at the head of the queue when "x", which arrived after it, sends its terminal
+    chunk: "h" is admitted and decoded in that call too (before, "h" waited while "x", "y" and "z" were admitted,
+    decoded and ended)."""
+    results, _, _ = _terminal_waiters_beside_two_live_streams(ring_decoder, caplog)
+    assert results[1]["h"].queued and results[1]["h"].frames == 0
+    got = [(results[3][r].frames, results[3][r].queued) if r in results[3] else None for r in ("x", "h")]
+    assert got == [(4, False), (3, False)]

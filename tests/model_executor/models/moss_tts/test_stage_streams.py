@@ -8,7 +8,8 @@
 * A terminal payload always ends its stream (malformed, short of its declared size in a
   step that left token budget unused, or the `[0]` placeholder); a chunk split by the
   token budget is buffered until its declared size; a malformed payload (a bad count
-  field, a ``meta`` that is not a dict, in streaming and offline decode) fails alone.
+  field, a ``meta`` that is not a dict, in streaming and offline decode) fails alone; a
+  chunk short of its declared size fails alone, and the stream's next chunk decodes.
 * Session errors are logged once per request (a step that raises fails its own rows' requests, which return
   the audio decoded before it); audio decoded from the admission queue
   after a request's last row is logged as lost when the request finishes; what the stage
@@ -366,7 +367,9 @@ def test_offline_decode_fails_a_bad_payload_alone(tmp_path, caplog, info, error)
 
 def test_finished_request_drops_its_buffered_prefix(stage):
     codes = _codes(stage, 2, seed=15)
+    stage.token_budget = 5  # the prefix used the whole budget of its step
     run(stage, [codes.reshape(-1)[:5]], [raw_info("s", 2, stage.n_vq)], ["s"])
+    assert set(stage._payloads.partial) == {"s"}
     stage.on_requests_finished(["s"])
     got = run(stage, [codes], [raw_info("s", 2, stage.n_vq)], ["s"])[0]
     _assert_audio(got, fresh_decode(stage, codes, [2]), "after abort")
@@ -384,6 +387,54 @@ def test_chunk_longer_than_declared_fails_alone_and_leaves_the_stream(stage, cap
     assert _warnings(caplog) == [
         f"MOSS codec request s (batch row 0): {3 * n} codes exceed the {2 * n} the payload declares; "
         "returning empty audio"
+    ]
+
+
+def test_a_short_chunk_in_a_step_with_budget_to_spare_fails_alone_and_the_next_chunk_decodes(stage, caplog):
+    """A chunk one codebook short of its declared size, in a step that left token budget unused, cannot be a
+    split chunk: it fails alone, by its own row, and the stream's next, well-formed chunk decodes (before, the
+    short chunk was kept as a split prefix, the next chunk joined to it and both were refused, the error naming
+    the good chunk)."""
+    a, bad, c = _codes(stage, 2, seed=50), _codes(stage, 2, seed=51), _codes(stage, 2, seed=52)
+    n = stage.n_vq
+    stage.token_budget = 1000
+    got = run(stage, [a], [raw_info("s", 2, n)], ["s"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [bad[1:]], [raw_info("s", 2, n)], ["s"])  # codebook 0 missing: 2 codes short
+        assert out[0].numel() == 0 and not stage._payloads.partial
+        got += run(stage, [c], [raw_info("s", 2, n)], ["s"])
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, torch.cat([a, c], dim=1), [2, 2]), "s")
+    assert _warnings(caplog) == [
+        f"MOSS codec request s (batch row 0): the payload declares {2 * n} codes but {2 * n - 2} arrived in a "
+        "step that left token budget unused (not a split chunk); the incomplete chunk is dropped; "
+        "returning empty audio"
+    ]
+
+
+@pytest.mark.parametrize("next_frames", [2, 3, 0], ids=["same-size", "other-size", "terminal-placeholder"])
+def test_a_short_chunk_taken_for_a_split_fails_alone_when_the_next_chunk_comes(stage, caplog, next_frames):
+    """A short chunk in a step that used the whole token budget is buffered as the first part of a split chunk;
+    a next row that does not fit its declared size (more codes, or another declared size) is the stream's next
+    chunk: the short one is dropped with an error naming it, and the next one decodes (or ends the stream)."""
+    a, bad, c = _codes(stage, 2, seed=53), _codes(stage, 2, seed=54), _codes(stage, max(next_frames, 1), seed=55)
+    n = stage.n_vq
+    got = run(stage, [a], [raw_info("s", 2, n)], ["s"])
+    stage.token_budget = 2 * n - 2  # the short chunk used the whole budget of its step
+    info = raw_info("s", 2, n, previous=raw_info("s", 2, n))
+    assert run(stage, [bad[1:]], [info], ["s"])[0].numel() == 0 and set(stage._payloads.partial) == {"s"}
+    stage.token_budget = 1000
+    last = next_frames == 0
+    seg = torch.zeros(1, dtype=torch.long) if last else c
+    nxt = raw_info("s", next_frames, n, finished=last, segment_end=last, previous=info)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        got += run(stage, [seg], [nxt], ["s"])
+    decoded = a if last else torch.cat([a, c], dim=1)
+    _assert_audio(torch.cat(got, dim=-1), fresh_decode(stage, decoded, [2] if last else [2, next_frames]), "s")
+    assert not stage._payloads.partial and set(stage._session.live_requests) == (set() if last else {"s"})
+    assert _warnings(caplog) == [
+        f"MOSS codec request s (batch row 0): the stream's previous chunk declares {2 * n} codes but only "
+        f"{2 * n - 2} arrived before its next chunk (a short chunk, not a split one); it is dropped; "
+        "this row decodes"
     ]
 
 

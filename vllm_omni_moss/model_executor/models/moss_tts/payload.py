@@ -119,6 +119,8 @@ class StreamChunk:
         codes: ``(n_vq, T)`` codes; None: nothing to hand to the session this step.
         finished: the row is its stream's terminal payload.
         error: why the row fails (logged once for its request), or None.
+        dropped: why an earlier, incomplete chunk of the stream was dropped while this row's chunk is taken
+            (logged like an error), or None.
     """
 
     index: int
@@ -126,6 +128,7 @@ class StreamChunk:
     codes: torch.Tensor | None
     finished: bool
     error: str | None = None
+    dropped: str | None = None
 
 
 class PayloadAssembler:
@@ -135,12 +138,13 @@ class PayloadAssembler:
         n_vq: codebooks per frame.
 
     Attributes:
-        partial: stream key -> the codes of a split chunk received so far (the stage's own copy).
+        partial: stream key -> (the flat codes of a split chunk received so far, the stage's own copy; the
+            codes its payload declares).
     """
 
     def __init__(self, n_vq: int):
         self.n_vq = n_vq
-        self.partial: dict[str, torch.Tensor] = {}
+        self.partial: dict[str, tuple[torch.Tensor, int]] = {}
 
     def row(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple, may_split: bool) -> StreamChunk:
         """The chunk of batch row ``index``: flat codes ``seg`` (a view of the engine's input buffer), payload
@@ -159,11 +163,11 @@ class PayloadAssembler:
             return StreamChunk(index, named, None, False, key[0] if refused else str(exc))
         if refused:
             return StreamChunk(index, named, None, finished, key[0])
-        codes, error = self._assemble(key, seg, meta, finished, segment_end, may_split)
+        codes, error, dropped = self._assemble(key, seg, meta, finished, segment_end, may_split)
         if error is not None:
             # A terminal payload still ends its stream: a zero-frame terminal chunk.
             codes = _empty_codes(self.n_vq) if finished else None
-        return StreamChunk(index, key, codes, finished, error)
+        return StreamChunk(index, key, codes, finished, error, dropped)
 
     def _declared_numel(self, meta: dict) -> int | None:
         """The chunk's size as its payload declares it, in codes, or None.
@@ -181,22 +185,33 @@ class PayloadAssembler:
             return frames * self.n_vq
         return meta_count(meta, "code_flat_numel")
 
-    def _assemble(self, key, seg, meta, finished, segment_end, may_split) -> tuple[torch.Tensor | None, str | None]:
-        """``((n_vq, T) codes or None while a split chunk is incomplete, error or None)``.
+    def _assemble(self, key, seg, meta, finished, segment_end, may_split) -> tuple:
+        """``((n_vq, T) codes or None while a split chunk is incomplete, error or None, dropped or None)``:
+        ``dropped`` says why a buffered prefix of the stream was dropped while this row decodes (when the row
+        fails too, that reason leads its error).
 
-        A chunk with fewer codes than declared is buffered as split, except a terminal one in a step that did
-        not use the whole token budget (``may_split`` false): no rest can follow it, so it is refused (the
-        caller still ends the stream).
+        A chunk with fewer codes than declared is buffered as split only in a step that used the whole token
+        budget (``may_split``): in any other step no rest can follow it, so it is refused alone, terminal or
+        not (a terminal one still ends its stream, by the caller). A buffered prefix whose next row does not
+        complete it is handled by :meth:`_pending_prefix`.
         """
         if seg.dtype.is_floating_point or seg.dtype.is_complex or seg.dtype == torch.bool:
             self.partial.pop(key, None)
-            return None, f"input_ids must be integer codes, got dtype {seg.dtype}"
-        pending = self.partial.pop(key, None)
-        tokens = seg if pending is None else torch.cat([pending, seg])
+            return None, f"input_ids must be integer codes, got dtype {seg.dtype}", None
         try:
             declared = self._declared_numel(meta)
         except PayloadError as exc:
-            return None, str(exc)
+            self.partial.pop(key, None)
+            return None, str(exc), None
+        pending, dropped = self._pending_prefix(key, seg, declared)
+        codes, error = self._complete(key, seg, pending, declared, finished, segment_end, may_split)
+        if dropped is None:
+            return codes, error, None
+        return (codes, None, dropped) if error is None else (None, f"{dropped}; {error}", None)
+
+    def _complete(self, key, seg, pending, declared, finished, segment_end, may_split):
+        """:meth:`_assemble` once the row's buffered prefix (``pending``, or None) is known."""
+        tokens = seg if pending is None else torch.cat([pending, seg])
         n = tokens.numel()
         single = n == 1 and pending is None
         # Meta-only payload or the connector's one-token `[0]` boundary placeholder: a single token where the
@@ -209,20 +224,41 @@ class PayloadAssembler:
             if declared % self.n_vq:
                 return None, f"the payload declares {declared} codes, not a multiple of n_vq={self.n_vq}"
             if n < declared:
-                if finished and not may_split:
+                if not may_split:
+                    terminal = "terminal " if finished else ""
                     return None, (
-                        f"the terminal payload declares {declared} codes but {n} arrived in a step that left "
+                        f"the {terminal}payload declares {declared} codes but {n} arrived in a step that left "
                         "token budget unused (not a split chunk); the incomplete chunk is dropped"
                     )
                 # The token budget split the chunk: keep a copy of what came (``seg`` is a view of the engine's
                 # input buffer, which it rewrites before the next step) and wait for the rest.
-                self.partial[key] = tokens if pending is not None else tokens.clone()
+                self.partial[key] = (tokens if pending is not None else tokens.clone(), declared)
                 return None, None
             if n > declared:
                 return None, f"{n} codes exceed the {declared} the payload declares"
         if n % self.n_vq:
             return None, f"{n} codes are not a multiple of n_vq={self.n_vq}"
         return tokens.reshape(self.n_vq, -1), None
+
+    def _pending_prefix(self, key, seg: torch.Tensor, declared: int | None) -> tuple[torch.Tensor | None, str | None]:
+        """``(the buffered first part of a split chunk of key that seg continues, or None; why a buffered part
+        was dropped, or None)``.
+
+        The rest of a split chunk comes with the same payload (the connector replaces a request's tokens and
+        merges its metadata only when a new chunk arrives), so it declares the same size and fits in it. A row
+        that does not is the stream's next chunk: the buffered part was a chunk short of its declared size
+        whose rest never comes: it is dropped, with the reason, and the row is taken alone.
+        """
+        entry = self.partial.pop(key, None)
+        if entry is None:
+            return None, None
+        prefix, prefix_declared = entry
+        if declared == prefix_declared and prefix.numel() + seg.numel() <= declared:
+            return prefix, None
+        return None, (
+            f"the stream's previous chunk declares {prefix_declared} codes but only {prefix.numel()} arrived "
+            "before its next chunk (a short chunk, not a split one); it is dropped"
+        )
 
     def drop(self, key: str) -> None:
         """Forget the split prefix of ``key`` (its request ended)."""

@@ -297,6 +297,8 @@ class MossTTSCodecDecoder(nn.Module):
         for c in chunks:
             if c.error is not None:
                 self._report(c.key, c.index, c.error)
+            elif c.dropped is not None:
+                self._report(c.key, c.index, c.dropped, outcome="this row decodes")
         requests = [ChunkRequest(c.key, c.codes, c.finished) for c in chunks if c.codes is not None]
         results = self._ensure_session().decode(requests) if requests else {}
         audios = [self._empty_audio() for _ in batch]
@@ -329,16 +331,20 @@ class MossTTSCodecDecoder(nn.Module):
             return self._empty_audio()
         return self._shape_audio(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
 
-    def _report(self, key: str | None, index: int | None, error: str, frames: int = 0) -> None:
+    def _report(
+        self, key: str | None, index: int | None, error: str, frames: int = 0, outcome: str | None = None
+    ) -> None:
         """Log a request's error: once per stream key (every time for a row without one). ``index`` is the
-        request's batch row, None for a stream outside the batch; ``frames``: decoded frames it still returns."""
+        request's batch row, None for a stream outside the batch; ``frames``: decoded frames it still returns;
+        ``outcome``: what the row returns, when it is not that."""
         if key is not None:
             if key in self._reported:
                 return
             self._reported.add(key)
         where = "not in this batch" if index is None else f"batch row {index}"
-        returned = f"returning the {frames} frames decoded before it" if frames else "returning empty audio"
-        logger.warning("MOSS codec request %s (%s): %s; %s", key, where, error, returned)
+        if outcome is None:
+            outcome = f"returning the {frames} frames decoded before it" if frames else "returning empty audio"
+        logger.warning("MOSS codec request %s (%s): %s; %s", key, where, error, outcome)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()

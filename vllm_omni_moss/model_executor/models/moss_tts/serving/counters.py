@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,8 @@ class SessionCounters:
         admitted_from_queue: streams that got a slot after waiting; queue_wait_s_max: the longest wait (s).
         preemptions: streams whose state was saved to the host to free pages; preempted_bytes: the host bytes
             of those saved states; preemption_s: host seconds spent saving and restoring them (the device copies
-            included: both wait for them).
+            included: both wait for them); streams_by_preemptions: streams that ended (terminal chunk, finish or
+            refusal), counted by how many times each was preempted.
         request_errors: chunks refused, and streams failed by a step that raised.
         clamped_codes: codes clamped into the codebook, counted so far on the host.
         clamped_on_device: counts of steps whose codes were on the device, not read yet (a lazy sum).
@@ -36,6 +37,7 @@ class SessionCounters:
     preemptions: int = 0
     preempted_bytes: int = 0
     preemption_s: float = 0.0
+    streams_by_preemptions: dict[int, int] = field(default_factory=dict)
     queue_wait_s_max: float = 0.0
     request_errors: int = 0
     clamped_codes: int = 0
@@ -55,6 +57,7 @@ class SessionCounters:
             "preemptions": self.preemptions,
             "preempted_bytes": self.preempted_bytes,
             "preemption_seconds": self.preemption_s,
+            "streams_by_preemptions": dict(sorted(self.streams_by_preemptions.items())),
             "queue_wait_s_max": self.queue_wait_s_max,
             "clamped_codes": clamped_codes,
             "request_errors": self.request_errors,

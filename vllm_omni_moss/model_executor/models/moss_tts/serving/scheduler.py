@@ -6,9 +6,15 @@ beyond the free slots wait in a FIFO :class:`~.streams.AdmissionQueue`; their ch
 and decoded once a slot frees. The scheduler asks the pool one question, :meth:`reserve` (can these slots
 hold this much context? a paged pool allocates the pages, or nothing): before admitting a stream (the live
 streams' buffered and incoming chunks first, then the newcomer's) and before a step (every ready stream's
-buffered chunks). When the ready streams do not fit, it preempts the youngest live stream (its state saved to
-host memory; it waits ahead of new streams and resumes exactly) and asks again. Unpaged pools always answer
-yes, so nothing is ever preempted there.
+buffered chunks). When the ready streams do not fit, it preempts a live stream (its state saved to host
+memory; it waits ahead of new streams and resumes exactly) and asks again. Unpaged pools always answer yes, so
+nothing is ever preempted there.
+
+Fairness (docs/memory.md, "Paged rings"): the victim is the live stream, not ending, preempted the fewest
+times so far (the youngest among those), so no stream is preempted again before every other such stream has
+been preempted as often; and new streams are admitted in the order they arrived: a stream whose terminal chunk
+must be decoded at once takes the new streams queued ahead of it along, as far as the pool holds them
+(:meth:`admit_ending`).
 """
 
 from __future__ import annotations
@@ -138,6 +144,7 @@ class Scheduler:
             error = self.waiting.refusal(frames, new_stream=False, capacity=self.capacity)
             if error is not None:
                 self.waiting.drop(rid)
+                self._count_ended(stream)
                 return self._refuse(req, f"{error}; the waiting stream's buffered chunks were dropped")
         if frames:
             # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel in
@@ -148,8 +155,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
     def ready(self) -> list[Stream]:
-        """The live streams with buffered chunks, their state reserved: preempts the youngest live streams
-        that are not ending until the pool holds the context every ready stream is about to reach (only a
+        """The live streams with buffered chunks, their state reserved: preempts live streams that are not
+        ending (:meth:`_victim`) until the pool holds the context every ready stream is about to reach (only a
         paged pool can run short). A preempted stream's state goes to host memory and it waits, ahead of new
         streams, to resume exactly; its chunks stay buffered. Streams that only wait to end give their state
         back first."""
@@ -159,35 +166,58 @@ class Scheduler:
             if done:
                 self.end(done)
                 continue
-            victim = self._victim()
+            # Only when every live stream ends is the youngest of them preempted; the session then admits it
+            # again, in the same call, once the others have ended.
+            victim = self._victim() or next(reversed(self.live.values()))
             self._preempt(victim)
             ready = [s for s in ready if s is not victim]
         return ready
 
-    def _victim(self) -> Stream:
-        # The youngest live stream (admitted last) that is not ending: a stream whose terminal chunk arrived
-        # must be decoded in this call. Only when every live stream ends is the youngest of them preempted;
-        # the session then admits it again, in the same call, once the others have ended.
-        return next((s for s in reversed(self.live.values()) if not s.finished), None) or next(
-            reversed(self.live.values())
-        )
+    def _victim(self, protected: set[str] | frozenset[str] = frozenset()) -> Stream | None:
+        """The live stream to preempt: not ending (a stream whose terminal chunk arrived must be decoded in
+        this call), not in ``protected``, preempted the fewest times so far, and the youngest (admitted last)
+        among those; None when there is none."""
+        candidates = [s for s in self.live.values() if not s.finished and s.request_id not in protected]
+        if not candidates:
+            return None
+        fewest = min(s.preemptions for s in candidates)
+        return next(s for s in reversed(candidates) if s.preemptions == fewest)
 
     def admit_ending(self) -> None:
-        """Admit every waiting stream whose terminal chunk has arrived, oldest first, preempting the youngest
-        live streams that are not ending to make room: the engine finishes a request right after its terminal
-        step, so its audio must come out in this call. When every live stream ends in this call too, their
-        slots free first (the session decodes again before it returns)."""
-        for rid in self.waiting.request_ids:
+        """Admit every waiting stream whose terminal chunk has arrived, oldest first, preempting live streams
+        that are not ending (:meth:`_victim`) to make room: the engine finishes a request right after its
+        terminal step, so its audio must come out in this call. Then the new streams (never live) that waited
+        ahead of the last of them are admitted too, in arrival order, preempting live streams not admitted
+        here, until one does not fit: a new stream is not overtaken by a later one while the pool can hold it.
+        (Preempted streams wait at the head of the queue and resume as pages free, in :meth:`admit_waiting`.)
+        When every live stream ends in this call too, their slots free first (the session decodes again before
+        it returns)."""
+        queue = self.waiting.request_ids
+        ending = [rid for rid in queue if self.waiting.get(rid).finished]
+        if not ending:
+            return
+        admitted: set[str] = set()
+        for rid in ending:
+            if not self._admit_preempting(self.waiting.get(rid), admitted):
+                return
+        for rid in queue[: queue.index(ending[-1])]:
             stream = self.waiting.get(rid)
-            if not stream.finished:
-                continue
-            while not self._admit(stream, stream.buffered_frames + self.incoming.get(rid, 0)):
-                victim = next((s for s in reversed(self.live.values()) if not s.finished), None)
-                if victim is None:
-                    return
-                self._preempt(victim)
-            self.waiting.drop(rid)
-            self._count_admitted(stream)
+            if stream is not None and stream.saved is None and not self._admit_preempting(stream, admitted):
+                return
+
+    def _admit_preempting(self, stream: Stream, admitted: set[str]) -> bool:
+        """Admit waiting ``stream``, preempting live streams not in ``admitted`` while it does not fit; adds
+        it to ``admitted``. False (it still waits) when no stream is left to preempt."""
+        rid = stream.request_id
+        while not self._admit(stream, stream.buffered_frames + self.incoming.get(rid, 0)):
+            victim = self._victim(admitted)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        self.waiting.drop(rid)
+        self._count_admitted(stream)
+        admitted.add(rid)
+        return True
 
     def _count_admitted(self, stream: Stream) -> None:
         waited = time.monotonic() - stream.waiting_since
@@ -203,10 +233,15 @@ class Scheduler:
         self.counters.preemption_s += time.perf_counter() - started
         self.counters.preempted_bytes += victim.saved.nbytes
         victim.slot = None
+        victim.preemptions += 1
         del self.live[victim.request_id]
-        self.waiting.push_front(victim)
+        self.waiting.push_preempted(victim)
         self.counters.preemptions += 1
         logger.info("MOSS codec: stream %r preempted to free decoder state pages", victim.request_id)
+
+    def _count_ended(self, stream: Stream) -> None:
+        counts = self.counters.streams_by_preemptions
+        counts[stream.preemptions] = counts.get(stream.preemptions, 0) + 1
 
     def finished_live(self) -> list[Stream]:
         return [s for s in self.live.values() if s.finished]
@@ -215,6 +250,7 @@ class Scheduler:
         """Remove finished live ``streams`` and release their slots."""
         for stream in streams:
             del self.live[stream.request_id]
+            self._count_ended(stream)
         if streams:
             self.pool.release([s.slot for s in streams])
 
@@ -250,6 +286,9 @@ class Scheduler:
                 stream = self.live.pop(rid, None)
                 if stream is not None:
                     released.append(stream.slot)
+                for ended in (waiting, stream):
+                    if ended is not None:
+                        self._count_ended(ended)
         finally:
             # An iterable that fails part-way still frees the slots of the streams it ended.
             if released:

@@ -25,7 +25,8 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   queue is bounded by ``max_waiting_streams`` streams and ``max_waiting_frames`` buffered frames; past either
   bound the request alone gets an error and its buffered chunks are dropped. Live streams always decode, and
   so does every terminal chunk in its own call: a waiting stream whose terminal chunk arrives gets a slot at
-  once (the youngest live stream that is not ending is preempted for it, whatever the queue's bounds).
+  once (a live stream that is not ending is preempted for it, whatever the queue's bounds), and so do the
+  streams queued ahead of it, as far as the pool holds them.
 * **Errors.** A request whose chunk is malformed (codes that are not an integer ``(n_vq, T)`` tensor, an empty
   id) gets a :class:`ChunkResult` with ``error`` set and nothing of its stream changes; the other requests of
   the batch decode normally. A batch holding the same request id twice is refused whole (``ValueError``)
@@ -110,7 +111,7 @@ class CodecStreamSession:
         max_waiting_frames: code frames that waiting streams may buffer in total.
         page_fraction: state pages of a ``"paged"`` pool, as a fraction of full rings for every slot
             (:class:`~..state.PagedDecoderStatePool`); below 1 the session admits streams while pages last and
-            preempts the youngest live stream when a step runs short.
+            preempts a live stream (the one preempted least often, then the youngest) when a step runs short.
         state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages a ``"paged"`` pool may hold
             (picks the paged pool when ``pool_kind`` is None); ``state_capacity`` then caps live streams and the
             budget decides how many of them fit (``docs/memory.md``, "Paged rings").
@@ -235,7 +236,8 @@ class CodecStreamSession:
         frames of rows in steps), padding rows (rows graph replays carried beyond their steps'), the admission
         queue (streams and frames waiting now, streams admitted after waiting, the longest wait in seconds),
         streams preempted for state memory (paged pools) with the host bytes of their saved states and the
-        seconds saving and restoring took, clamped codes and requests refused or failed."""
+        seconds saving and restoring took, the streams that ended by how many times each was preempted
+        (``{preemptions: streams}``), clamped codes and requests refused or failed."""
         waiting = self._scheduler.waiting
         return self._counters.stats(len(waiting), waiting.buffered_frames, self.clamped_codes)
 

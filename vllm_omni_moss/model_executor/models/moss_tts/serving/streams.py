@@ -26,6 +26,7 @@ class Stream:
         waiting_since: ``time.monotonic()`` when it started to wait, None while live.
         saved: the state of a preempted stream, restored when it gets a slot back.
         frames_decoded: frames of its own decoded so far (the host's count).
+        preemptions: times it was preempted (the scheduler preempts the least preempted stream first).
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class Stream:
     waiting_since: float | None = None
     saved: object | None = None
     frames_decoded: int = 0
+    preemptions: int = 0
 
     @property
     def buffered_frames(self) -> int:
@@ -42,7 +44,9 @@ class Stream:
 
 
 class AdmissionQueue:
-    """New streams waiting for a slot, oldest first, with their buffered chunks.
+    """Streams waiting for a slot, with their buffered chunks: preempted streams first, in the order they were
+    preempted, then new streams, in the order they arrived (each stream behind every one that started to wait
+    before it in its class).
 
     Args:
         max_streams: streams that may wait.
@@ -52,31 +56,33 @@ class AdmissionQueue:
     def __init__(self, max_streams: int, max_frames: int):
         self.max_streams = max_streams
         self.max_frames = max_frames
-        self._streams: OrderedDict[str, Stream] = OrderedDict()
+        self._preempted: OrderedDict[str, Stream] = OrderedDict()
+        self._new: OrderedDict[str, Stream] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._streams)
+        return len(self._preempted) + len(self._new)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._streams
+        return request_id in self._preempted or request_id in self._new
 
     @property
     def request_ids(self) -> list[str]:
-        return list(self._streams)
+        """Waiting request ids, the next to be admitted first."""
+        return [*self._preempted, *self._new]
 
     @property
     def buffered_frames(self) -> int:
-        return sum(s.buffered_frames for s in self._streams.values())
+        return sum(s.buffered_frames for s in (*self._preempted.values(), *self._new.values()))
 
     def get(self, request_id: str) -> Stream | None:
-        return self._streams.get(request_id)
+        return self._preempted.get(request_id) or self._new.get(request_id)
 
     def refusal(self, frames: int, *, new_stream: bool, capacity: int) -> str | None:
         """Why ``frames`` more frames (of a new stream, or of a waiting one) cannot wait, or None."""
-        if new_stream and len(self._streams) >= self.max_streams:
+        if new_stream and len(self) >= self.max_streams:
             return (
                 f"all {capacity} decoder slots are busy and the admission queue is full "
-                f"({len(self._streams)} of max_waiting_streams={self.max_streams} streams waiting)"
+                f"({len(self)} of max_waiting_streams={self.max_streams} streams waiting)"
             )
         buffered = self.buffered_frames + frames
         if buffered > self.max_frames:
@@ -87,24 +93,30 @@ class AdmissionQueue:
         return None
 
     def push(self, stream: Stream) -> None:
+        """Queue a new stream behind every waiting one."""
         stream.waiting_since = time.monotonic()
-        self._streams[stream.request_id] = stream
+        self._new[stream.request_id] = stream
+
+    def _head(self) -> OrderedDict[str, Stream]:
+        return self._preempted if self._preempted else self._new
 
     def pop_oldest(self) -> Stream:
-        _, stream = self._streams.popitem(last=False)
+        _, stream = self._head().popitem(last=False)
         return stream
 
     def peek_oldest(self) -> Stream:
-        return next(iter(self._streams.values()))
+        return next(iter(self._head().values()))
 
-    def push_front(self, stream: Stream) -> None:
-        """Queue a preempted stream ahead of every new one (outside the queue's bounds: it was live)."""
+    def push_preempted(self, stream: Stream) -> None:
+        """Queue a preempted stream behind the streams preempted before it and ahead of every new one (outside
+        the queue's bounds: it was live)."""
         stream.waiting_since = time.monotonic()
-        self._streams[stream.request_id] = stream
-        self._streams.move_to_end(stream.request_id, last=False)
+        self._preempted[stream.request_id] = stream
 
     def drop(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        self._preempted.pop(request_id, None)
+        self._new.pop(request_id, None)
 
     def clear(self) -> None:
-        self._streams.clear()
+        self._preempted.clear()
+        self._new.clear()
