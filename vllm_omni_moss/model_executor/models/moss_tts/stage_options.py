@@ -11,6 +11,7 @@ re-reads or re-validates one. Nothing here imports vLLM: the config is read by a
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,14 @@ from .graph_ladder import batch_buckets
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
 
-__all__ = ["CODEC_DTYPES", "StageOptions", "codec_dtype_for", "connector_chunk_frames"]
+__all__ = [
+    "CODEC_DTYPES",
+    "CODEC_KEYS",
+    "StageOptions",
+    "check_codec_keys",
+    "codec_dtype_for",
+    "connector_chunk_frames",
+]
 
 DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
 DEFAULT_MAX_STEP_FRAMES = 100
@@ -59,6 +67,51 @@ def codec_dtype_choice(choice: Any) -> str:
     if not isinstance(choice, str) or choice not in CODEC_DTYPES:
         raise ValueError(f"codec_dtype must be one of {', '.join(map(repr, CODEC_DTYPES))}; got {choice!r}")
     return choice
+
+
+#: Every ``codec_*`` field of the stage's hf_config (``hf_overrides`` included) the stage knows, and what it sets.
+#: The one list of them: :meth:`StageOptions.from_vllm_config` reads these fields through :class:`_CodecFields`,
+#: which refuses a name missing here, and :func:`check_codec_keys` refuses any other ``codec_*`` field.
+CODEC_KEYS: dict[str, str] = {
+    "codec_model_name_or_path": "the codec checkpoint (upstream's field: models/moss_tts/configuration_moss_tts.py)",
+    "codec_dtype": "precision of the codec's weights, decode table and state rings",
+    "codec_attention_backend": "the pool's attention backend (upstream's field: modeling_moss_tts_codec.py)",
+    "codec_ring_semantics": "the pool's ring semantics",
+    "codec_pool_kind": "the decoder state pool",
+    "codec_state_budget_gib": "GiB of ring pages of the paged pool",
+    "codec_expected_stream_seconds": "the stream length that splits the state budget over the groups",
+    "codec_graph_memory_gib": "GiB the codec's CUDA graphs may take",
+}
+
+
+def check_codec_keys(hf: Any) -> None:
+    """Refuse a ``codec_*`` field of ``hf`` (the stage's hf_config) that :data:`CODEC_KEYS` does not list: a
+    misspelt option would otherwise leave its default in force without a word.
+
+    The fields are those of ``vars(hf)``: a transformers ``PretrainedConfig`` keeps every field, those set by
+    ``hf_overrides`` included, as an instance attribute.
+
+    Raises:
+        ValueError: naming every unknown field and the known one closest to it (``difflib``).
+    """
+    unknown = sorted(k for k in getattr(hf, "__dict__", {}) if k.startswith("codec_") and k not in CODEC_KEYS)
+    if unknown:
+        closest = {k: difflib.get_close_matches(k, CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
+        named = [f"{k!r} (the closest known one is {near!r})" for k, near in closest.items()]
+        raise ValueError(f"unknown codec option in the stage's hf_config (hf_overrides): {', '.join(named)}")
+
+
+class _CodecFields:
+    """The ``codec_*`` fields of an hf_config, read as attributes (an unset field is absent, as on the config);
+    reading a name :data:`CODEC_KEYS` does not list raises KeyError, so no reader can miss the table."""
+
+    def __init__(self, hf: Any) -> None:
+        self._hf = hf
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in CODEC_KEYS:
+            raise KeyError(f"{name!r} is read from the hf_config but CODEC_KEYS does not list it")
+        return getattr(self._hf, name)
 
 
 def _codebook_count(value: Any) -> int:
@@ -185,13 +238,16 @@ class StageOptions:
             ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
                 ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
                 given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
-                budget), or connector chunk sizes.
+                budget), or connector chunk sizes; a ``codec_*`` field :data:`CODEC_KEYS` does not list
+                (:func:`check_codec_keys`).
         """
         model_config = vllm_config.model_config
-        hf = model_config.hf_config
-        n_vq = _codebook_count(getattr(hf, "n_vq", getattr(hf, "rvq", 16)))
+        config = model_config.hf_config
+        check_codec_keys(config)
+        hf = _CodecFields(config)  # codec_* fields: read only through the CODEC_KEYS table
+        n_vq = _codebook_count(getattr(config, "n_vq", getattr(config, "rvq", 16)))
         codec_path = str(
-            getattr(hf, "codec_model_name_or_path", getattr(hf, "audio_tokenizer_name_or_path", DEFAULT_CODEC))
+            getattr(hf, "codec_model_name_or_path", getattr(config, "audio_tokenizer_name_or_path", DEFAULT_CODEC))
         )
         dtype_choice = getattr(hf, "codec_dtype", None)
         codec_dtype = "auto" if dtype_choice is None else codec_dtype_choice(dtype_choice)
