@@ -223,6 +223,7 @@ def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
     values = dict(
         codec_dtype="float32", codec_attention_backend="sdpa", codec_ring_semantics="exact", codec_pool_kind="paged",
         codec_state_budget_gib=2.0, codec_expected_stream_seconds=4.0, codec_graph_memory_gib=1.0,
+        codec_dummy_preset="v1",
     )  # fmt: skip
     assert set(values) | {"codec_model_name_or_path"} == set(CODEC_KEYS)
     got = StageOptions.from_vllm_config(vllm_config(tmp_path, 11, **values))
@@ -230,6 +231,7 @@ def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
         str(tmp_path), "float32", "sdpa", "exact", "paged"
     )  # fmt: skip
     assert (got.state_budget_bytes, got.expected_stream_seconds, got.graph_memory_bytes) == (2 << 30, 4.0, 1 << 30)
+    assert got.dummy_preset is None  # read only under vLLM's dummy load format (test_stage_dummy_load.py)
     fields = _CodecFields(SimpleNamespace(codec_dtype="auto", codec_bogus=1))
     assert fields.codec_dtype == "auto" and getattr(fields, "codec_pool_kind", None) is None
     with pytest.raises(KeyError, match="'codec_bogus' is read from the hf_config but CODEC_KEYS does not list it"):

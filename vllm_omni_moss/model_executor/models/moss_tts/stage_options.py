@@ -3,9 +3,10 @@
 
 Sources (docs/serving_stage.md): the stage's ``hf_config`` (``hf_overrides`` in a deploy file) for the codec
 (``n_vq``, the checkpoint, ``codec_dtype``, ``codec_attention_backend``, ``codec_ring_semantics``,
-``codec_pool_kind``, ``codec_state_budget_gib``, ``codec_expected_stream_seconds``), the scheduler config for
-the slot count (``max_num_seqs``) and the token budget, the connector's ``extra`` for the chunk schedule, and
-the model config for ``async_chunk`` and ``enforce_eager``. Every value is checked here; the stage never
+``codec_pool_kind``, ``codec_state_budget_gib``, ``codec_expected_stream_seconds``, ``codec_dummy_preset``; the
+full list is :data:`CODEC_KEYS`), the scheduler config for the slot count (``max_num_seqs``) and the token budget,
+the connector's ``extra`` for the chunk schedule, the model config for ``async_chunk`` and ``enforce_eager``, and
+the load config for vLLM's dummy load format. Every value is checked here; the stage never
 re-reads or re-validates one. Nothing here imports vLLM: the config is read by attribute.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from .attention import ATTENTION_BACKENDS
+from .config import PRESETS
 from .graph_ladder import batch_buckets
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
@@ -81,7 +83,10 @@ CODEC_KEYS: dict[str, str] = {
     "codec_state_budget_gib": "GiB of ring pages of the paged pool",
     "codec_expected_stream_seconds": "the stream length that splits the state budget over the groups",
     "codec_graph_memory_gib": "GiB the codec's CUDA graphs may take",
+    "codec_dummy_preset": "the geometry of the random codec served under vLLM's dummy load format",
 }
+#: The codec served under vLLM's dummy load format unless ``codec_dummy_preset`` names another preset.
+DEFAULT_DUMMY_PRESET = "v2"
 
 
 def check_codec_keys(hf: Any) -> None:
@@ -211,6 +216,9 @@ class StageOptions:
             ``enforce_eager``. vLLM's ``cudagraph_capture_sizes`` is not read.
         graph_memory_bytes: device memory the codec's graphs may take (``codec_graph_memory_gib``, default
             :data:`DEFAULT_GRAPH_MEMORY_GIB`).
+        dummy_preset: under vLLM's dummy load format (``load_config.load_format == "dummy"``), the preset
+            (``config.PRESETS``) whose random weights the stage serves instead of the checkpoint
+            (``codec_dummy_preset``, default :data:`DEFAULT_DUMMY_PRESET`); None under any other load format.
     """
 
     n_vq: int
@@ -229,6 +237,7 @@ class StageOptions:
     enforce_eager: bool
     graph_batch_sizes: list[int]
     graph_memory_bytes: int
+    dummy_preset: str | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> StageOptions:
@@ -238,8 +247,8 @@ class StageOptions:
             ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
                 ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
                 given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
-                budget), or connector chunk sizes; a ``codec_*`` field :data:`CODEC_KEYS` does not list
-                (:func:`check_codec_keys`).
+                budget), ``codec_dummy_preset`` (not a preset name), or connector chunk sizes; a ``codec_*``
+                field :data:`CODEC_KEYS` does not list (:func:`check_codec_keys`).
         """
         model_config = vllm_config.model_config
         config = model_config.hf_config
@@ -267,10 +276,13 @@ class StageOptions:
         )
         frame_sizes = connector_chunk_frames(_connector_extra(model_config))
         enforce_eager = bool(getattr(model_config, "enforce_eager", True))
+        dummy_preset = _hf_choice(hf, "codec_dummy_preset", tuple(sorted(PRESETS))) or DEFAULT_DUMMY_PRESET
+        dummy = getattr(getattr(vllm_config, "load_config", None), "load_format", None) == "dummy"
         return cls(
             n_vq, codec_path, codec_dtype, backend, semantics, pool_kind, budget, seconds, capacity,
             int(tokens) if tokens else None, frame_sizes, max(frame_sizes, default=DEFAULT_MAX_STEP_FRAMES),
             bool(getattr(model_config, "async_chunk", False)), enforce_eager,
             [] if enforce_eager else batch_buckets(capacity),
             int((_hf_positive(hf, "codec_graph_memory_gib", "GiB") or DEFAULT_GRAPH_MEMORY_GIB) * 2**30),
+            dummy_preset if dummy else None,
         )  # fmt: skip
