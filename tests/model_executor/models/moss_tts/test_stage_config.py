@@ -275,6 +275,30 @@ def test_codec_dtype_override_casts_weights_table_and_rings(tmp_path, caplog, se
     )
 
 
+@pytest.mark.parametrize("preset", ["tiny-v1", "tiny-v2"])
+def test_float32_codec_keeps_its_checkpoint_values_under_vllms_default_dtype(tmp_path, preset):
+    """vLLM calls load_weights under ``set_default_torch_dtype(model_config.dtype)`` (model_loader/base_loader.py),
+    bfloat16 for MOSS-TTS checkpoints: the float32 codec must still hold the checkpoint's float32 values."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import save_random_checkpoint
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    codec_dir = save_random_checkpoint(preset, tmp_path / preset, seed=0)
+
+    def loaded():
+        stage = MossTTSCodecDecoder(vllm_config=vllm_config(codec_dir, 11))
+        stage.load_weights(iter([]))
+        return stage._codec.state_dict()
+
+    want = loaded()
+    with set_default_torch_dtype(torch.bfloat16):
+        got = loaded()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(("preset", "dtype"), [("tiny-v1", torch.float32), ("tiny-v2", torch.bfloat16)])
 def test_auto_precision_on_cuda_follows_upstream(tmp_path, session_kwargs, preset, dtype):

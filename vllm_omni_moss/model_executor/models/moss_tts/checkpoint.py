@@ -280,7 +280,9 @@ def decoder_from_tensors(config: CodecConfig, src, origin: str, device: torch.de
     Raises:
         CheckpointError: as :func:`load_checkpoint`.
     """
-    decoder = CodecDecoder(config)
+    # float32 whatever the default dtype (vLLM loads weights under the model's, often bfloat16): the tensors are
+    # copied into these parameters, so a bfloat16 default would round a float32 codec.
+    decoder = CodecDecoder(config).float()
     problems: list[str] = []
     used = _load_decoder_weights(decoder, src, problems)
     lut, bias = _build_lut(config, src, problems)
