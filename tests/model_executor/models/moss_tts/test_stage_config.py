@@ -168,6 +168,76 @@ def test_bad_pool_fields_are_rejected_at_construction(tmp_path, fields, message)
     assert str(err.value) == message
 
 
+# ----------------------------------------------------------------------------- codec_* keys
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (dict(codec_state_budget_gb=40), "'codec_state_budget_gb' (the closest known one is 'codec_state_budget_gib')"),
+        (dict(codec_pool_kinds="paged"), "'codec_pool_kinds' (the closest known one is 'codec_pool_kind')"),
+        (dict(codec_ring_semantic="exact"), "'codec_ring_semantic' (the closest known one is 'codec_ring_semantics')"),
+        (
+            dict(codec_ring_semantic="exact", codec_dtpye="float32", codec_dtype="auto"),
+            "'codec_dtpye' (the closest known one is 'codec_dtype'), "
+            "'codec_ring_semantic' (the closest known one is 'codec_ring_semantics')",
+        ),
+    ],
+)
+def test_unknown_codec_option_is_refused_naming_the_closest_known_one(tmp_path, fields, named):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, **fields))
+    assert str(err.value) == f"unknown codec option in the stage's hf_config (hf_overrides): {named}"
+
+
+def test_codec_options_are_checked_on_upstreams_config_class_with_hf_overrides(tmp_path):
+    """vLLM applies ``hf_overrides`` with ``PretrainedConfig.update``; upstream's config class carries
+    ``codec_model_name_or_path`` itself (``configuration_moss_tts.py``)."""
+    from vllm_omni.model_executor.models.moss_tts.configuration_moss_tts import MossTTSDelayConfig
+
+    from vllm_omni_moss.model_executor.models.moss_tts.stage_options import StageOptions
+
+    def options(overrides: dict) -> StageOptions:
+        config = vllm_config(tmp_path, 11)
+        hf = MossTTSDelayConfig(n_vq=12, codec_model_name_or_path=str(tmp_path))
+        hf.update(overrides)
+        config.model_config.hf_config = hf
+        return StageOptions.from_vllm_config(config)
+
+    assert options({"codec_pool_kind": "paged", "codec_attention_backend": "sdpa"}).pool_kind == "paged"
+    with pytest.raises(ValueError) as err:
+        options({"codec_pool_kindd": "paged"})
+    assert str(err.value) == (
+        "unknown codec option in the stage's hf_config (hf_overrides): "
+        "'codec_pool_kindd' (the closest known one is 'codec_pool_kind')"
+    )
+
+
+def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm_omni_moss.model_executor.models.moss_tts.stage_options import CODEC_KEYS, StageOptions, _CodecFields
+
+    values = dict(
+        codec_dtype="float32", codec_attention_backend="sdpa", codec_ring_semantics="exact", codec_pool_kind="paged",
+        codec_state_budget_gib=2.0, codec_expected_stream_seconds=4.0, codec_graph_memory_gib=1.0,
+        codec_dummy_preset="v1",
+    )  # fmt: skip
+    assert set(values) | {"codec_model_name_or_path"} == set(CODEC_KEYS)
+    got = StageOptions.from_vllm_config(vllm_config(tmp_path, 11, **values))
+    assert (got.codec_path, got.codec_dtype, got.attention_backend, got.ring_semantics, got.pool_kind) == (
+        str(tmp_path), "float32", "sdpa", "exact", "paged"
+    )  # fmt: skip
+    assert (got.state_budget_bytes, got.expected_stream_seconds, got.graph_memory_bytes) == (2 << 30, 4.0, 1 << 30)
+    assert got.dummy_preset is None  # read only under vLLM's dummy load format (test_stage_dummy_load.py)
+    fields = _CodecFields(SimpleNamespace(codec_dtype="auto", codec_bogus=1))
+    assert fields.codec_dtype == "auto" and getattr(fields, "codec_pool_kind", None) is None
+    with pytest.raises(KeyError, match="'codec_bogus' is read from the hf_config but CODEC_KEYS does not list it"):
+        getattr(fields, "codec_bogus", None)
+
+
 def test_state_budget_too_small_for_one_stream_fails_at_load_naming_the_minimum(tmp_path):
     # Without graphs (enforce_eager) the session is otherwise built on the first batch: a budget makes the
     # stage build it at load, so a bad budget fails the deployment, not every request.
@@ -203,6 +273,30 @@ def test_codec_dtype_override_casts_weights_table_and_rings(tmp_path, caplog, se
         "precision bfloat16 (weights, decode table and state rings; codec_dtype=bfloat16)" in r.getMessage()
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("preset", ["tiny-v1", "tiny-v2"])
+def test_float32_codec_keeps_its_checkpoint_values_under_vllms_default_dtype(tmp_path, preset):
+    """vLLM calls load_weights under ``set_default_torch_dtype(model_config.dtype)`` (model_loader/base_loader.py),
+    bfloat16 for MOSS-TTS checkpoints: the float32 codec must still hold the checkpoint's float32 values."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import save_random_checkpoint
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    codec_dir = save_random_checkpoint(preset, tmp_path / preset, seed=0)
+
+    def loaded():
+        stage = MossTTSCodecDecoder(vllm_config=vllm_config(codec_dir, 11))
+        stage.load_weights(iter([]))
+        return stage._codec.state_dict()
+
+    want = loaded()
+    with set_default_torch_dtype(torch.bfloat16):
+        got = loaded()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
 
 
 @pytest.mark.cuda

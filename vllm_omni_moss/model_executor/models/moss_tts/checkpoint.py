@@ -28,6 +28,7 @@ __all__ = [
     "FILE_MODE",
     "CheckpointError",
     "checkpoint_files",
+    "decoder_from_tensors",
     "load_checkpoint",
     "official_decoder_names",
     "random_checkpoint_bytes",
@@ -269,7 +270,19 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
     config = load_config(directory, version)
     src = _TensorSource(directory)
     _check_size(config, src, directory)
-    decoder = CodecDecoder(config)
+    return decoder_from_tensors(config, src, f"checkpoint {directory}", device)
+
+
+def decoder_from_tensors(config: CodecConfig, src, origin: str, device: torch.device | str) -> CodecDecoder:
+    """The decoder of ``config`` from official-named tensors: ``src.where`` holds their names, ``src.get(name)``
+    returns one (a checkpoint's ``_TensorSource``, or tensors in memory). ``origin`` names them in errors.
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`.
+    """
+    # float32 whatever the default dtype (vLLM loads weights under the model's, often bfloat16): the tensors are
+    # copied into these parameters, so a bfloat16 default would round a float32 codec.
+    decoder = CodecDecoder(config).float()
     problems: list[str] = []
     used = _load_decoder_weights(decoder, src, problems)
     lut, bias = _build_lut(config, src, problems)
@@ -280,7 +293,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", versio
         )
     _check_unexpected(config, src, used, problems)
     if problems:
-        raise CheckpointError(f"checkpoint {directory} does not fit its config.json:\n  - " + "\n  - ".join(problems))
+        raise CheckpointError(f"{origin} does not fit its config.json:\n  - " + "\n  - ".join(problems))
     with torch.no_grad():
         decoder.lut.copy_(lut.float())
         decoder.lut_bias.copy_(bias.float())

@@ -10,6 +10,9 @@ by the registry entry of the fork form). This module keeps the vLLM model contra
 Differences in behaviour (details in ``docs/serving_stage.md``):
 
 * Only the codec decoder is loaded (:func:`~.checkpoint.load_checkpoint`); the encoder is never built.
+* Under vLLM's dummy load format (``--load-format dummy``) the stage serves a random codec of a real geometry
+  (``hf_overrides: {codec_dummy_preset: v2 | v1}``, default v2) and warns that its audio is noise, where upstream's
+  stays silent.
 * Streams are keyed by the runner's request ids (the strings ``on_requests_finished`` receives), never by
   batch position; the payload's own id is a logged cross-check.
 * A request fails alone: a malformed payload, a missing stream id or a session error is logged once for that
@@ -41,10 +44,11 @@ from vllm.logger import init_logger
 from vllm_omni.model_executor.models.output_templates import OmniOutput
 
 from .checkpoint import load_checkpoint, resolve_checkpoint_dir
-from .config import load_config
+from .config import load_config, preset_config
 from .decoder import CodecDecoder
 from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
 from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, meta_of, payload_id, same_request
+from .random_codec import random_decoder
 from .serving import ChunkRequest, ChunkResult, CodecStreamSession
 from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for, connector_chunk_frames
 from .state import StateSpec
@@ -57,6 +61,9 @@ logger = init_logger(__name__)
 #: Code frames a waiting stream may buffer on average before the admission queue refuses chunks (82 s of codes;
 #: 96 bytes a frame of 12 int64 codes).
 WAITING_FRAMES_PER_SLOT = 1024
+#: Seed of the random codec served under vLLM's dummy load format: the weights ``vllm-omni-moss make-checkpoint``
+#: writes by default for the same preset.
+DUMMY_SEED = 0
 
 
 class MossTTSCodecDecoder(nn.Module):
@@ -67,9 +74,12 @@ class MossTTSCodecDecoder(nn.Module):
     kind and state budget, the slot count (``max_num_seqs``), the connector's chunk schedule (the graph frame
     sizes and the longest step) and the graph batch buckets.
 
+    Under vLLM's dummy load format the constructor builds and starts a random codec (:meth:`_load_random_codec`).
+
     Raises:
         ValueError: as :meth:`~.stage_options.StageOptions.from_vllm_config`. A budget too small for one stream
-            fails when the decoder state is built, naming the minimum.
+            fails when the decoder state is built, naming the minimum; under the dummy load format, at
+            construction.
     """
 
     # Model-interface flags: upstream's, read by vLLM from the class in its global registry (upstream's) and by
@@ -108,6 +118,8 @@ class MossTTSCodecDecoder(nn.Module):
         self._reported: set[str] = set()  # stream keys whose error was logged
         self._mismatch_warned: set[str] = set()  # stream keys whose payload names another request
         self._stats_logged_at = time.monotonic()
+        if options.dummy_preset is not None:
+            self._load_random_codec(options.dummy_preset)
 
     # ------------------------------------------------------------------ vLLM stubs
     def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -133,38 +145,32 @@ class MossTTSCodecDecoder(nn.Module):
         device = torch.device(self.vllm_config.device_config.device)
         download_dir = getattr(getattr(self.vllm_config, "load_config", None), "download_dir", None)
         directory = resolve_checkpoint_dir(self.options.codec_path, download_dir)
-        codec = self._load_codec(directory, device)
-        cfg = codec.config
-        if self.n_vq > cfg.num_quantizers:
-            raise ValueError(f"n_vq={self.n_vq} exceeds the codec's {cfg.num_quantizers} quantizers ({directory})")
-        self._codec = codec
-        self._channels = int(cfg.number_channels)
-        self._sr_tensor = torch.tensor(int(cfg.sampling_rate), dtype=torch.int32)
-        logger.info(
-            "MOSS codec decoder loaded from %s on %s: %s, %d Hz, %d channel(s), n_vq=%d, precision %s "
-            "(weights, decode table and state rings; codec_dtype=%s), streams=%d, graphs B=%s T=%s",
-            directory, device, cfg.version, cfg.sampling_rate, cfg.number_channels, self.n_vq,
-            str(self._dtype).removeprefix("torch."), self.options.codec_dtype, self.state_capacity,
-            self.graph_batch_sizes, self.graph_frame_sizes,
-        )  # fmt: skip
-        self._state_spec = _state_spec(self.options, codec, self._dtype)
-        _check_state_fits_share(
-            self.vllm_config, device, codec, self._state_spec, self.state_capacity, self._graph_rows()
-        )
-        if self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes:
-            self._ensure_session()  # compile and capture at load, not on the first request
-        elif self.options.state_budget_bytes is not None:
-            self._ensure_session()  # a budget too small for one stream fails at load, not on every batch
-        return {f"_codec.{name}" for name, _ in codec.named_parameters()}
+        self._codec, self._dtype = _checkpoint_codec(self.options, self.n_vq, directory, device)
+        self._start_serving(str(directory), device)
+        return {f"_codec.{name}" for name, _ in self._codec.named_parameters()}
 
-    def _load_codec(self, directory: Path, device: torch.device) -> CodecDecoder:
-        """The decoder on ``device`` in the precision :func:`codec_dtype_for` picks (kept in ``_dtype``)."""
-        self._dtype = codec_dtype_for(self.options.codec_dtype, load_config(directory).version, device)
-        # load_checkpoint casts to bfloat16 on CUDA: a float32 codec is read on the CPU and moved, so no precision
-        # is lost on the way.
-        staging = torch.device("cpu") if self._dtype == torch.float32 else device
-        codec = load_checkpoint(directory, device=staging)
-        return codec.to(device=device, dtype=self._dtype).eval()
+    def _load_random_codec(self, preset: str) -> None:
+        """Serve :func:`_random_codec` under vLLM's dummy load format, which never calls :meth:`load_weights`."""
+        device = torch.device(self.vllm_config.device_config.device)
+        codec, self._dtype = _random_codec(self.options, self.n_vq, device)
+        # Kept out of the module tree: vLLM's DummyModelLoader next overwrites every parameter and buffer it finds
+        # there with uniform noise in [-1e-3, 1e-3] (model_loader/dummy_loader.py), decode table included.
+        self.__dict__["_codec"] = codec
+        with torch.device("cpu"):  # vLLM builds the model under its target device; start as load_weights does
+            self._start_serving(f"random {preset} weights", device)
+
+    def _start_serving(self, source: str, device: torch.device) -> None:
+        """Log the codec (from ``source``), check its state against the memory share, build the session if due."""
+        cfg = self._codec.config
+        self._channels, self._sr_tensor = int(cfg.number_channels), torch.tensor(cfg.sampling_rate, dtype=torch.int32)
+        _log_loaded(self, source, device)
+        self._state_spec = _state_spec(self.options, self._codec, self._dtype)
+        _check_state_fits_share(
+            self.vllm_config, device, self._codec, self._state_spec, self.state_capacity, self._graph_rows()
+        )
+        # Graphs are captured at load, not on the first request; a budget too small for one stream fails at load.
+        if (self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes) or self.options.state_budget_bytes:
+            self._ensure_session()
 
     def _graph_rows(self) -> int:
         # The largest graph bucket (what a legacy pool needs scratch slots for), 0 without graphs.
@@ -413,6 +419,59 @@ def _stream_keys(batch: list[tuple[torch.Tensor, dict]], runner_ids: Any, warned
             logger.warning("MOSS codec request %s: its payload names request %s; keyed by the runner's id", key, own)
         keys.append(("request id appears twice in one batch", key) if key in keys else key)
     return keys
+
+
+def _check_codebooks(n_vq: int, config, source: str) -> None:
+    if n_vq > config.num_quantizers:
+        raise ValueError(f"n_vq={n_vq} exceeds the codec's {config.num_quantizers} quantizers ({source})")
+
+
+def _checkpoint_codec(options: StageOptions, n_vq: int, directory: Path, device: torch.device):
+    """``(decoder, dtype)``: the checkpoint's decoder on ``device`` in the precision :func:`codec_dtype_for`
+    picks. ValueError when ``n_vq`` exceeds its quantizers."""
+    dtype = codec_dtype_for(options.codec_dtype, load_config(directory).version, device)
+    # load_checkpoint casts to bfloat16 on CUDA: a float32 codec is read on the CPU and moved, so no precision
+    # is lost on the way.
+    staging = torch.device("cpu") if dtype == torch.float32 else device
+    codec = load_checkpoint(directory, device=staging)
+    _check_codebooks(n_vq, codec.config, str(directory))
+    return codec.to(device=device, dtype=dtype).eval(), dtype
+
+
+def _random_codec(options: StageOptions, n_vq: int, device: torch.device) -> tuple[CodecDecoder, torch.dtype]:
+    """``(decoder, dtype)`` of vLLM's dummy load format: random weights of the preset ``options.dummy_preset``
+    (:func:`~.random_codec.random_decoder`, seed :data:`DUMMY_SEED`) on ``device`` in the precision
+    :func:`codec_dtype_for` picks. Logs a warning that the audio is noise, and how loud it is.
+
+    Raises:
+        ValueError: ``n_vq`` exceeds the preset's quantizers (checked before any weight is drawn).
+    """
+    preset = options.dummy_preset
+    config = preset_config(preset)
+    _check_codebooks(n_vq, config, f"random {preset} weights")
+    dtype = codec_dtype_for(options.codec_dtype, config.version, device)
+    with torch.device("cpu"):  # vLLM builds the model under its target device; the draws are on the host
+        codec = random_decoder(preset, DUMMY_SEED).to(device=device, dtype=dtype).eval()
+        codes = torch.randint(0, config.codebook_size, (n_vq, 1, 8), generator=torch.Generator().manual_seed(0))
+        peak = float(codec.decode(codes.to(device))[0].abs().max())
+    logger.warning(
+        "MOSS codec stage under vLLM's dummy load format: serving RANDOM weights of the %s codec (seed %d), not the "
+        "checkpoint %s: the audio is noise, for benchmarking the pipeline only; 8 frames of random codes peak at "
+        "|sample| = %.1f%s",
+        preset, DUMMY_SEED, options.codec_path, peak, ", far outside [-1, 1]" if peak > 1 else "",
+    )  # fmt: skip
+    return codec, dtype
+
+
+def _log_loaded(stage: MossTTSCodecDecoder, source: str, device: torch.device) -> None:
+    cfg = stage._codec.config
+    logger.info(
+        "MOSS codec decoder loaded from %s on %s: %s, %d Hz, %d channel(s), n_vq=%d, precision %s "
+        "(weights, decode table and state rings; codec_dtype=%s), streams=%d, graphs B=%s T=%s",
+        source, device, cfg.version, cfg.sampling_rate, cfg.number_channels, stage.n_vq,
+        str(stage._dtype).removeprefix("torch."), stage.options.codec_dtype, stage.state_capacity,
+        stage.graph_batch_sizes, stage.graph_frame_sizes,
+    )  # fmt: skip
 
 
 def _token_counts(value: Any) -> list[int] | None:

@@ -3,14 +3,16 @@
 
 Sources (docs/serving_stage.md): the stage's ``hf_config`` (``hf_overrides`` in a deploy file) for the codec
 (``n_vq``, the checkpoint, ``codec_dtype``, ``codec_attention_backend``, ``codec_ring_semantics``,
-``codec_pool_kind``, ``codec_state_budget_gib``, ``codec_expected_stream_seconds``), the scheduler config for
-the slot count (``max_num_seqs``) and the token budget, the connector's ``extra`` for the chunk schedule, and
-the model config for ``async_chunk`` and ``enforce_eager``. Every value is checked here; the stage never
+``codec_pool_kind``, ``codec_state_budget_gib``, ``codec_expected_stream_seconds``, ``codec_dummy_preset``; the
+full list is :data:`CODEC_KEYS`), the scheduler config for the slot count (``max_num_seqs``) and the token budget,
+the connector's ``extra`` for the chunk schedule, the model config for ``async_chunk`` and ``enforce_eager``, and
+the load config for vLLM's dummy load format. Every value is checked here; the stage never
 re-reads or re-validates one. Nothing here imports vLLM: the config is read by attribute.
 """
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +20,19 @@ from typing import Any
 import torch
 
 from .attention import ATTENTION_BACKENDS
+from .config import PRESETS
 from .graph_ladder import batch_buckets
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
 
-__all__ = ["CODEC_DTYPES", "StageOptions", "codec_dtype_for", "connector_chunk_frames"]
+__all__ = [
+    "CODEC_DTYPES",
+    "CODEC_KEYS",
+    "StageOptions",
+    "check_codec_keys",
+    "codec_dtype_for",
+    "connector_chunk_frames",
+]
 
 DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
 DEFAULT_MAX_STEP_FRAMES = 100
@@ -59,6 +69,54 @@ def codec_dtype_choice(choice: Any) -> str:
     if not isinstance(choice, str) or choice not in CODEC_DTYPES:
         raise ValueError(f"codec_dtype must be one of {', '.join(map(repr, CODEC_DTYPES))}; got {choice!r}")
     return choice
+
+
+#: Every ``codec_*`` field of the stage's hf_config (``hf_overrides`` included) the stage knows, and what it sets.
+#: The one list of them: :meth:`StageOptions.from_vllm_config` reads these fields through :class:`_CodecFields`,
+#: which refuses a name missing here, and :func:`check_codec_keys` refuses any other ``codec_*`` field.
+CODEC_KEYS: dict[str, str] = {
+    "codec_model_name_or_path": "the codec checkpoint (upstream's field: models/moss_tts/configuration_moss_tts.py)",
+    "codec_dtype": "precision of the codec's weights, decode table and state rings",
+    "codec_attention_backend": "the pool's attention backend (upstream's field: modeling_moss_tts_codec.py)",
+    "codec_ring_semantics": "the pool's ring semantics",
+    "codec_pool_kind": "the decoder state pool",
+    "codec_state_budget_gib": "GiB of ring pages of the paged pool",
+    "codec_expected_stream_seconds": "the stream length that splits the state budget over the groups",
+    "codec_graph_memory_gib": "GiB the codec's CUDA graphs may take",
+    "codec_dummy_preset": "the geometry of the random codec served under vLLM's dummy load format",
+}
+#: The codec served under vLLM's dummy load format unless ``codec_dummy_preset`` names another preset.
+DEFAULT_DUMMY_PRESET = "v2"
+
+
+def check_codec_keys(hf: Any) -> None:
+    """Refuse a ``codec_*`` field of ``hf`` (the stage's hf_config) that :data:`CODEC_KEYS` does not list: a
+    misspelt option would otherwise leave its default in force without a word.
+
+    The fields are those of ``vars(hf)``: a transformers ``PretrainedConfig`` keeps every field, those set by
+    ``hf_overrides`` included, as an instance attribute.
+
+    Raises:
+        ValueError: naming every unknown field and the known one closest to it (``difflib``).
+    """
+    unknown = sorted(k for k in getattr(hf, "__dict__", {}) if k.startswith("codec_") and k not in CODEC_KEYS)
+    if unknown:
+        closest = {k: difflib.get_close_matches(k, CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
+        named = [f"{k!r} (the closest known one is {near!r})" for k, near in closest.items()]
+        raise ValueError(f"unknown codec option in the stage's hf_config (hf_overrides): {', '.join(named)}")
+
+
+class _CodecFields:
+    """The ``codec_*`` fields of an hf_config, read as attributes (an unset field is absent, as on the config);
+    reading a name :data:`CODEC_KEYS` does not list raises KeyError, so no reader can miss the table."""
+
+    def __init__(self, hf: Any) -> None:
+        self._hf = hf
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in CODEC_KEYS:
+            raise KeyError(f"{name!r} is read from the hf_config but CODEC_KEYS does not list it")
+        return getattr(self._hf, name)
 
 
 def _codebook_count(value: Any) -> int:
@@ -158,6 +216,9 @@ class StageOptions:
             ``enforce_eager``. vLLM's ``cudagraph_capture_sizes`` is not read.
         graph_memory_bytes: device memory the codec's graphs may take (``codec_graph_memory_gib``, default
             :data:`DEFAULT_GRAPH_MEMORY_GIB`).
+        dummy_preset: under vLLM's dummy load format (``load_config.load_format == "dummy"``), the preset
+            (``config.PRESETS``) whose random weights the stage serves instead of the checkpoint
+            (``codec_dummy_preset``, default :data:`DEFAULT_DUMMY_PRESET`); None under any other load format.
     """
 
     n_vq: int
@@ -176,6 +237,7 @@ class StageOptions:
     enforce_eager: bool
     graph_batch_sizes: list[int]
     graph_memory_bytes: int
+    dummy_preset: str | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> StageOptions:
@@ -185,13 +247,16 @@ class StageOptions:
             ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
                 ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
                 given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
-                budget), or connector chunk sizes.
+                budget), ``codec_dummy_preset`` (not a preset name), or connector chunk sizes; a ``codec_*``
+                field :data:`CODEC_KEYS` does not list (:func:`check_codec_keys`).
         """
         model_config = vllm_config.model_config
-        hf = model_config.hf_config
-        n_vq = _codebook_count(getattr(hf, "n_vq", getattr(hf, "rvq", 16)))
+        config = model_config.hf_config
+        check_codec_keys(config)
+        hf = _CodecFields(config)  # codec_* fields: read only through the CODEC_KEYS table
+        n_vq = _codebook_count(getattr(config, "n_vq", getattr(config, "rvq", 16)))
         codec_path = str(
-            getattr(hf, "codec_model_name_or_path", getattr(hf, "audio_tokenizer_name_or_path", DEFAULT_CODEC))
+            getattr(hf, "codec_model_name_or_path", getattr(config, "audio_tokenizer_name_or_path", DEFAULT_CODEC))
         )
         dtype_choice = getattr(hf, "codec_dtype", None)
         codec_dtype = "auto" if dtype_choice is None else codec_dtype_choice(dtype_choice)
@@ -211,10 +276,13 @@ class StageOptions:
         )
         frame_sizes = connector_chunk_frames(_connector_extra(model_config))
         enforce_eager = bool(getattr(model_config, "enforce_eager", True))
+        dummy_preset = _hf_choice(hf, "codec_dummy_preset", tuple(sorted(PRESETS))) or DEFAULT_DUMMY_PRESET
+        dummy = getattr(getattr(vllm_config, "load_config", None), "load_format", None) == "dummy"
         return cls(
             n_vq, codec_path, codec_dtype, backend, semantics, pool_kind, budget, seconds, capacity,
             int(tokens) if tokens else None, frame_sizes, max(frame_sizes, default=DEFAULT_MAX_STEP_FRAMES),
             bool(getattr(model_config, "async_chunk", False)), enforce_eager,
             [] if enforce_eager else batch_buckets(capacity),
             int((_hf_positive(hf, "codec_graph_memory_gib", "GiB") or DEFAULT_GRAPH_MEMORY_GIB) * 2**30),
+            dummy_preset if dummy else None,
         )  # fmt: skip
