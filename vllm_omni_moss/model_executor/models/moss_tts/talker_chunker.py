@@ -19,6 +19,7 @@ one tensor construction and one transpose (benchmarks/tts/bench_chunker.py; docs
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -27,11 +28,21 @@ from vllm_omni.model_executor.stage_input_processors.chunk_size_utils import par
 
 from .stage_options import ChunkSchedule, resolve_chunk_schedule
 
-__all__ = ["AUDIO_PAD_CODE", "ChunkerError", "chunk_schedule_of", "talker2codec_ramp_async_chunk"]
+__all__ = [
+    "AUDIO_PAD_CODE",
+    "ChunkerError",
+    "chunk_schedule_of",
+    "deploy_chunk_schedule",
+    "talker2codec_ramp_async_chunk",
+]
 
 #: A code row made only of this value is a pad row, never sent (``_MOSS_AUDIO_PAD_CODE`` of vLLM-Omni 0.30.0's
 #: ``stage_input_processors/moss_tts.py``).
 AUDIO_PAD_CODE = 1024
+
+
+#: Tensor dtypes that hold codes; floating, complex and bool frames are refused.
+_CODE_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 class ChunkerError(ValueError):
@@ -73,7 +84,7 @@ def _schedule(transfer_manager: Any) -> ChunkSchedule:
 
 def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
     """Append ``frames`` (``[T, n_vq]`` or one ``[n_vq]`` frame) to ``stream``, pad rows dropped."""
-    if frames.dtype.is_floating_point or frames.dtype.is_complex or frames.dtype == torch.bool:
+    if frames.dtype not in _CODE_DTYPES:
         raise ChunkerError(f"request {req_id}: codec frames must be integer codes, got dtype {frames.dtype}")
     if frames.ndim not in (1, 2):
         raise ChunkerError(f"request {req_id}: codec frames must be 2-D [frames, n_vq], got {tuple(frames.shape)}")
@@ -83,7 +94,8 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
             f"request {req_id}: codec frames of {width} codes after frames of {stream.width} (n_vq changed)"
         )
     stream.width = width
-    flat = frames.reshape(-1).tolist()  # a copy: the engine may reuse its tensor after the call
+    rows = frames.tolist()  # a copy: the engine may reuse its tensor after the call
+    flat = rows if frames.ndim == 1 else rows[0] if len(rows) == 1 else list(chain.from_iterable(rows))
     if AUDIO_PAD_CODE in flat:  # some row may be all pad: filter rows in torch
         rows = frames.reshape(-1, width)
         flat = rows[rows.ne(AUDIO_PAD_CODE).any(dim=1)].reshape(-1).tolist()
@@ -92,16 +104,16 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
 
 def _payload(req_id: str, codes: torch.Tensor | None, frames: int, finished: bool) -> OmniPayloadStruct:
     """The payload of ``frames`` frames of flat codebook-major ``codes`` (None: the terminal-only payload)."""
-    flag = torch.tensor(finished, dtype=torch.bool)
+    flag = torch.tensor(finished, dtype=torch.bool)  # one tensor for both flags (vLLM-Omni replaces, never edits, it)
     if codes is None:
         meta = MetaStruct(
             req_id=[req_id], left_context_size=0, codec_chunk_frames=0, codec_left_context_frames=0,
-            stream_finished=flag, finished=torch.tensor(finished, dtype=torch.bool),
+            stream_finished=flag, finished=flag,
         )  # fmt: skip
         return OmniPayloadStruct(meta=meta, request_id=req_id)
     meta = MetaStruct(
         req_id=[req_id], left_context_size=0, codec_chunk_frames=frames, codec_left_context_frames=0,
-        code_flat_numel=int(codes.numel()), stream_finished=flag, finished=torch.tensor(finished, dtype=torch.bool),
+        code_flat_numel=int(codes.numel()), stream_finished=flag, finished=flag,
     )  # fmt: skip
     return OmniPayloadStruct(codes=CodesStruct(audio=codes), meta=meta, request_id=req_id)
 
@@ -148,11 +160,12 @@ def talker2codec_ramp_async_chunk(
     if not held:
         held.append(_Stream())
     stream: _Stream = held[0]
-    if stream.error is None and isinstance(multimodal_output, Mapping):
-        frames = (multimodal_output.get("codes", {}) or {}).get("audio")
+    if stream.error is None and isinstance(multimodal_output, (dict, Mapping)):
+        codes = multimodal_output.get("codes")
+        frames = codes.get("audio") if codes else None
         if isinstance(frames, torch.Tensor) and frames.numel() > 0:
             try:
-                _take(stream, frames.detach(), req_id)
+                _take(stream, frames, req_id)
             except ChunkerError as exc:
                 _fail(transfer_manager, request, stream, exc)
                 raise
@@ -167,8 +180,10 @@ def talker2codec_ramp_async_chunk(
         return None
     frames_out = pending if is_finished else size
     n = frames_out * stream.width
-    chunk = torch.tensor(stream.codes[:n], dtype=torch.long).view(frames_out, stream.width).t().reshape(-1)
+    taken, width = stream.codes[:n], stream.width
     del stream.codes[:n]
+    # Frame-major to codebook-major by slicing (a loop over codebooks), one tensor construction per chunk.
+    chunk = torch.tensor(list(chain.from_iterable(taken[k::width] for k in range(width))), dtype=torch.long)
     stream.sent += 1
     if is_finished:
         _forget(transfer_manager, req_id)
@@ -180,3 +195,42 @@ def _forget(transfer_manager: Any, req_id: str) -> None:
     payloads = getattr(transfer_manager, "request_payload", None)
     if isinstance(payloads, dict):
         payloads.pop(req_id, None)
+
+
+def deploy_chunk_schedule(path: str) -> ChunkSchedule:
+    """The one chunk schedule of a deploy file, read through vLLM-Omni's ``load_deploy_config``: the schedule of
+    the connector Stage 0 sends to Stage 1 with (``output_connectors.to_stage_1``) and of the one Stage 1 receives
+    from (``input_connectors.from_stage_0``).
+
+    vLLM-Omni builds one connector spec per edge, from whichever stage names it first (Stage 0), and hands it to
+    both stages (``load_omni_transfer_config``), so a file naming two connector entries of one type would have
+    Stage 1 silently read Stage 0's; this check refuses such a file before it is served.
+
+    Raises:
+        ValueError: the two connectors' schedules differ (the message names both connectors and schedules), or a
+            schedule is bad (:func:`chunk_schedule_of`).
+    """
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    deploy = load_deploy_config(path)
+    named = deploy.connectors or {}
+    stages = {s.stage_id: s for s in deploy.stages}
+    ends = (("Stage 0", 0, "output_connectors", "to_stage_1"), ("Stage 1", 1, "input_connectors", "from_stage_0"))
+    found: list[tuple[str, str, ChunkSchedule]] = []
+    for label, stage_id, field, key in ends:
+        ref = (getattr(stages.get(stage_id), field, None) or {}).get(key)
+        spec = named.get(ref, {}) if isinstance(ref, str) else ref or {}
+        found.append(
+            (label, repr(ref if isinstance(ref, str) else "inline"), chunk_schedule_of(spec.get("extra") or {}))
+        )
+    (a, a_ref, a_schedule), (b, b_ref, b_schedule) = found
+    if a_schedule != b_schedule:
+        raise ValueError(
+            f"{path}: {a}'s connector {a_ref} sends chunks {_describe(a_schedule)} but {b}'s connector {b_ref} "
+            f"expects {_describe(b_schedule)}; vLLM-Omni would hand both stages Stage 0's: name one connector"
+        )
+    return a_schedule
+
+
+def _describe(schedule: ChunkSchedule) -> str:
+    return f"{list(schedule.ramp)} then {schedule.steady}"
