@@ -62,6 +62,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.decoder import chunk_schedule  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state import (  # noqa: E402
     PagedDecoderStatePool,
     PagesExhausted,
@@ -164,13 +165,9 @@ def _measure_ours(decoder, arm: str, streams: int, device: torch.device) -> dict
 
 
 def piece_frames(frames: int, chunk_sizes: list[int]) -> list[int]:
-    """Frames of each step that takes a stream from 0 to ``frames`` code frames: ``chunk_sizes`` in order,
-    the last repeated, the last step cut to what remains."""
-    pieces: list[int] = []
-    while sum(pieces) < frames:
-        size = chunk_sizes[min(len(pieces), len(chunk_sizes) - 1)]
-        pieces.append(min(size, frames - sum(pieces)))
-    return pieces
+    """Frames of each step that takes a stream from 0 to ``frames`` code frames: ``chunk_sizes`` as a chunk ramp
+    whose last size repeats, the last step cut to what remains (``decoder.chunk_schedule``)."""
+    return [b - a for a, b in chunk_schedule(frames, chunk_sizes)]
 
 
 def paged_group_pages(pool: PagedDecoderStatePool) -> list[int]:

@@ -70,13 +70,12 @@ def _stages(path: Path):
     return deploy, resolved
 
 
-def _chunk_frames(path: Path) -> tuple[int, int]:
-    """``(initial_codec_chunk_frames, codec_chunk_frames)`` of ``path``'s connector as vLLM-Omni resolves it
-    (an overlay's keys over its ``base_config``'s)."""
-    from vllm_omni.config.stage_config import load_deploy_config
+def _schedule(path: Path):
+    """The chunk schedule of ``path`` as vLLM-Omni's loader resolves it (an overlay's keys over its
+    ``base_config``'s), checked to be one for both stages (``talker_chunker.deploy_chunk_schedule``)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.talker_chunker import deploy_chunk_schedule
 
-    extra = load_deploy_config(path).connectors["shm"]["extra"]
-    return extra["initial_codec_chunk_frames"], extra["codec_chunk_frames"]
+    return deploy_chunk_schedule(str(path))
 
 
 def _plain(node) -> dict:
@@ -114,17 +113,55 @@ def _codec_state_check(engine_args: dict, device_bytes: int = H200) -> None:
     )
 
 
+CHUNKER = "vllm_omni_moss.model_executor.models.moss_tts.talker_chunker.talker2codec_ramp_async_chunk"
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in DEPLOY_DIR.glob("*.yaml")))
-def test_deploy_schedule_is_the_measured_one_and_never_stalls_by_itself(name):
-    """Every file sends 3 then 5 frames (benchmarks/RESULTS.md, "Chunk schedules"). At talker RTF 0.5 (25
-    frames/s) a first chunk of ``a`` frames plays ``80 a`` ms from ``40 a`` ms on, and the second chunk is out at
-    ``40 (a + b)`` ms: no stall of the schedule's own when ``b <= 2 a``; the slack left to the codec is
-    ``40 (2 a - b)`` ms."""
-    first, steady = _chunk_frames(DEPLOY_DIR / name)
-    assert (first, steady) == (3, 5)
-    assert 40 * (2 * first - steady) == 40  # ms of slack for the codec before the first stall
-    text = (DEPLOY_DIR / name).read_text(encoding="utf-8")
-    assert "base_config" in text or "Chunk schedule 3 then 5 frames" in text
+def test_deploy_schedule_is_one_ramp_for_the_talker_chunker_and_the_stage_graphs(name):
+    """Every file sends the ramp 1, 1, 2, 4, 6 then 6 frames from this package's chunker (vLLM-Omni's reads no
+    ramp), selected through ``engine_extras``, and Stage 1 captures exactly the sizes it sends. At talker RTF 0.5
+    (40 ms a frame) chunk ``i`` is out at ``40 cum(i)`` ms and playback needs it at ``40 s0 + 80 cum(i - 1)`` ms:
+    the slack the files' comments state."""
+    import importlib
+
+    path = DEPLOY_DIR / name
+    schedule = _schedule(path)
+    assert (schedule.ramp, schedule.steady) == ((1, 1, 2, 4, 6), 6)
+    _, stages = _stages(path)
+    talker, codec = stages[0][0], stages[1][0]
+    assert talker["custom_process_next_stage_input_func"] == CHUNKER
+    module, func = CHUNKER.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), func))
+    assert _replica_process(path, "0")["frames"] == schedule.frame_sizes == [1, 2, 4, 6]
+    cum = [sum(schedule.size(k) for k in range(i + 1)) for i in range(6)]
+    slack = [40 * schedule.size(0) + 80 * cum[i - 1] - 40 * cum[i] for i in range(1, 6)]
+    assert slack == [40, 40, 40, 120, 360]
+    stall = sum(max(0, 80 * (schedule.size(i) - schedule.size(i - 1))) for i in range(1, 6))  # RTF 1.0
+    assert stall == 400
+    text = path.read_text(encoding="utf-8")
+    assert "base_config" in text or ("40, 40, 40, 120 and 360 ms" in text and "stalls 400 ms" in text)
+    assert codec["max_num_batched_tokens"] >= codec["max_num_seqs"] * N_VQ * schedule.steady
+
+
+def test_deploy_file_whose_stages_name_two_schedules_fails_naming_both(tmp_path):
+    bad = tmp_path / "two_schedules.yaml"
+    bad.write_text(
+        f"base_config: {DEPLOY_DIR / 'moss_tts_local_2gpu.yaml'}\n"
+        "connectors:\n"
+        "  shm_codec:\n"
+        "    name: SharedMemoryConnector\n"
+        "    extra: {codec_chunk_ramp: [1, 4], codec_chunk_frames: 8}\n"
+        "stages:\n"
+        "  - stage_id: 1\n"
+        "    input_connectors: {from_stage_0: shm_codec}\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ValueError) as err:
+        _schedule(bad)
+    assert str(err.value) == (
+        f"{bad}: Stage 0's connector 'shm' sends chunks [1, 1, 2, 4, 6] then 6 but Stage 1's connector 'shm_codec' "
+        "expects [1, 4] then 8; vLLM-Omni would hand both stages Stage 0's: name one connector"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -137,7 +174,7 @@ def test_deploy_file_gives_stage_1_the_slots_ladder_and_memory_its_comments_stat
     assert codec["model_arch"] == ARCH and codec["enforce_eager"] is False
     assert codec["compilation_config"]["cudagraph_capture_sizes"] == ladder
     # vLLM keeps only capture sizes <= max_num_batched_tokens (vllm/config/vllm.py, _set_cudagraph_sizes).
-    steady = _chunk_frames(path)[1]
+    steady = _schedule(path).steady
     assert codec["max_num_batched_tokens"] >= n * N_VQ * steady  # full batches of steady chunks
     assert codec["max_num_batched_tokens"] >= max(ladder)
     share = MemoryShare(codec["gpu_memory_utilization"], H200)
@@ -298,6 +335,6 @@ def test_plugin_resolves_stage_1_in_a_replica_process_as_in_the_single_gpu_deplo
         "visible": codec_devices,
         "slots": n,
         "buckets": batch_buckets(n),
-        "frames": sorted(_chunk_frames(DEPLOY_DIR / name)),
+        "frames": _schedule(DEPLOY_DIR / name).frame_sizes,
         "tokens": stages[1][0]["max_num_batched_tokens"],
     }

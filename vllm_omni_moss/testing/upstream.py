@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import json
 import math
 import os
@@ -121,18 +120,13 @@ def _fp32_default() -> Iterator[None]:
 
 
 def _chunk_schedule(chunks: list[int], total: int) -> list[int]:
-    """Chunk widths (frames) covering ``total``: ``chunks[0]`` first, then ``chunks[1:]`` cycled."""
+    """Chunk widths (frames) covering ``total``: ``chunks`` as a ramp whose last width repeats (``decoder.
+    chunk_schedule``, the rule of the talker's chunker)."""
     if not chunks or any(int(c) <= 0 for c in chunks):
         raise ValueError(f"chunk widths must be positive, got {chunks}")
-    tail = [int(c) for c in chunks[1:]] or [int(chunks[0])]
-    widths: list[int] = []
-    remaining = total
-    for width in itertools.chain([int(chunks[0])], itertools.cycle(tail)):
-        if remaining <= 0:
-            break
-        widths.append(min(width, remaining))
-        remaining -= widths[-1]
-    return widths
+    from vllm_omni_moss.model_executor.models.moss_tts.decoder import chunk_schedule
+
+    return [b - a for a, b in chunk_schedule(total, [int(c) for c in chunks])]
 
 
 class UpstreamCodec:

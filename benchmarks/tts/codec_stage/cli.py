@@ -88,7 +88,12 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-seconds", type=float, default=None, help="poisson: simulated s left out first (10)")
     p.add_argument("--measure-seconds", type=float, default=None, help="poisson: simulated s of arrivals counted (30)")
     p.add_argument("--talker-rtf", type=float, default=0.5, help="talker s per s of codes (0.5 = 25 frames/s)")
-    p.add_argument("--chunks", action="append", default=None, help="chunk ramp(s) in frames (1,15); ';' or repeat")
+    p.add_argument(
+        "--chunks",
+        action="append",
+        default=None,
+        help="chunk ramp(s) in frames, the last size repeated (1,15); ';' or repeat",
+    )
     p.add_argument("--n-vq", type=int, default=12, help="codebooks per frame (MOSS-TTS-Local: 12)")
     p.add_argument("--slo-ms", type=float, default=150.0, help="codec-added latency p99 bound (150 ms)")
     p.add_argument(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_omni_moss.model_executor.models.moss_tts.decoder import chunk_schedule
+
 __all__ = [
     "ARRIVALS",
     "FRAME_RATE",
@@ -33,15 +35,12 @@ LENGTH_MODEL = "lognormal(median 4.0 s, sigma 0.45), clipped to 13..256 frames (
 
 
 def ramp_schedule(total_frames: int, sizes: list[int]) -> list[tuple[int, int]]:
-    """``[start, end)`` chunks of a stream: ``sizes`` in order, the last size repeated, the last chunk cut."""
-    out: list[tuple[int, int]] = []
-    start = 0
-    while start < total_frames:
-        size = sizes[min(len(out), len(sizes) - 1)]
-        end = min(start + size, total_frames)
-        out.append((start, end))
-        start = end
-    return out
+    """``[start, end)`` chunks of a stream: ``sizes`` as a chunk ramp whose last size repeats, the last chunk cut.
+
+    ``--chunks a,b,c`` is what the talker's chunker sends for ``codec_chunk_ramp: [a, b, c]`` and
+    ``codec_chunk_frames: c``: the core's ``decoder.chunk_schedule`` (vLLM-Omni's ``ramp_chunk_size`` rule).
+    """
+    return chunk_schedule(total_frames, sizes)
 
 
 def request_lengths(n: int, seed: int) -> np.ndarray:

@@ -71,7 +71,7 @@ def test_closed_stream_and_schedule_errors(ring_decoder):
     with pytest.raises(RuntimeError, match="stream is closed"):
         stream.decode(random_codes(ring_decoder, 1, 1, seed=1))
     assert chunk_schedule(35, [1, 15]) == [(0, 1), (1, 16), (16, 31), (31, 35)]
-    assert chunk_schedule(16, [1, 3, 7, 2]) == [(0, 1), (1, 4), (4, 11), (11, 13), (13, 16)]
+    assert chunk_schedule(16, [1, 3, 7, 2]) == [(0, 1), (1, 4), (4, 11), (11, 13), (13, 15), (15, 16)]
     with pytest.raises(ValueError, match="chunk schedule must be positive integers"):
         chunk_schedule(5, [1, 0])
 

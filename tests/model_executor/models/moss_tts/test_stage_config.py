@@ -315,11 +315,11 @@ def test_auto_precision_on_cuda_follows_upstream(tmp_path, session_kwargs, prese
 @pytest.mark.parametrize(
     ("extra", "sizes"),
     [
-        ({}, []),
+        ({}, [15]),  # vLLM-Omni's talker sends 15-frame chunks without a steady size
         ({"initial_codec_chunk_frames": 1, "codec_chunk_frames": 15}, [1, 15]),
         ({"initial_codec_chunk_frames": 0, "codec_chunk_frames": 15}, [15]),
         ({"codec_chunk_ramp": [1, 4, 15], "codec_chunk_frames": 15}, [1, 4, 15]),
-        ({"codec_chunk_ramp": "1, 4, 8", "codec_chunk_frames": 15, "initial_codec_chunk_frames": 2}, [1, 2, 4, 8, 15]),
+        ({"codec_chunk_ramp": "1, 4, 8", "codec_chunk_frames": 15}, [1, 4, 8, 15]),
     ],
 )
 def test_connector_chunk_frames_cover_the_schedule(extra, sizes):
@@ -349,8 +349,8 @@ def test_ramp_sets_graph_frame_sizes_and_longest_step(tmp_path, session_kwargs):
     assert stage.graph_frame_sizes == [1, 4, 15] and stage.max_step_frames == 15
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
     assert session_kwargs["graph_frame_sizes"] == [1, 4, 15] and session_kwargs["max_step_frames"] == 15
-    bare = build_stage(tmp_path, extra={})
-    assert bare.graph_frame_sizes == [] and bare.max_step_frames == 100
+    bare = build_stage(tmp_path, extra={})  # the talker's default: 15-frame chunks
+    assert bare.graph_frame_sizes == [15] and bare.max_step_frames == 15
 
 
 # ----------------------------------------------------------------------------- compile adapters

@@ -44,7 +44,7 @@ def codec(request) -> uo.UpstreamCodec:
 
 def test_chunk_schedule() -> None:
     assert uo._chunk_schedule([1, 15], 40) == [1, 15, 15, 9]
-    assert uo._chunk_schedule([1, 3, 7, 2], 20) == [1, 3, 7, 2, 3, 4]
+    assert uo._chunk_schedule([1, 3, 7, 2], 20) == [1, 3, 7, 2, 2, 2, 2, 1]
     assert uo._chunk_schedule([4], 10) == [4, 4, 2]
     assert uo._chunk_schedule([1000], 5) == [5]
 

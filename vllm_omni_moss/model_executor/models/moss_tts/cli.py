@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument(
         "--chunks",
         default="1,15",
-        help="chunk schedule in frames: first chunk, then steady chunks "
-        "repeated (default 1,15: 80 ms, then 1.2 s per chunk)",
+        help="chunk ramp in frames, the last size repeated, as the talker sends codec_chunk_ramp "
+        "(default 1,15: 80 ms, then 1.2 s per chunk)",
     )
     dec.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     dec.add_argument(

@@ -45,6 +45,7 @@ __all__ = [
     "CodecDecoder",
     "FixedWidthState",
     "FixedWidthStream",
+    "chunk_frames_at",
     "chunk_schedule",
     "embed_codes",
     "run_decoder",
@@ -426,13 +427,25 @@ class FixedWidthStream:
         self.state = None
 
 
+def chunk_frames_at(index: int, ramp: Sequence[int], steady: int) -> int:
+    """Frames of chunk ``index`` (0-based) under a chunk ramp: ``ramp[index]`` for the first ``len(ramp)``
+    chunks, ``steady`` after them.
+
+    The rule of vLLM-Omni 0.30.0's ``ramp_chunk_size`` (``stage_input_processors/chunk_size_utils.py``) for the
+    connector keys ``codec_chunk_ramp`` and ``codec_chunk_frames``; this is the core's one reading of it (the
+    benchmarks run without vLLM), checked against that function in ``tests/model_executor/models/moss_tts/
+    test_talker_chunker.py``.
+    """
+    return ramp[index] if index < len(ramp) else steady
+
+
 def chunk_schedule(total_frames: int, chunks: int | Sequence[int]) -> list[tuple[int, int]]:
     """Split ``total_frames`` into ``[start, end)`` chunks.
 
-    ``chunks`` is an int (every chunk that size) or a list: the first element is the
-    first chunk, the remaining elements repeat cyclically (``[1, 15]`` gives 1, 15,
-    15, ...; ``[1, 3, 7, 2]`` gives 1, 3, 7, 2, 3, 7, 2, ...). The last chunk may be
-    shorter.
+    ``chunks`` is an int (every chunk that size) or a list read as a chunk ramp whose last size repeats
+    (:func:`chunk_frames_at` with ``steady = chunks[-1]``): ``[1, 15]`` gives 1, 15, 15, ...; ``[1, 4, 15]``
+    gives 1, 4, 15, 15, ...: what the talker's chunker sends for ``codec_chunk_ramp: [1, 4, 15]`` and
+    ``codec_chunk_frames: 15``. The last chunk may be shorter.
 
     Raises:
         ValueError: an empty schedule or a non-positive chunk size.
@@ -444,13 +457,9 @@ def chunk_schedule(total_frames: int, chunks: int | Sequence[int]) -> list[tuple
     if not sizes or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1 for s in sizes):
         raise ValueError(f"chunk schedule must be positive integers, got {chunks!r}")
     sizes = [int(s) for s in sizes]
-    steady = sizes[1:] or sizes
-    out, start, k = [], 0, 0
-    size = sizes[0]
+    out, start = [], 0
     while start < total_frames:
-        end = min(start + size, total_frames)
+        end = min(start + chunk_frames_at(len(out), sizes, sizes[-1]), total_frames)
         out.append((start, end))
         start = end
-        size = steady[k % len(steady)]
-        k += 1
     return out

@@ -42,6 +42,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm_omni.model_executor.models.output_templates import OmniOutput
+from vllm_omni.model_executor.stage_input_processors.chunk_size_utils import parse_chunk_ramp
 
 from .checkpoint import load_checkpoint, resolve_checkpoint_dir
 from .config import load_config, preset_config
@@ -50,8 +51,9 @@ from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
 from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, meta_of, payload_id, same_request
 from .random_codec import random_decoder
 from .serving import ChunkRequest, ChunkResult, CodecStreamSession
-from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for, connector_chunk_frames
+from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for
 from .state import StateSpec
+from .talker_chunker import chunk_schedule_of
 from .vllm_compile import vllm_compile_factory
 
 __all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames"]
@@ -101,7 +103,8 @@ class MossTTSCodecDecoder(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         self.vllm_config = vllm_config
-        self.options = options = StageOptions.from_vllm_config(vllm_config)
+        # The talker's chunker resolves its schedule with the same function (talker_chunker.chunk_schedule_of).
+        self.options = options = StageOptions.from_vllm_config(vllm_config, parse_chunk_ramp)
         self.n_vq, self.state_capacity, self.token_budget = options.n_vq, options.state_capacity, options.token_budget
         self.graph_frame_sizes, self.graph_batch_sizes = options.graph_frame_sizes, options.graph_batch_sizes
         self.max_step_frames, self.async_chunk = options.max_step_frames, options.async_chunk
@@ -390,6 +393,16 @@ class MossTTSCodecDecoder(nn.Module):
             self._mismatch_warned.discard(rid)
         if self._session is not None:
             self._session.on_requests_finished(ids)
+
+
+def connector_chunk_frames(extra: dict[str, Any]) -> list[int]:
+    """Every chunk size (frames) the talker's chunker sends under the connector ``extra``: the stage's graph frame
+    sizes (``talker_chunker.chunk_schedule_of(extra).frame_sizes``).
+
+    Raises:
+        ValueError: a bad schedule, naming the key and its value (``stage_options.resolve_chunk_schedule``).
+    """
+    return chunk_schedule_of(extra).frame_sizes
 
 
 def _stream_keys(batch: list[tuple[torch.Tensor, dict]], runner_ids: Any, warned: set[str]) -> list[str | tuple[str]]:

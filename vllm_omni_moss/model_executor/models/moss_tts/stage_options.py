@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from .attention import ATTENTION_BACKENDS
 from .config import PRESETS
+from .decoder import chunk_frames_at
 from .graph_ladder import batch_buckets
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
@@ -28,10 +30,12 @@ from .step_metadata import RING_SEMANTICS
 __all__ = [
     "CODEC_DTYPES",
     "CODEC_KEYS",
+    "ChunkSchedule",
     "StageOptions",
     "check_codec_keys",
     "codec_dtype_for",
     "connector_chunk_frames",
+    "resolve_chunk_schedule",
 ]
 
 DEFAULT_CODEC = "OpenMOSS-Team/MOSS-Audio-Tokenizer"
@@ -169,24 +173,98 @@ def _positive_frames(name: str, value: Any) -> list[int]:
     return frames
 
 
-def connector_chunk_frames(extra: dict[str, Any]) -> list[int]:
-    """Every chunk size (frames) Stage 0 may send under the connector's chunk schedule.
+#: Steady chunk frames of vLLM-Omni 0.30.0's MOSS talker when ``codec_chunk_frames`` is absent or 0
+#: (``int(cfg.get("codec_chunk_frames", 15) or 15)`` in ``stage_input_processors/moss_tts.py``).
+TALKER_DEFAULT_STEADY_FRAMES = 15
 
-    Reads the connector ``extra`` fields vLLM-Omni 0.30.0 uses for codec chunking: ``initial_codec_chunk_frames``
-    (first chunk), ``codec_chunk_frames`` (steady chunks) and ``codec_chunk_ramp`` (a list, or a comma-separated
-    string, of per-chunk sizes for the first chunks, e.g. ``[1, 4, 15]``; see
-    ``stage_input_processors/chunk_size_utils.py``). The union is returned so that a ramp an upstream processor
-    ignores still leaves graphs for the sizes it does send. A terminal chunk may be shorter than any of them.
+#: ``(extra, steady) -> ramp or None``: vLLM-Omni's ``parse_chunk_ramp`` (``chunk_size_utils.py``), passed in by
+#: the modules that import vLLM-Omni (this one does not).
+RampParser = Callable[[dict, int], "list[int] | None"]
 
-    Returns:
-        Sorted distinct sizes ``> 0``; empty when the connector names none.
-    Raises:
-        ValueError: a field holds a non-integer or negative frame count.
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """The chunk sizes the talker's chunker sends: chunk ``i`` has ``ramp[i]`` frames, then ``steady`` each
+    (:func:`~.decoder.chunk_frames_at`). A terminal chunk may be shorter, or longer when the talker handed
+    several frames in its last call.
+
+    Attributes:
+        ramp: frames of the first chunks (``codec_chunk_ramp``, or ``(initial_codec_chunk_frames,)``, or empty).
+        steady: frames of every later chunk (``codec_chunk_frames``).
     """
-    sizes: set[int] = set()
-    for name in ("initial_codec_chunk_frames", "codec_chunk_frames", "codec_chunk_ramp"):
-        sizes.update(_positive_frames(name, extra.get(name)))
-    return sorted(s for s in sizes if s > 0)
+
+    ramp: tuple[int, ...]
+    steady: int
+
+    def size(self, index: int) -> int:
+        """Frames of chunk ``index`` (0-based)."""
+        return chunk_frames_at(index, self.ramp, self.steady)
+
+    @property
+    def frame_sizes(self) -> list[int]:
+        """Every size the chunker sends, sorted and distinct: the stage's graph frame sizes."""
+        return sorted({*self.ramp, self.steady})
+
+
+def _frame_count(extra: dict[str, Any], name: str) -> int:
+    """``extra[name]`` as one frame count >= 0 (0 when absent or null)."""
+    (value,) = _positive_frames(name, extra.get(name)) or [0]
+    return value
+
+
+def resolve_chunk_schedule(
+    extra: dict[str, Any], parse_ramp: RampParser | None, max_frames: int = DEFAULT_MAX_STEP_FRAMES
+) -> ChunkSchedule:
+    """The chunk schedule of a connector ``extra``, resolved by the talker's rules; the one resolution Stage 0's
+    chunker (``talker_chunker.py``) and Stage 1 (graph frame sizes) share.
+
+    * ``codec_chunk_frames``: the steady size; absent or 0 means :data:`TALKER_DEFAULT_STEADY_FRAMES`, as
+      vLLM-Omni 0.30.0's talker reads it.
+    * ``codec_chunk_ramp``: sizes of the first chunks, read by ``parse_ramp`` (vLLM-Omni's ``parse_chunk_ramp``:
+      a list or a comma-separated string of >= 2 sizes >= 1).
+    * ``initial_codec_chunk_frames`` (without a ramp): the first chunk; 0 or absent: none; larger than the
+      steady size: the steady size (vLLM-Omni clamps it).
+
+    Raises:
+        ValueError: a non-integer or negative frame count (as :func:`connector_chunk_frames` always did); a ramp
+            ``parse_ramp`` refuses (empty, one size, a size < 1), or a ramp without ``parse_ramp``; a ramp
+            together with ``initial_codec_chunk_frames`` (vLLM-Omni's chunkers read one or the other); a size
+            above ``max_frames``. Each message names the key and its value.
+    """
+    steady = _frame_count(extra, "codec_chunk_frames") or TALKER_DEFAULT_STEADY_FRAMES
+    initial = min(_frame_count(extra, "initial_codec_chunk_frames"), steady)
+    raw = extra.get("codec_chunk_ramp")
+    if raw is None:
+        schedule = ChunkSchedule((initial,) if initial else (), steady)
+    else:
+        _positive_frames("codec_chunk_ramp", raw)  # the integer and sign checks and messages of every key
+        ramp = parse_ramp(extra, steady) if parse_ramp is not None else None
+        if not ramp:
+            reason = "needs vLLM-Omni's parse_chunk_ramp" if parse_ramp is None else "must hold >= 2 sizes >= 1"
+            raise ValueError(f"connector extra codec_chunk_ramp {reason} (vLLM-Omni's rule), got {raw!r}")
+        if extra.get("initial_codec_chunk_frames"):
+            raise ValueError(
+                f"connector extra sets both codec_chunk_ramp {raw!r} and initial_codec_chunk_frames "
+                f"{extra['initial_codec_chunk_frames']!r}: the ramp's first size is the first chunk; drop one"
+            )
+        schedule = ChunkSchedule(tuple(int(x) for x in ramp), steady)
+    # The initial size is clamped to the steady one: only the steady size and a ramp can pass the limit.
+    for name, sizes in (("codec_chunk_frames", (steady,)), ("codec_chunk_ramp", schedule.ramp)):
+        if max(sizes, default=0) > max_frames:
+            raise ValueError(
+                f"connector extra {name} {extra[name]!r} exceeds the stage's chunk limit of {max_frames} frames"
+            )
+    return schedule
+
+
+def connector_chunk_frames(extra: dict[str, Any], parse_ramp: RampParser | None = None) -> list[int]:
+    """Every chunk size (frames) Stage 0's chunker sends under the connector's schedule:
+    ``resolve_chunk_schedule(extra, parse_ramp).frame_sizes``.
+
+    Raises:
+        ValueError: as :func:`resolve_chunk_schedule`.
+    """
+    return resolve_chunk_schedule(extra, parse_ramp).frame_sizes
 
 
 def _connector_extra(model_config) -> dict[str, Any]:
@@ -209,8 +287,8 @@ class StageOptions:
         state_capacity: codec slots (``max_num_seqs``).
         token_budget: tokens one engine step may schedule (vLLM's ``max_num_scheduled_tokens``, else
             ``max_num_batched_tokens``), None without a scheduler config.
-        graph_frame_sizes: the connector's chunk sizes (:func:`connector_chunk_frames`).
-        max_step_frames: the longest step without graphs: the largest chunk size, or 100.
+        graph_frame_sizes: every chunk size the talker's chunker sends (:func:`connector_chunk_frames`).
+        max_step_frames: the longest step without graphs: the largest of those sizes.
         async_chunk / enforce_eager: the model config's (``enforce_eager`` defaults to true when absent).
         graph_batch_sizes: the graph ladder up to the slot count (``graph_ladder.batch_buckets``); none under
             ``enforce_eager``. vLLM's ``cudagraph_capture_sizes`` is not read.
@@ -240,15 +318,17 @@ class StageOptions:
     dummy_preset: str | None = None
 
     @classmethod
-    def from_vllm_config(cls, vllm_config) -> StageOptions:
-        """The options of the stage built with ``vllm_config``.
+    def from_vllm_config(cls, vllm_config, parse_ramp: RampParser | None = None) -> StageOptions:
+        """The options of the stage built with ``vllm_config``; ``parse_ramp``: vLLM-Omni's ``parse_chunk_ramp``
+        (needed when the connector sets ``codec_chunk_ramp``).
 
         Raises:
             ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
                 ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
                 given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
-                budget), ``codec_dummy_preset`` (not a preset name), or connector chunk sizes; a ``codec_*``
-                field :data:`CODEC_KEYS` does not list (:func:`check_codec_keys`).
+                budget), ``codec_dummy_preset`` (not a preset name), or the connector's chunk schedule
+                (:func:`resolve_chunk_schedule`); a ``codec_*`` field :data:`CODEC_KEYS` does not list
+                (:func:`check_codec_keys`).
         """
         model_config = vllm_config.model_config
         config = model_config.hf_config
@@ -274,7 +354,7 @@ class StageOptions:
         tokens = getattr(scheduler, "max_num_scheduled_tokens", None) or getattr(
             scheduler, "max_num_batched_tokens", None
         )
-        frame_sizes = connector_chunk_frames(_connector_extra(model_config))
+        frame_sizes = connector_chunk_frames(_connector_extra(model_config), parse_ramp)
         enforce_eager = bool(getattr(model_config, "enforce_eager", True))
         dummy_preset = _hf_choice(hf, "codec_dummy_preset", tuple(sorted(PRESETS))) or DEFAULT_DUMMY_PRESET
         dummy = getattr(getattr(vllm_config, "load_config", None), "load_format", None) == "dummy"
