@@ -82,7 +82,7 @@ def test_test_script_runs_two_workers_from_the_test_extra(setup_kwargs):
     assert 'workers=(-n "${MOSS_TEST_WORKERS:-2}" --dist loadgroup)' in script
     assert "bash scripts/test.sh --durations=15" in (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "`MOSS_TEST_WORKERS`" in readme and "`pytest-xdist`" in readme
+    assert "`MOSS_TEST_WORKERS=N`" in readme and "`pytest-xdist`" in readme
 
 
 def test_license_file_is_the_apache_2_text_setup_declares(setup_kwargs):

@@ -125,8 +125,10 @@ and ``sweep.md`` (one table over the schedules), both rewritten after every run.
 (it takes no device time), so that a command cut short still has every schedule's own stalls. ``--append``
 adds runs to an existing ``--out`` made at the same commit with the same settings (a sweep longer than one
 command's time limit split in parts);
-``--report-only`` rewrites the reports and plots from ``--out``. Bad flags are usage errors (exit 2) before
-any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}.
+``--report-only`` rewrites the reports and plots from ``--out``. Bad flags are usage errors (exit 2, one line on
+stderr) before any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}; a CPU run prints first,
+and writes at the top of ``results.md``, that it checks the pipeline and shows no speed-up by design
+(``report.cpu_note``). ``results.md`` names the interpreter ``python`` with its version (``run.python``).
 
 Changed from the single-module version of this job: ``--talker-rtf`` defaults to 0.5 (it was 1: frames at
 12.5 frames/s); the ``ideal`` arm is a default arm; our arms' graph buckets are ``batch_buckets(slots)``
