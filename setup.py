@@ -46,6 +46,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8,<10",
+            "pytest-xdist>=3.8,<4",  # scripts/test.sh runs the CPU suite in two processes (-n 2)
             "hypothesis>=6.100",
             "wheel>=0.40",  # scripts/build_fork.sh: wheel unpack / pack
         ],

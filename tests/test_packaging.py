@@ -68,10 +68,21 @@ def test_readme_matches_what_the_scripts_do(setup_kwargs):
     assert f"Supported torch: `{setup_kwargs['install_requires'][0].removeprefix('torch')}`" in readme
     assert "[test,dev,triton,oracle,bench]" in readme
     # GPU tests are deselected by test.sh's default marker expression, and README says so.
-    assert 'exec python -m pytest "${targets[@]}" -q -m "not cuda" "$@"' in (ROOT / "scripts" / "test.sh").read_text()
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    assert 'exec python -m pytest "${targets[@]}" "${workers[@]}" -q -m "not cuda" "$@"' in script
     assert '**deselected** by `scripts/test.sh`, which passes `-m "not cuda"`' in readme
     assert "skipped without a GPU" not in readme
     assert "**Serving needs a GPU machine with `vllm==0.30.0` and `vllm-omni==0.30.0` installed**" in readme
+
+
+def test_test_script_runs_two_workers_from_the_test_extra(setup_kwargs):
+    # The CPU suite runs in two pytest-xdist processes unless MOSS_TEST_WORKERS or a later -n says otherwise.
+    assert "pytest-xdist>=3.8,<4" in setup_kwargs["extras_require"]["test"]
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    assert 'workers=(-n "${MOSS_TEST_WORKERS:-2}" --dist loadgroup)' in script
+    assert "bash scripts/test.sh --durations=15" in (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "`MOSS_TEST_WORKERS=N`" in readme and "`pytest-xdist`" in readme
 
 
 def test_license_file_is_the_apache_2_text_setup_declares(setup_kwargs):

@@ -130,8 +130,10 @@ adds runs to an existing ``--out`` made at the same commit with the same setting
 command's time limit split in parts);
 ``--report-only`` rewrites the reports and plots from ``--out``, after reading and checking every file it needs
 (``codec_stage.results.RESULTS_SHAPE``): a missing, truncated or bad one (``NaN``, a ``null`` or missing key) is
-one line naming the file and the key, exit 2, and no report is written. Bad flags are usage errors (exit 2) before
-any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}.
+one line naming the file and the key, exit 2, and no report is written. Bad flags are usage errors (exit 2, one
+line on stderr) before any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}; a CPU run prints
+first, and writes at the top of ``results.md``, that it checks the pipeline and shows no speed-up by design
+(``report.cpu_note``). ``results.md`` names the interpreter ``python`` with its version (``run.python``).
 
 Changed from the single-module version of this job: ``--talker-rtf`` defaults to 0.5 (it was 1: frames at
 12.5 frames/s); the ``ideal`` arm is a default arm; our arms' graph buckets are ``batch_buckets(slots)``

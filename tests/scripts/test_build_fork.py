@@ -35,7 +35,14 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model, pytest.mark.slow]
+# One xdist worker builds the fork (module fixtures) and runs every test of it (scripts/test.sh: --dist loadgroup).
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.cpu,
+    pytest.mark.core_model,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("build_fork"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "build_fork.sh"

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Flags of the stage benchmark and their checks: every bad value is a usage error (exit 2) naming the flag and
-the value, raised before any arm runs or anything is written (``--out`` is created last, once all else held)."""
+"""Flags of the stage benchmark and their checks: every bad value is a usage error (exit 2, one line on stderr)
+naming the flag and the value, raised before any arm runs or anything is written (``--out`` is created last, once
+all else held)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .arms import ARMS, AUTO_ARMS, OUR_ARMS, StatePlan, state_plan
 from .metrics import rate_key
 from .trace import ARRIVALS
 
-__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_RATES", "Load", "Settings", "parse_args", "resolve"]
+__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_RATES", "Load", "OneLineParser", "Settings", "parse_args", "resolve"]
 
 DEFAULT_CONCURRENCY = {"cuda": "64,128,256,512", "cpu": "4,8"}
 #: ``--arrival poisson`` without ``--request-rate`` (requests/s).
@@ -69,6 +70,14 @@ class Settings:
         self.parser.error(message)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr, exit status 2: the message (which names the
+    flag and the value) and a pointer to ``--help``, without argparse's usage block before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="auto", help="codec geometry; auto = v2 on CUDA, tiny-v2 on CPU")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -114,7 +123,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     """Parse ``argv``; with ``--report-only`` any run flag given too is a usage error naming it."""
-    p = argparse.ArgumentParser(description=description)
+    p = OneLineParser(prog="bench_codec_stage.py", description=description)
     _flags(p)
     args = p.parse_args(argv)
     if args.report_only:

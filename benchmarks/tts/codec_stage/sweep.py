@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import torch
 from .arms import arm_builder
 from .cli import Load, Settings, parse_args, resolve
 from .metrics import NO_STEPS, downsample_max, preemptions_per_stream, summarize
-from .report import sweep_markdown
+from .report import cpu_note, sweep_markdown, wrapped
 from .results import (
     merge_previous,
     new_result,
@@ -112,6 +113,7 @@ def _schedules(settings: Settings, command: list[str]) -> list[Schedule]:
         requests = {key: trace.measured_count for key, trace in traces.items()}
         s = Schedule(sizes, schedule_dir(out, sizes, sweep), traces)
         s.result = new_result(run_header(settings, sizes, requests, command), settings.arms)
+        s.result["run"]["python"] = platform.python_version()  # results.md names it instead of the venv's path
         s.latencies = {arm: {} for arm in settings.arms}
         if settings.args.append:
             try:
@@ -191,6 +193,9 @@ def main(argv: list[str] | None, description: str) -> dict[str, Any]:
     if args.report_only:
         return _report_only(Path(args.out), parser.prog)
     settings = resolve(args, parser)
+    note = cpu_note(settings.device.type, settings.preset)
+    if note:
+        print(wrapped(note) + "\n", flush=True)
     if settings.device.type == "cpu":
         torch.set_num_threads(1)  # tiny kernels: a second intra-op thread only adds contention
     for arm, reason in settings.skipped.items():
