@@ -14,7 +14,7 @@ import pytest
 import torch
 from moss_codecs import random_codes
 
-from vllm_omni_moss.model_executor.models.moss_tts.session import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
