@@ -132,7 +132,7 @@ def _quantizer_names(config: CodecConfig) -> list[str]:
     return prefixes
 
 
-def _is_skipped(name: str) -> bool:
+def is_skipped(name: str) -> bool:
     """Encoder-side tensors: never read for decoding."""
     return (
         name.startswith("encoder.")
@@ -372,7 +372,7 @@ def _check_unexpected(config: CodecConfig, src: _TensorSource, used: set[str], p
     quantizer_used = {f"quantizer.quantizers.{k}.codebook.weight" for k in range(config.num_quantizers)}
     for prefix in _quantizer_names(config):
         quantizer_used.update(_weight_norm_names(prefix))
-    unexpected = sorted(n for n in src.where if n not in used and n not in quantizer_used and not _is_skipped(n))
+    unexpected = sorted(n for n in src.where if n not in used and n not in quantizer_used and not is_skipped(n))
     if unexpected:
         shown = ", ".join(unexpected[:20]) + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else "")
         problems.append(f"unexpected tensors: {shown}")

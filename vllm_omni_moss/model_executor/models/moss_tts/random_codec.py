@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import _is_skipped, decoder_from_tensors, random_official_state_dict
+from .checkpoint import decoder_from_tensors, is_skipped, random_official_state_dict
 from .config import CodecConfig, preset_config
 from .decoder import CodecDecoder
 
@@ -23,7 +23,7 @@ class _DrawnTensors:
     tensor gets the same values as in the written checkpoint, and dropped at once."""
 
     def __init__(self, config: CodecConfig, seed: int) -> None:
-        self.tensors = {name: t for name, t in random_official_state_dict(config, seed) if not _is_skipped(name)}
+        self.tensors = {name: t for name, t in random_official_state_dict(config, seed) if not is_skipped(name)}
         self.where = dict.fromkeys(self.tensors, "memory")
 
     def get(self, name: str) -> torch.Tensor:
