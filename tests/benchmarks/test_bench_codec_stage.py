@@ -96,6 +96,7 @@ def _check_run(arm: str, c: str, figures: dict, details: dict, requests: int) ->
 def test_stage_cpu_tiny_trace(tmp_path, capsys):
     bench = _bench()
     argv = "--device cpu --preset tiny-v2 --concurrency 2,3 --requests-per-stream 2 --chunks 1,4,15 --quiet"
+    argv += " --give-up-ms 600000"  # a busy machine makes steps slow, not requests lost
     result = bench.main([*argv.split(), "--out", str(tmp_path)])
     assert json.loads((tmp_path / "results.json").read_text()) == result
     for name in ("results.md", "latency_cdf.png", "concurrency.png", "playback.png", "state_over_time.png"):
@@ -239,10 +240,16 @@ def test_staggered_arrivals_spread_the_first_streams_over_one_steady_chunk():
 
 
 def test_staggered_run_of_our_arm(tmp_path):
-    result = _bench().main(_cpu("--arrival staggered --arms v2 --concurrency 2 --requests-per-stream 1", out=tmp_path))
+    flags = "--arrival staggered --arms v2 --concurrency 2 --requests-per-stream 1 --give-up-ms 600000"
+    result = _bench().main(_cpu(flags, out=tmp_path))
     f, d = result["arms"]["v2"]["2"], result["details"]["v2"]["2"]
     assert result["run"]["arrival"] == "staggered" and d["finished_requests"] == 2 and d["chunks"] > 2
-    assert f["ttfp_ms"] == f["first_chunk_latency_ms"] and f["ttfp_ms"]["p50"] > 40.0
+    # TTFP = first-chunk latency + queue wait, request by request, so each quantile is at least the other's; a
+    # request queues only when a decode call outlasts the stagger (150 ms), as on a busy CPU.
+    ttfp, first = f["ttfp_ms"], f["first_chunk_latency_ms"]
+    assert first["p50"] > 40.0 and all(ttfp[q] >= first[q] for q in ("p50", "p99"))
+    if f["queued_requests"] == 0:
+        assert ttfp == first
 
 
 # ------------------------------------------------------------------------------------------ poisson
@@ -295,7 +302,9 @@ def test_poisson_queues_past_max_concurrency_and_counts_the_measurement_window(t
 
 
 def test_poisson_run_of_our_arm(tmp_path):
+    # A give-up far beyond any CPU step: a busy machine makes steps slow, not requests lost.
     flags = "--arrival poisson --arms v2 --concurrency 2 --request-rate 3 --warmup-seconds 0.5 --measure-seconds 1"
+    flags += " --give-up-ms 600000"
     argv = _cpu(flags, out=tmp_path)
     result = _bench().main(argv)
     f, d = result["arms"]["v2"]["rate=3"], result["details"]["v2"]["rate=3"]

@@ -61,6 +61,9 @@ def test_dummy_load_format_serves_the_random_codec_of_the_preset(tmp_path, caplo
     n_vq = 11
     with caplog.at_level(logging.INFO, logger=STAGE):
         stage = _load_like_vllm(_dummy_config(tmp_path, n_vq, codec_dummy_preset=preset))
+    # What the stage logged; the reference below logs too, and where the stage's logger is vLLM's (the fork,
+    # under vLLM's INFO level) caplog would record that as well.
+    records = list(caplog.records)
     reference = build_stage(tmp_path, preset, seed=0, n_vq=n_vq)  # loaded from the written random checkpoint
     got, want = stage._codec.state_dict(), reference._codec.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -73,7 +76,7 @@ def test_dummy_load_format_serves_the_random_codec_of_the_preset(tmp_path, caplo
     assert torch.equal(audio, _stream(reference, codes, [1, 3, 3]))
     assert stage._session.free_slots == stage.state_capacity
 
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     peak = float(
         stage._codec.decode(torch.randint(0, 1024, (n_vq, 1, 8), generator=torch.Generator().manual_seed(0)))[0]
         .abs()
@@ -85,7 +88,7 @@ def test_dummy_load_format_serves_the_random_codec_of_the_preset(tmp_path, caplo
         f"not the checkpoint {tmp_path / 'no-checkpoint-here'}: the audio is noise, for benchmarking the pipeline "
         f"only; 8 frames of random codes peak at |sample| = {peak:.1f}, far outside [-1, 1]"
     )
-    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MOSS codec decoder loaded")]
+    loaded = [r.getMessage() for r in records if r.getMessage().startswith("MOSS codec decoder loaded")]
     assert loaded == [
         f"MOSS codec decoder loaded from random {preset} weights on cpu: {preset[-2:]}, "
         f"{stage._codec.config.sampling_rate} Hz, {stage._channels} channel(s), n_vq=11, precision float32 "
