@@ -5,13 +5,13 @@ plans, ``--append``, ``--chunks`` sweeps and every bad flag (exit 2 before any a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import sys
 from pathlib import Path
 
+import bench_modules
 import numpy as np
 import pytest
 
@@ -20,7 +20,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buc
 
 pytestmark = [pytest.mark.cpu]
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+BENCH_DIR = bench_modules.BENCH_DIR
 FIGURE_KEYS = {
     "audio_seconds_per_second",
     "codec_latency_ms",
@@ -38,13 +38,7 @@ FIGURE_KEYS = {
 
 
 def _bench():
-    name = "_bench_bench_codec_stage"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_codec_stage.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return bench_modules.load("bench_codec_stage")
 
 
 def _cpu(flags: str = "", *, out: Path) -> list[str]:

@@ -6,26 +6,19 @@ continuity panel explained)."""
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 import sys
-from pathlib import Path
 
+import bench_modules
 import pytest
 
 pytestmark = [pytest.mark.cpu]
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+BENCH_DIR = bench_modules.BENCH_DIR
 
 
 def _bench():
-    name = "_bench_bench_codec_stage"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_codec_stage.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return bench_modules.load("bench_codec_stage")
 
 
 def _plots():

@@ -6,31 +6,23 @@ and bad input refused before any work."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 import zipfile
-from pathlib import Path
 
+import bench_modules
 import pytest
 import torch
 
 pytestmark = [pytest.mark.cpu]
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+BENCH_DIR = bench_modules.BENCH_DIR
 
 BF16_EPS = 2.0**-8  # spacing of bf16 numbers in [1, 2)
 
 
 def _bench():
-    name = "_bench_fidelity"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_fidelity.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return bench_modules.load("bench_fidelity")
 
 
 UPSTREAM = _bench().common.oracle.upstream_available()

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
+import bench_modules
 import pytest
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
@@ -18,17 +17,11 @@ from vllm_omni_moss.testing import upstream as oracle
 
 pytestmark = [pytest.mark.cpu]
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+BENCH_DIR = bench_modules.BENCH_DIR
 
 
 def _bench():
-    name = "_bench_ring_arms_step"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_codec_step.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return bench_modules.load("bench_codec_step")
 
 
 def test_triton_arms_run_and_are_ranked_against_the_faster_upstream_arm():

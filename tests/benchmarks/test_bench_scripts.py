@@ -4,13 +4,13 @@ figures and SLO, and the upstream arm's driver against upstream's own pool."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import bench_modules
 import pytest
 import torch
 
@@ -19,20 +19,12 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
 
 pytestmark = [pytest.mark.cpu]
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+BENCH_DIR = bench_modules.BENCH_DIR
 SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (docs/memory.md)
 LEGACY_BANK_ROWS_V2 = 190  # 2 offsets x 92 layers + 6 group offsets (docs/memory.md)
 
 
-def _load(name: str):
-    module_name = f"_bench_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = bench_modules.load
 
 
 def _assert_int_bytes(obj, path="") -> None:
