@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ours_arms = [a for a in arms if a in OUR_ARMS]
     for arm in ("v2", "v2-paged"):
-        if config.version != "v2" and arm in ours_arms:
+        if not config.abilities.compact_pool and arm in ours_arms:
             pool = "V2 pool" if arm == "v2" else "paged pool"
             result["skipped"][arm] = f"preset {args.preset!r} is a {config.version} codec; the {pool} serves v2 codecs"
             ours_arms.remove(arm)

@@ -530,7 +530,7 @@ def _select(args, config, device) -> tuple[list[str], list[str], dict[str, str]]
             skipped[mode] = "needs CUDA (CUDA graphs)"
         modes = [m for m in modes if m == "eager"]
     for name in [a for a in ("v2", *TRITON_ARMS, "v2-paged") if a in arm_names]:
-        if config.version != "v2":
+        if not config.abilities.compact_pool:
             skipped[name] = f"preset {args.preset!r} is a {config.version} codec; the V2 pool serves v2 codecs"
         elif name != "v2" and not ring_ops.HAS_TRITON:
             skipped[name] = "needs the triton package"

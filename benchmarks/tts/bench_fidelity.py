@@ -186,7 +186,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.preset != "auto":
         if args.preset not in PRESETS:
             p.error(f"--preset must be auto or one of {sorted(PRESETS)}, got {args.preset!r}")
-        if preset_config(args.preset).version != "v2":
+        if not preset_config(args.preset).abilities.compact_pool:
             p.error(f"--preset {args.preset!r} is a v1 codec; these arms stream a v2 codec")
     try:
         marks = common.parse_int_list(args.marks)

@@ -39,7 +39,6 @@ import torch  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import (  # noqa: E402
-    default_ring_semantics,
     rope_tables,
 )
 
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
         p.error("this script times Triton kernels on a CUDA device; none is available")
     common.check_output(p, "--json", args.json)
     config = preset_config(args.preset)
-    semantics = default_ring_semantics(config.version)
+    semantics = config.abilities.default_ring_semantics
     run = common.run_block(args.preset, semantics=semantics)
     records = []
     grid = GRID if args.grid == "launch" else []

@@ -3,11 +3,23 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 
-from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, load_config, parse_config, preset_config
+from vllm_omni_moss.model_executor.models.moss_tts.config import (
+    CODEC_ABILITIES,
+    PRESETS,
+    load_config,
+    parse_config,
+    preset_config,
+)
+from vllm_omni_moss.model_executor.models.moss_tts.state.offsets import offset_table_rows
+
+ROOT = Path(__file__).resolve().parents[4]
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -150,6 +162,42 @@ def test_version_override_and_codec_version_field():
     assert (cfg.groups[1].input_proj, cfg.groups[1].output_proj) == (False, False)
     with pytest.raises(ValueError, match="invalid codec config: version: expected 'v1' or 'v2', got 'v3'"):
         parse_config(raw, "v3")
+
+
+def test_each_version_has_one_record_of_abilities():
+    v1, v2 = preset_config("v1"), preset_config("v2")
+    assert (v1.abilities, v2.abilities) == (CODEC_ABILITIES["v1"], CODEC_ABILITIES["v2"])
+    assert (v2.abilities.default_ring_semantics, v1.abilities.default_ring_semantics) == ("upstream", "exact")
+    assert (v2.abilities.compact_pool, v2.abilities.bf16_on_cuda) == (True, True)
+    assert (v1.abilities.compact_pool, v1.abilities.bf16_on_cuda) == (False, False)
+    # docs/memory.md: 2 x 92 layers + 6 groups = 190 offset rows for v2; v1 one row per layer.
+    assert offset_table_rows(v2) == 190 and offset_table_rows(v1) == v1.num_layers
+    # A config of a version without a record cannot be built, parsed or not.
+    with pytest.raises(ValueError, match="invalid codec config: version: expected 'v1' or 'v2', got 'v3'"):
+        dataclasses.replace(v2, version="v3")
+
+
+def _version_compares(path: Path) -> list[str]:
+    """``x.version == "v2"``-like comparisons (an attribute named ``version`` against a string) in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(n, ast.Attribute) and n.attr == "version" for n in sides)
+            if named and any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in sides):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_no_code_compares_the_codec_version_as_a_string():
+    """What a version implies is a field of ``CodecAbilities``; the upstream oracle (``testing/``) mirrors
+    upstream's own version switches and is the one exception."""
+    files = [*(ROOT / "vllm_omni_moss").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    files = [f for f in files if "testing" not in f.relative_to(ROOT).parts]
+    assert len(files) > 50
+    assert [hit for f in files for hit in _version_compares(f)] == []
+    planted = ROOT / "vllm_omni_moss" / "testing" / "upstream.py"  # negative control: the oracle does compare
+    assert _version_compares(planted)
 
 
 @pytest.mark.parametrize(

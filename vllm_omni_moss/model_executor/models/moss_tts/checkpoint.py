@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .config import CodecConfig, load_config, preset_config
+from .config import CodecAbilities, CodecConfig, load_config, preset_config
 from .decoder import CodecDecoder
 
 __all__ = [
@@ -414,17 +414,16 @@ def _weight_norm_conv(out_dim: int, in_dim: int, prefix: str) -> _Draw:
     return _Draw({g_name: (out_dim, 1, 1), v_name: (out_dim, in_dim, 1), f"{prefix}.bias": (out_dim,)}, draw)
 
 
-def _transformer_draws(spec: dict, prefix: str, version: str, proj_always: bool) -> Iterator[_Draw]:
-    """Tensors of one ``Transformer`` module entry, named as the official ``version`` spells them."""
+def _transformer_draws(spec: dict, prefix: str, abilities: CodecAbilities) -> Iterator[_Draw]:
+    """Tensors of one ``Transformer`` module entry, named as the official checkpoint of the codec spells them."""
+    proj_always = abilities.projections_always
     d, ff = spec["d_model"], spec["dim_feedforward"]
     i, o = spec["input_dimension"], spec["output_dimension"]
     if proj_always or i != d:
         yield _linear(f"{prefix}.input_proj.weight", d, i)
     if proj_always or o != d:
         yield _linear(f"{prefix}.output_proj.weight", o, d)
-    names = ("self_attn.in_proj", "self_attn.out_proj", "ffn.0", "ffn.2")
-    if version == "v1":
-        names = ("self_attn.in_projs.0", "self_attn.out_projs.0", "linear1", "linear2")
+    names = abilities.layer_param_names
     scale = spec.get("layer_scale")
     for j in range(spec["num_layers"]):
         p = f"{prefix}.transformer.layers.{j}."
@@ -443,10 +442,9 @@ def _transformer_draws(spec: dict, prefix: str, version: str, proj_always: bool)
 def _random_draws(config: CodecConfig) -> Iterator[_Draw]:
     """Every tensor of a random official checkpoint of ``config``, encoder included, in writing order."""
     raw = config.raw
-    proj_always = config.version == "v2"
     for i, spec in enumerate(raw.get("encoder_kwargs") or []):
         if spec.get("module_type") == "Transformer":
-            yield from _transformer_draws(spec, f"encoder.{i}", config.version, proj_always)
+            yield from _transformer_draws(spec, f"encoder.{i}", config.abilities)
     latent_in = raw["quantizer_kwargs"].get("input_dim", config.latent_dim)
     if latent_in != config.rvq_dim:
         yield _weight_norm_conv(config.rvq_dim, latent_in, "quantizer.input_proj")
@@ -461,7 +459,7 @@ def _random_draws(config: CodecConfig) -> Iterator[_Draw]:
         yield _one(f"{p}.codebook.weight", book, lambda gen: torch.randn(*book, generator=gen))
     for spec in config.groups:
         module = raw["decoder_kwargs"][spec.index]
-        yield from _transformer_draws(module, f"decoder.{spec.index}", config.version, proj_always)
+        yield from _transformer_draws(module, f"decoder.{spec.index}", config.abilities)
 
 
 def random_official_state_dict(config: CodecConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:

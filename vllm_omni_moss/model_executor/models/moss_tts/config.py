@@ -34,6 +34,8 @@ from pathlib import Path
 from .checks import is_count
 
 __all__ = [
+    "CODEC_ABILITIES",
+    "CodecAbilities",
     "CodecConfig",
     "GroupSpec",
     "PRESETS",
@@ -43,6 +45,62 @@ __all__ = [
 ]
 
 _SUPPORTED_QUANTIZERS = ("rlfq", "random_prefix_rlfq")
+
+
+@dataclass(frozen=True)
+class CodecAbilities:
+    """What serving a codec version takes, one record per version: code asks these fields, never the version.
+
+    Attributes:
+        default_ring_semantics: how upstream's attention treats a full ring, ``"upstream"`` (v2) or
+            ``"exact"`` (v1) (docs/ring_semantics.md).
+        offset_rows_per_layer: rows of upstream's offset table per attention layer: 2 for v2 (attention
+            offset and ring end offset), 1 for v1 (docs/memory.md).
+        group_offset_rows: whether the offset table also keeps one row per resolution group (v2).
+        compact_pool: whether the compact and paged pools and the Triton ring attention serve it; upstream's
+            Triton attention replaces only v2 attention modules, so v1 keeps the legacy pool and SDPA.
+        bf16_on_cuda: whether ``codec_dtype=auto`` runs it in bfloat16 on CUDA (upstream's ``load_weights`` in
+            ``modeling_moss_tts_codec.py``: v2 decoder and decode table in bf16, v1 entirely float32).
+        projections_always: whether every transformer module carries input and output projections, even
+            where its width equals ``d_model`` (v2 checkpoints; v1 only where the widths differ).
+        layer_param_names: a layer's (qkv, attention output, feed-forward in, feed-forward out) weight names
+            in the official checkpoint.
+    """
+
+    default_ring_semantics: str
+    offset_rows_per_layer: int
+    group_offset_rows: bool
+    compact_pool: bool
+    bf16_on_cuda: bool
+    projections_always: bool
+    layer_param_names: tuple[str, str, str, str]
+
+
+#: Every codec version this package serves; any other version fails at config load.
+CODEC_ABILITIES: dict[str, CodecAbilities] = {
+    "v1": CodecAbilities(
+        default_ring_semantics="exact",
+        offset_rows_per_layer=1,
+        group_offset_rows=False,
+        compact_pool=False,
+        bf16_on_cuda=False,
+        projections_always=False,
+        layer_param_names=("self_attn.in_projs.0", "self_attn.out_projs.0", "linear1", "linear2"),
+    ),
+    "v2": CodecAbilities(
+        default_ring_semantics="upstream",
+        offset_rows_per_layer=2,
+        group_offset_rows=True,
+        compact_pool=True,
+        bf16_on_cuda=True,
+        projections_always=True,
+        layer_param_names=("self_attn.in_proj", "self_attn.out_proj", "ffn.0", "ffn.2"),
+    ),
+}
+
+
+def _version_error(version) -> ValueError:
+    return _fail("version", f"expected 'v1' or 'v2', got {version!r}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +183,15 @@ class CodecConfig:
     latent_dim: int
     groups: tuple[GroupSpec, ...]
     raw: dict
+
+    def __post_init__(self):
+        if self.version not in CODEC_ABILITIES:
+            raise _version_error(self.version)
+
+    @property
+    def abilities(self) -> CodecAbilities:
+        """What serving this codec takes (:data:`CODEC_ABILITIES` of its version)."""
+        return CODEC_ABILITIES[self.version]
 
     @property
     def interleave_factor(self) -> int:
@@ -297,8 +364,8 @@ def _parse_header(d: dict, version: str | None) -> _Header:
         raise _fail("enable_channel_interleave", f"expected true or false, got {interleave!r}")
     # vLLM-Omni 0.30.0 picks its v2 class for codecs with two or more channels.
     version = version or d.get("codec_version") or ("v2" if channels >= 2 else "v1")
-    if version not in ("v1", "v2"):
-        raise _fail("version", f"expected 'v1' or 'v2', got {version!r}")
+    if version not in CODEC_ABILITIES:
+        raise _version_error(version)
     if channels > 1 and not interleave:
         raise _fail("enable_channel_interleave", "multi-channel codecs without interleave are not supported")
     key = "causal_transformer_context_duration"
@@ -406,7 +473,7 @@ def _parse_transformer(
     layer_scale = None
     if spec.get("layer_scale") is not None:
         layer_scale = _finite_field(spec, "layer_scale", f"{f}.layer_scale", 0.0, positive=False)
-    v2 = header.version == "v2"
+    projections_always = CODEC_ABILITIES[header.version].projections_always
     return GroupSpec(
         index=i,
         input_dim=in_dim,
@@ -420,8 +487,8 @@ def _parse_transformer(
         upsample=1,
         layer_scale=layer_scale,
         max_period=_finite_field(spec, "max_period", f"{f}.max_period", 10000.0, positive=True),
-        input_proj=v2 or in_dim != d_model,
-        output_proj=v2 or out_dim != d_model,
+        input_proj=projections_always or in_dim != d_model,
+        output_proj=projections_always or out_dim != d_model,
     )
 
 

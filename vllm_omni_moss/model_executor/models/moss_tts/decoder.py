@@ -39,7 +39,7 @@ from .ops.residual_norm import (
     residual_layer_norm,
     residual_layer_norm_reference,
 )
-from .step_metadata import check_ring_semantics, default_ring_semantics
+from .step_metadata import check_ring_semantics
 
 __all__ = [
     "CodecDecoder",
@@ -199,7 +199,7 @@ class CodecDecoder(nn.Module):
         Raises:
             ValueError: unknown ``ring_semantics`` or ``batch_size < 1``.
         """
-        semantics = ring_semantics or default_ring_semantics(self.config.version)
+        semantics = ring_semantics or self.config.abilities.default_ring_semantics
         check_ring_semantics(semantics)
         stream = FixedWidthStream(self, FixedWidthState.allocate(self, batch_size), semantics)
         try:
@@ -397,7 +397,7 @@ class FixedWidthStream:
         self.decoder = decoder
         self.state: FixedWidthState | None = state
         self.batch_size = state.offsets[0].shape[0]
-        self.ring_semantics = ring_semantics or default_ring_semantics(decoder.config.version)
+        self.ring_semantics = ring_semantics or decoder.config.abilities.default_ring_semantics
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -538,7 +538,7 @@ def _log_graphs(runner, budget: int) -> None:
 def _state_spec(options: StageOptions, codec: CodecDecoder, dtype: torch.dtype) -> StateSpec:
     """The pool's spec, from the stage's options and the loaded codec (its version) in ``dtype``."""
     backend = options.attention_backend
-    if backend == "triton" and codec.config.version != "v2":
+    if backend == "triton" and not codec.config.abilities.compact_pool:
         # Upstream's triton attention replaces only v2 attention modules; v1 codecs keep SDPA there too.
         logger.info("codec_attention_backend='triton' applies to v2 codecs; this v1 codec uses 'sdpa'")
         backend = "sdpa"

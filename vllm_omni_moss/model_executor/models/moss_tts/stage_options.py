@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .attention import ATTENTION_BACKENDS
-from .config import PRESETS
+from .config import CODEC_ABILITIES, PRESETS
 from .decoder import chunk_frames_at
 from .graph_ladder import batch_buckets
 from .state import POOL_KINDS
@@ -65,7 +65,8 @@ def codec_dtype_for(choice: str, version: str, device: torch.device | str) -> to
     dtype = CODEC_DTYPES[codec_dtype_choice(choice)]
     if dtype is not None:
         return dtype
-    return torch.bfloat16 if version == "v2" and torch.device(device).type == "cuda" else torch.float32
+    bf16 = CODEC_ABILITIES[version].bf16_on_cuda and torch.device(device).type == "cuda"
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def codec_dtype_choice(choice: Any) -> str:

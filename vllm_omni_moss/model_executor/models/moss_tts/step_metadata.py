@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GroupSpec
+from .config import CODEC_ABILITIES, GroupSpec
 
 __all__ = [
     "RING_SEMANTICS",
@@ -60,15 +60,16 @@ def check_ring_semantics(semantics) -> str:
 
 
 def default_ring_semantics(codec_version: str) -> str:
-    """The ring semantics upstream uses for a codec version: ``"upstream"`` for v2, ``"exact"`` for v1.
+    """The ring semantics upstream uses for a codec version (``CodecAbilities.default_ring_semantics``):
+    ``"upstream"`` for v2, ``"exact"`` for v1.
 
     Raises:
         ValueError: an unknown codec version.
     """
-    semantics = {"v2": "upstream", "v1": "exact"}.get(codec_version)
-    if semantics is None:
+    abilities = CODEC_ABILITIES.get(codec_version)
+    if abilities is None:
         raise ValueError(f"unknown codec version {codec_version!r}; expected 'v1' or 'v2'")
-    return semantics
+    return abilities.default_ring_semantics
 
 
 @dataclass(frozen=True)

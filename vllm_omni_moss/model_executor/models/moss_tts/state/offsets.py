@@ -18,10 +18,9 @@ __all__ = ["FrameCounters", "OffsetTable", "offset_table_rows"]
 
 def offset_table_rows(config) -> int:
     """Rows of upstream's offset table: v2 keeps an attention offset and a ring end offset per layer plus
-    one offset per group; v1 one offset per attention layer (docs/memory.md)."""
-    if config.version == "v2":
-        return 2 * config.num_layers + len(config.groups)
-    return config.num_layers
+    one offset per group; v1 one offset per attention layer (docs/memory.md; ``CodecConfig.abilities``)."""
+    abilities = config.abilities
+    return abilities.offset_rows_per_layer * config.num_layers + abilities.group_offset_rows * len(config.groups)
 
 
 class FrameCounters:
@@ -76,12 +75,12 @@ class OffsetTable:
         self.offset_table: torch.Tensor | None = None
         self.layer_rows: list[tuple[int, int]] = []
         self.group_rows: dict[int, int] = {}
-        v2, row = config.version == "v2", 0
+        per_layer, group_rows, row = config.abilities.offset_rows_per_layer, config.abilities.group_offset_rows, 0
         for g, spec in enumerate(config.groups):
             for _ in range(spec.num_layers):
-                self.layer_rows.append((row, row + 1) if v2 else (row, row))
-                row += 2 if v2 else 1
-            if v2:
+                self.layer_rows.append((row, row + per_layer - 1))
+                row += per_layer
+            if group_rows:
                 self.group_rows[config.group_first_layers[g] + spec.num_layers - 1] = row
                 row += 1
         assert row == offset_table_rows(config)

@@ -18,7 +18,7 @@ import torch
 from ..attention import check_attention_backend, default_attention_backend
 from ..checks import check_count
 from ..ops.ring_write import RING_DTYPES
-from ..step_metadata import check_ring_semantics, default_ring_semantics
+from ..step_metadata import check_ring_semantics
 from .offsets import offset_table_rows
 
 __all__ = ["POOL_KINDS", "PagingSpec", "StateSpec", "state_bytes_for"]
@@ -127,14 +127,14 @@ class StateSpec:
         if kind not in POOL_KINDS:
             raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
         config = decoder.config
-        if kind != "legacy" and config.version != "v2":
+        if kind != "legacy" and not config.abilities.compact_pool:
             raise ValueError(
                 f"the compact pool serves v2 codecs; this codec is {config.version} and keeps the legacy pool"
             )
         dtype = dtype or decoder.state_dtype
         if not dtype.is_floating_point:
             raise ValueError(f"ring dtype must be a floating-point dtype, got {dtype}")
-        ring_semantics = default_ring_semantics(config.version) if ring_semantics is None else ring_semantics
+        ring_semantics = config.abilities.default_ring_semantics if ring_semantics is None else ring_semantics
         check_ring_semantics(ring_semantics)
         backend = attention_backend
         if backend is None:
@@ -167,7 +167,7 @@ class StateSpec:
         """
         if kind is None and state_budget_bytes is not None:
             kind = "paged"
-        kind = kind or ("compact" if decoder.config.version == "v2" else "legacy")
+        kind = kind or ("compact" if decoder.config.abilities.compact_pool else "legacy")
         paging = {
             "page_fraction": page_fraction,
             "state_budget_bytes": state_budget_bytes,
