@@ -150,78 +150,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import upstream_stage  # noqa: E402
-from codec_stage import arms, cli, metrics, simulate, trace  # noqa: E402
-from codec_stage.arms import (  # noqa: E402
-    ARMS,
-    AUTO_ARMS,
-    IdealArm,
-    OurArm,
-    StatePlan,
-    UpstreamArm,
-    state_plan,
-    upstream_batch_sizes,
-)
-from codec_stage.metrics import (  # noqa: E402
-    STATE_TRACE_POINTS,
-    downsample_max,
-    holds_slo,
-    live_stream_stats,
-    max_rate_at_slo,
-    max_streams_at_slo,
-    stall_warning,
-    summarize,
-)
-from codec_stage.playback import Playback  # noqa: E402
-from codec_stage.report import limit_text, plural, results_markdown  # noqa: E402
-from codec_stage.simulate import Driver, Run  # noqa: E402
 from codec_stage.sweep import main as _main  # noqa: E402
-from codec_stage.sweep import make_trace  # noqa: E402
-from codec_stage.trace import FRAME_RATE, CodeSource, Trace, ramp_schedule, request_lengths  # noqa: E402
-
-__all__ = [
-    "ARMS",
-    "AUTO_ARMS",
-    "FRAME_RATE",
-    "STATE_TRACE_POINTS",
-    "CodeSource",
-    "Driver",
-    "IdealArm",
-    "OurArm",
-    "Playback",
-    "Run",
-    "StatePlan",
-    "Trace",
-    "UpstreamArm",
-    "arms",
-    "cli",
-    "common",
-    "downsample_max",
-    "holds_slo",
-    "limit_text",
-    "live_stream_stats",
-    "main",
-    "make_trace",
-    "max_rate_at_slo",
-    "max_streams_at_slo",
-    "metrics",
-    "np",
-    "plural",
-    "ramp_schedule",
-    "request_lengths",
-    "results_markdown",
-    "simulate",
-    "stall_warning",
-    "state_plan",
-    "summarize",
-    "torch",
-    "trace",
-    "upstream_batch_sizes",
-    "upstream_stage",
-]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

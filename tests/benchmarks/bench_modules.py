@@ -2,8 +2,8 @@
 """The benchmark scripts under ``benchmarks/tts/`` as modules, for the tests of this directory.
 
 They are scripts, not a package: each is loaded once from its path and registered as ``_bench_<name>``, so
-every test file that needs one gets the same module object (importing a script also puts
-``benchmarks/tts`` on ``sys.path``, where its helper packages such as ``codec_stage`` live).
+every test file that needs one gets the same module object. Importing this module puts ``benchmarks/tts`` on
+``sys.path``, so that tests import the scripts' helpers (``codec_stage``, ``common``, ``upstream_stage``) by name.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "tts"
+# The scripts' helper packages and modules (codec_stage, common, upstream_stage), importable by name in tests.
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
 
 
 def load(name: str) -> ModuleType:

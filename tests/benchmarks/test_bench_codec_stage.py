@@ -12,8 +12,17 @@ import sys
 from pathlib import Path
 
 import bench_modules
+import codec_stage.arms
+import codec_stage.metrics
+import codec_stage.playback
+import codec_stage.report
+import codec_stage.simulate
+import codec_stage.trace
+import common
 import numpy as np
 import pytest
+import torch
+import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
@@ -96,7 +105,7 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
     for name in ("results.md", "latency_cdf.png", "concurrency.png", "playback.png", "state_over_time.png"):
         assert (tmp_path / name).stat().st_size > 0, name
 
-    upstream_ok = bench.common.upstream_status("tiny-v2", bench.torch.device("cpu"))[0]
+    upstream_ok = common.upstream_status("tiny-v2", torch.device("cpu"))[0]
     arms = ["v2", "legacy", "upstream", "ideal"] if upstream_ok else ["v2", "legacy", "ideal"]
     assert list(result["arms"]) == arms and ("upstream" in result["run"]["skipped"]) == (not upstream_ok)
     run = result["run"]
@@ -129,7 +138,7 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
 
 
 def test_playback_accounts_each_stall_and_the_one_a_cut_off_request_is_in():
-    playback = _bench().Playback(2)
+    playback = codec_stage.playback.Playback(2)
     playback.on_audio(0, 1.0, 1)  # plays until 1.08
     playback.on_audio(0, 1.5, 5)  # stall 0.42, plays until 1.9
     playback.on_audio(0, 1.7, 5)  # on time: plays until 2.3
@@ -146,7 +155,7 @@ def test_playback_accounts_each_stall_and_the_one_a_cut_off_request_is_in():
 def _ideal_worst_stall(frames: int, sizes: list[int], rtf: float) -> float:
     """Closed form of the ideal arm's worst stall: chunk [a, b) comes out when generated, at b * rtf / 12.5,
     and the client has played the a frames before it from the first chunk's arrival on unless it stalled."""
-    ramp = _bench().ramp_schedule(frames, sizes)
+    ramp = codec_stage.trace.ramp_schedule(frames, sizes)
     play_end, worst = (ramp[0][1] * rtf + ramp[0][1]) / 12.5, 0.0
     for a, b in ramp[1:]:
         gap = b * rtf / 12.5 - play_end
@@ -162,7 +171,7 @@ def test_ideal_arm_stalls_are_the_schedule_and_the_talker_and_a_chunk_sweep_keep
     assert swept["sweep"]["schedules"] == {"1,15": "chunks_1_15", "1,2,4,8,15": "chunks_1_2_4_8_15"}
     assert json.loads((tmp_path / "sweep.json").read_text()) == swept["sweep"]
     assert "| 1,2,4,8,15 | ideal | C=3 |" in (tmp_path / "sweep.md").read_text()
-    lengths = bench.request_lengths(12, seed=0)
+    lengths = codec_stage.trace.request_lengths(12, seed=0)
     for sizes, directory in (([1, 15], "chunks_1_15"), ([1, 2, 4, 8, 15], "chunks_1_2_4_8_15")):
         result = swept["results"][directory]
         assert json.loads((tmp_path / directory / "results.json").read_text()) == result
@@ -216,15 +225,14 @@ def test_a_sweep_cut_short_keeps_ideal_for_every_schedule_and_its_summary_so_far
 
 
 def test_staggered_arrivals_spread_the_first_streams_over_one_steady_chunk():
-    bench = _bench()
-    trace = bench.trace.closed_loop_trace("staggered", 4, 10, 0.6, seed=0)
+    trace = codec_stage.trace.closed_loop_trace("staggered", 4, 10, 0.6, seed=0)
     assert trace.arrivals[:4] == pytest.approx([0.0, 0.15, 0.3, 0.45]) and np.isnan(trace.arrivals[4:]).all()
-    wave = bench.trace.closed_loop_trace("wave", 4, 10, 0.6, seed=0)
+    wave = codec_stage.trace.closed_loop_trace("wave", 4, 10, 0.6, seed=0)
     assert (wave.arrivals[:4] == 0).all() and (wave.lengths == trace.lengths).all() and trace.limit == 4
-    arm = bench.IdealArm(4, channels=2, samples_per_frame=3840, max_frames=15)
-    codes = bench.CodeSource(trace, 12, 1024)
+    arm = codec_stage.arms.IdealArm(4, channels=2, samples_per_frame=3840, max_frames=15)
+    codes = codec_stage.trace.CodeSource(trace, 12, 1024)
     kw = {"talker_rtf": 0.5, "give_up_s": 5.0, "channels": 2, "samples_per_frame": 3840, "sync": lambda: None}
-    driver = bench.Driver(arm, trace, codes, [1, 15], **kw)
+    driver = codec_stage.simulate.Driver(arm, trace, codes, [1, 15], **kw)
     run = driver.simulate()
     # Each of the first four streams starts at its arrival; its first audio comes 40 ms later.
     assert driver.playback.first_audio[:4] == pytest.approx([0.04, 0.19, 0.34, 0.49])
@@ -250,7 +258,7 @@ def test_staggered_run_of_our_arm(tmp_path):
 
 
 def test_poisson_arrivals_have_the_rate_and_the_burstiness():
-    arrivals = _bench().trace.poisson_arrivals
+    arrivals = codec_stage.trace.poisson_arrivals
     for shape in (1.0, 0.25):
         times = arrivals(50.0, shape, 400.0, seed=3)
         gaps = np.diff(times)
@@ -272,7 +280,7 @@ def test_poisson_queues_past_max_concurrency_and_counts_the_measurement_window(t
     assert (run["max_concurrency"], run["concurrency"], run["requests_per_stream"]) == (1, [3], None)
     assert (run["warmup_seconds"], run["measure_seconds"]) == (4.0, 16.0)
     for key, rate in (("rate=0.25", 0.25), ("rate=0.5", 0.5), ("rate=4", 4.0)):
-        trace = bench.trace.poisson_trace(rate, 0.5, 4.0, 16.0, 1, seed=0)
+        trace = codec_stage.trace.poisson_trace(rate, 0.5, 4.0, 16.0, 1, seed=0)
         assert run["requests"][key] == trace.measured_count == details[key]["requests"] > 0
         assert details[key]["window_seconds"][0] == 4.0 and entry[key]["live_streams"]["max"] == 1
     # One stream at a time, streams of about 2 s: 4 requests/s queue until a wait passes --give-up-ms.
@@ -311,16 +319,15 @@ def test_poisson_run_of_our_arm(tmp_path):
 
 
 def test_stage_trace_and_slo_helpers():
-    bench = _bench()
-    assert bench.ramp_schedule(21, [1, 4, 15]) == [(0, 1), (1, 5), (5, 20), (20, 21)]
-    assert bench.ramp_schedule(40, [1, 15]) == [(0, 1), (1, 16), (16, 31), (31, 40)]
-    assert bench.ramp_schedule(3, [5]) == [(0, 3)]
-    assert bench.upstream_batch_sizes(3) == [1, 2, 3]
-    per_stream = bench.metrics.preemptions_per_stream
+    assert codec_stage.trace.ramp_schedule(21, [1, 4, 15]) == [(0, 1), (1, 5), (5, 20), (20, 21)]
+    assert codec_stage.trace.ramp_schedule(40, [1, 15]) == [(0, 1), (1, 16), (16, 31), (31, 40)]
+    assert codec_stage.trace.ramp_schedule(3, [5]) == [(0, 3)]
+    assert codec_stage.arms.upstream_batch_sizes(3) == [1, 2, 3]
+    per_stream = codec_stage.metrics.preemptions_per_stream
     assert per_stream({0: 2, 1: 1}, {0: 5, 1: 2, 3: 1}) == {"max": 3, "mean": 0.8}  # 3, 1 and 1 more streams
     assert per_stream({0: 2}, {0: 2}) == {"max": None, "mean": None}
-    assert bench.upstream_batch_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 512]
-    lengths = bench.request_lengths(4000, seed=0)
+    assert codec_stage.arms.upstream_batch_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 512]
+    lengths = codec_stage.trace.request_lengths(4000, seed=0)
     assert lengths.min() >= 13 and lengths.max() <= 256 and 48 <= int(sorted(lengths)[2000]) <= 52
 
     def figures(p99, live=1.0):
@@ -328,33 +335,40 @@ def test_stage_trace_and_slo_helpers():
 
     per_c = {"64": figures(40.0), "128": figures(150.0), "256": figures(150.5), "512": figures(None)}
     details = {c: {"stopped_early": False} for c in per_c}
-    assert bench.max_streams_at_slo(per_c, details, 150.0) == 128
+    assert codec_stage.metrics.max_streams_at_slo(per_c, details, 150.0) == 128
     details["128"] = {"stopped_early": True}  # stopped runs never hold the SLO, whatever their p99
-    assert bench.max_streams_at_slo(per_c, details, 150.0) == 64
-    assert bench.max_streams_at_slo(per_c, details, 10.0) is None
+    assert codec_stage.metrics.max_streams_at_slo(per_c, details, 150.0) == 64
+    assert codec_stage.metrics.max_streams_at_slo(per_c, details, 10.0) is None
     rates = {"rate=2": figures(10.0, 3.5), "rate=16": figures(20.0, 30.1), "rate=4.5": figures(200.0, 9.0)}
-    assert bench.max_rate_at_slo(rates, {k: {} for k in rates}, 150.0) == (16.0, 30.1)
-    assert bench.max_rate_at_slo(rates, {k: {} for k in rates}, 5.0) == (None, None)
+    assert codec_stage.metrics.max_rate_at_slo(rates, {k: {} for k in rates}, 150.0) == (16.0, 30.1)
+    assert codec_stage.metrics.max_rate_at_slo(rates, {k: {} for k in rates}, 5.0) == (None, None)
     assert (
-        bench.limit_text({"max_streams_at_slo": 8, "slo_held_by_every_run": True}, "max_streams_at_slo") == "at least 8"
+        codec_stage.report.limit_text({"max_streams_at_slo": 8, "slo_held_by_every_run": True}, "max_streams_at_slo")
+        == "at least 8"
     )
-    assert bench.limit_text({"max_streams_at_slo": 8, "slo_held_by_every_run": False}, "max_streams_at_slo") == "8"
-    assert bench.limit_text({"max_rate_at_slo": None}, "max_rate_at_slo") == "none"
-    assert bench.plural(1, "request") == "1 request" and bench.plural(0, "request") == "0 requests"
-    assert bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.0}}) is None
-    warning = bench.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.5}})
+    assert (
+        codec_stage.report.limit_text({"max_streams_at_slo": 8, "slo_held_by_every_run": False}, "max_streams_at_slo")
+        == "8"
+    )
+    assert codec_stage.report.limit_text({"max_rate_at_slo": None}, "max_rate_at_slo") == "none"
+    assert (
+        codec_stage.report.plural(1, "request") == "1 request"
+        and codec_stage.report.plural(0, "request") == "0 requests"
+    )
+    assert codec_stage.metrics.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.0}}) is None
+    warning = codec_stage.metrics.stall_warning("v2", 64, {"step_ms": {"p50": 10.0, "max": 100.5}})
     assert warning.startswith("warning: v2 C=64: step time max 100.5 ms > 10x its p50 10.0 ms")
     slowest = {"step_ms": {"p50": 10.0, "max": 100.5}, "slowest_step": {"chunks": 61, "max_frames": 15}}
-    assert bench.stall_warning("v2", "rate=8", slowest).startswith("warning: v2 rate=8: step time max")
-    assert "that step decoded 61 chunks of up to 15 frames" in bench.stall_warning("v2", 64, slowest)
+    assert codec_stage.metrics.stall_warning("v2", "rate=8", slowest).startswith("warning: v2 rate=8: step time max")
+    assert "that step decoded 61 chunks of up to 15 frames" in codec_stage.metrics.stall_warning("v2", 64, slowest)
     slowest["slowest_step"]["chunks"] = 1
-    assert "that step decoded 1 chunk of up to 15 frames" in bench.stall_warning("v2", 64, slowest)
+    assert "that step decoded 1 chunk of up to 15 frames" in codec_stage.metrics.stall_warning("v2", 64, slowest)
     slowest["slowest_step"]["max_frames"] = 1
-    assert "that step decoded 1 chunk of up to 1 frame (" in bench.stall_warning("v2", 64, slowest)
+    assert "that step decoded 1 chunk of up to 1 frame (" in codec_stage.metrics.stall_warning("v2", 64, slowest)
 
 
 def test_live_streams_are_a_time_weighted_mean_over_the_window():
-    stats = _bench().live_stream_stats
+    stats = codec_stage.metrics.live_stream_stats
     trace = [(0.0, 0), (1.0, 2), (3.0, 1), (5.0, 0)]  # 2 streams for 2 s, 1 for 2 s
     assert stats(trace, (0.0, 5.0)) == {"mean": 1.2, "max": 2}
     assert stats(trace, (3.0, 5.0)) == {"mean": 1.0, "max": 1}
@@ -363,16 +377,15 @@ def test_live_streams_are_a_time_weighted_mean_over_the_window():
 
 
 def test_stage_summary_splits_decode_calls_into_replay_and_host_time():
-    bench = _bench()
-    run = bench.Run(codec_latency=[0.01], first_latency=[0.1], serving_s=1.0, audio_s=1.0)
+    run = codec_stage.simulate.Run(codec_latency=[0.01], first_latency=[0.1], serving_s=1.0, audio_s=1.0)
     run.step_wall, run.step_chunks, run.step_frames = [0.010, 0.050, 0.020], [1, 8, 2], [1, 15, 15]
     stats = {"decoded_frames": 10, "padded_frames": 0, "steps_by_path": {"graph": 3, "eager": 0}}
-    figures, details = bench.summarize(run, stats, None)
+    figures, details = codec_stage.metrics.summarize(run, stats, None)
     assert figures["audio_seconds_per_second"] == 1.0 and figures["ttfp_ms"] == {"p50": None, "p99": None}
     assert details["slowest_step"] == {"chunks": 8, "max_frames": 15}
     assert "replay_ms" not in details  # not timed without --time-replays
     run.step_replay = [0.004, 0.030, 0.015]
-    _, details = bench.summarize(run, stats, None)
+    _, details = codec_stage.metrics.summarize(run, stats, None)
     assert details["slowest_step"] == {"chunks": 8, "max_frames": 15, "replay_ms": 30.0}
     assert details["replay_ms"]["p50"] == 15.0 and details["host_ms"]["p50"] == 6.0
     assert details["host_ms"]["p99"] == pytest.approx(19.72)  # numpy percentile of [6, 20, 5] ms
@@ -380,18 +393,17 @@ def test_stage_summary_splits_decode_calls_into_replay_and_host_time():
 
 
 def test_stage_state_over_time_keeps_every_bucket_maximum():
-    bench = _bench()
     points = [(0.1 * i, (i * 37) % 101) for i in range(1000)]
     points[613] = (61.3, 500)  # the peak, inside a bucket
-    kept = bench.downsample_max(points)
-    assert len(kept) == bench.STATE_TRACE_POINTS == 200
+    kept = codec_stage.metrics.downsample_max(points)
+    assert len(kept) == codec_stage.metrics.STATE_TRACE_POINTS == 200
     assert max(b for _, b in kept) == 500 and [61.3, 500] in kept
     for i, (seconds, value) in enumerate(kept):  # 1000 points: buckets of exactly 5
         bucket = points[5 * i : 5 * i + 5]
         assert value == max(b for _, b in bucket) and (seconds, value) in [(round(t, 4), b) for t, b in bucket]
-    assert bench.downsample_max(points[:3]) == [[0.0, 0], [0.1, 37], [0.2, 74]]
-    assert bench.downsample_max([]) == []
-    assert len(bench.downsample_max(points[:401])) == 200  # buckets of 2 or 3 points
+    assert codec_stage.metrics.downsample_max(points[:3]) == [[0.0, 0], [0.1, 37], [0.2, 74]]
+    assert codec_stage.metrics.downsample_max([]) == []
+    assert len(codec_stage.metrics.downsample_max(points[:401])) == 200  # buckets of 2 or 3 points
 
 
 def test_every_arm_of_a_plot_has_its_own_style():
@@ -411,38 +423,45 @@ def test_every_arm_of_a_plot_has_its_own_style():
 
 
 def test_stage_state_plan_buys_whole_pools_or_pages():
-    bench = _bench()
-    meta = bench.common.random_decoder("tiny-v2", "meta")
+    meta = common.random_decoder("tiny-v2", "meta")
     slot = meta.config.state_bytes_per_slot(4)  # float32 rings on CPU
-    kw = {"meta_decoder": meta, "state_dtype": bench.torch.float32, "graphs": False}
+    kw = {"meta_decoder": meta, "state_dtype": torch.float32, "graphs": False}
     # 2.5 slots of rings: the compact pool's null slot counts, so two live slots (three in all) do not fit.
     budget = 2.5 * slot / 2**30
-    assert bench.state_plan("v2", 4, budget_gib=budget, **kw) == bench.StatePlan(1)
-    assert bench.state_plan("legacy", 4, budget_gib=budget, **kw) == bench.StatePlan(2)
+    assert codec_stage.arms.state_plan("v2", 4, budget_gib=budget, **kw) == codec_stage.arms.StatePlan(1)
+    assert codec_stage.arms.state_plan("legacy", 4, budget_gib=budget, **kw) == codec_stage.arms.StatePlan(2)
     # With CUDA graphs the legacy pool adds a scratch slot per padding row: the largest bucket, its slots.
-    assert bench.state_plan("legacy", 4, budget_gib=budget, **{**kw, "graphs": True}) == bench.StatePlan(1)
+    assert codec_stage.arms.state_plan(
+        "legacy", 4, budget_gib=budget, **{**kw, "graphs": True}
+    ) == codec_stage.arms.StatePlan(1)
     for name in ("v2", "legacy"):
-        slots = bench.state_plan(name, 64, budget_gib=10 * budget, **kw).slots
-        pool = bench.arms.make_state_pool(meta, bench.common.pool_kind(name), bench.torch.float32)
+        slots = codec_stage.arms.state_plan(name, 64, budget_gib=10 * budget, **kw).slots
+        pool = codec_stage.arms.make_state_pool(meta, common.pool_kind(name), torch.float32)
         for n, fits in ((slots, True), (slots + 1, False)):  # the most slots whose whole pool fits
             pool.initialize(n, 0)
             assert (pool.state_bytes() <= 10 * budget * 2**30) == fits, (name, n)
             pool.close()
-    paged = bench.state_plan("v2-paged", 4, budget_gib=budget, expected_stream_seconds=2.0, **kw)
-    assert paged == bench.StatePlan(
+    paged = codec_stage.arms.state_plan("v2-paged", 4, budget_gib=budget, expected_stream_seconds=2.0, **kw)
+    assert paged == codec_stage.arms.StatePlan(
         4, paged_budget={"state_budget_bytes": int(2.5 * slot), "expected_stream_frames": 25}
     )
-    assert bench.state_plan("v2-paged", 4, page_fraction=0.5, **kw) == bench.StatePlan(4, page_fraction=0.5)
-    assert bench.state_plan("v2", 4, **kw) == bench.StatePlan(4)
+    assert codec_stage.arms.state_plan("v2-paged", 4, page_fraction=0.5, **kw) == codec_stage.arms.StatePlan(
+        4, page_fraction=0.5
+    )
+    assert codec_stage.arms.state_plan("v2", 4, **kw) == codec_stage.arms.StatePlan(4)
     with pytest.raises(ValueError, match="is below one stream's pool"):
-        bench.state_plan("v2", 4, budget_gib=1.5 * slot / 2**30, **kw)  # one slot plus the null slot: 2 slots
+        codec_stage.arms.state_plan(
+            "v2", 4, budget_gib=1.5 * slot / 2**30, **kw
+        )  # one slot plus the null slot: 2 slots
     with pytest.raises(ValueError, match=r"a state budget of \d+ bytes holds no stream"):
-        bench.state_plan("v2-paged", 4, budget_gib=slot / 2**30, **kw)  # the null pages too
+        codec_stage.arms.state_plan("v2-paged", 4, budget_gib=slot / 2**30, **kw)  # the null pages too
     with pytest.raises(ValueError, match="page_fraction 0.01 gives group"):
-        bench.state_plan("v2-paged", 4, page_fraction=0.01, **kw)
+        codec_stage.arms.state_plan("v2-paged", 4, page_fraction=0.01, **kw)
     # The paged arm's pool pays its null pages from the budget.
-    decoder = bench.common.random_decoder("tiny-v2", "cpu")
-    arm = bench.OurArm(decoder, 4, "v2-paged", False, [1, 15], 12, paged_budget={"state_budget_bytes": int(2.5 * slot)})
+    decoder = common.random_decoder("tiny-v2", "cpu")
+    arm = codec_stage.arms.OurArm(
+        decoder, 4, "v2-paged", False, [1, 15], 12, paged_budget={"state_budget_bytes": int(2.5 * slot)}
+    )
     pool = arm.session.pool
     assert pool.page_fraction == pytest.approx(
         (int(2.5 * slot) - pool.budget.null_bytes()) / (4 * pool.budget.stream_bytes())
@@ -488,14 +507,14 @@ def test_stage_paged_arm_short_of_pages_preempts_and_still_decodes_every_frame(t
 def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatch):
     bench = _bench()
     seen = {}
-    original = bench.arms.CodecStreamSession
+    original = codec_stage.arms.CodecStreamSession
 
     class Recording(original):
         def __init__(self, *args, **kwargs):
             seen.setdefault(kwargs.get("pool_kind"), kwargs)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(bench.arms, "CodecStreamSession", Recording)
+    monkeypatch.setattr(codec_stage.arms, "CodecStreamSession", Recording)
     flags = "--arms v2-paged --concurrency 2 --requests-per-stream 1 --state-budget-gib 0.0003"
     argv = _cpu(flags + " --expected-stream-seconds 4.3 --give-up-ms 600000", out=tmp_path)
     result = bench.main(argv)
@@ -546,7 +565,7 @@ def test_stage_append_merges_a_split_sweep(tmp_path, capsys):
     assert merged["arms"]["v2"]["2"] == first["arms"]["v2"]["2"] and merged["arms"]["ideal"]["max_streams_at_slo"] == 3
     held = [c for c in (2, 3) if merged["arms"]["v2"][str(c)]["codec_latency_ms"]["p99"] <= 150.0]
     assert merged["arms"]["v2"]["max_streams_at_slo"] == (max(held) if held else None)
-    with bench.np.load(tmp_path / "latencies.npz") as stored:
+    with np.load(tmp_path / "latencies.npz") as stored:
         assert sorted(stored.files) == ["ideal/3", "v2/2", "v2/3"]
         assert len(stored["v2/2"]) == merged["details"]["v2"]["2"]["chunks"]
     capsys.readouterr()
@@ -641,7 +660,7 @@ def test_main_job_refuses_bad_flags_before_any_arm_runs(argv, message, tmp_path,
 
 def test_main_job_refuses_cuda_on_a_machine_without_it_and_an_out_it_cannot_write(tmp_path, capsys, monkeypatch):
     bench = _bench()
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
         bench.main(["--device", "cuda", "--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and "--device cuda: no CUDA device is available" in capsys.readouterr().err
@@ -790,25 +809,21 @@ def test_report_only_refuses_run_flags(tmp_path, capsys):
 def test_main_job_trace_memory_stays_with_the_live_streams():
     # The codes of a request are drawn when it starts and dropped when it ends, in request order, so every arm
     # gets the same codes whatever order its chunks are sent in.
-    bench = _bench()
-    trace = bench.trace.closed_loop_trace("wave", 2, 6, 0.6, seed=5)
-    a, b = bench.CodeSource(trace, 12, 1024), bench.CodeSource(trace, 12, 1024)
+    trace = codec_stage.trace.closed_loop_trace("wave", 2, 6, 0.6, seed=5)
+    a, b = codec_stage.trace.CodeSource(trace, 12, 1024), codec_stage.trace.CodeSource(trace, 12, 1024)
     third = a.take(3)
     assert sorted(a._kept) == [0, 1, 2, 3] and third.shape == (12, trace.lengths[3])
     for r in range(3):
         a.drop(r)
-    assert sorted(a._kept) == [3] and bench.torch.equal(b.take(3), third)
-    assert bench.torch.equal(a.take(5), b.take(5)) and not bench.torch.equal(a.take(4)[:, :13], a.take(5)[:, :13])
+    assert sorted(a._kept) == [3] and torch.equal(b.take(3), third)
+    assert torch.equal(a.take(5), b.take(5)) and not torch.equal(a.take(4)[:, :13], a.take(5)[:, :13])
 
 
 def test_ideal_arm_returns_zero_audio_of_each_chunk_and_holds_no_state():
-    bench = _bench()
     cfg = preset_config("tiny-v2")
-    arm = bench.IdealArm(2, cfg.number_channels, cfg.samples_per_frame, 15)
-    codes = bench.torch.zeros(12, 15, dtype=bench.torch.long)
-    audio = arm.decode(
-        [bench.upstream_stage.StageChunk("a", codes[:, :1]), bench.upstream_stage.StageChunk("b", codes)]
-    )
+    arm = codec_stage.arms.IdealArm(2, cfg.number_channels, cfg.samples_per_frame, 15)
+    codes = torch.zeros(12, 15, dtype=torch.long)
+    audio = arm.decode([upstream_stage.StageChunk("a", codes[:, :1]), upstream_stage.StageChunk("b", codes)])
     assert audio["a"].shape == (2, cfg.samples_per_frame) and audio["b"].shape == (2, 15 * cfg.samples_per_frame)
     assert not audio["b"].any() and arm.timed is False and arm.state_peak_bytes() == 0
     assert arm.stats() == {"steps_by_path": {"graph": 0, "eager": 0}, "decoded_frames": 16, "padded_frames": 0}
@@ -823,7 +838,7 @@ def test_a_run_out_of_device_memory_is_recorded_and_the_sweep_goes_on(tmp_path, 
 
     def run_arm(name, make_arm, trace, load, sizes, settings):
         if load.key == "3":
-            raise bench.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(name, make_arm, trace, load, sizes, settings)
 
     monkeypatch.setattr(sweep, "run_arm", run_arm)

@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import bench_modules
+import codec_stage.trace
+import common
 import pytest
 import torch
+import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
@@ -316,8 +319,7 @@ def test_upstream_stage_plan_follows_upstream_policy():
 def test_upstream_stage_streams_match_single_stream_decode():
     """Batched streams through the driver (slots taken and freed, LIFO reuse, terminal resets) decode exactly as
     each stream alone on a fresh upstream pool (fp32 CPU; rows differ only by GEMM batch shape)."""
-    bench = _load("bench_codec_stage")
-    common, torch, us = bench.common, bench.torch, bench.upstream_stage
+    us = upstream_stage
     if not common.upstream_status("tiny-v2", torch.device("cpu"))[0]:
         pytest.skip("vllm-omni 0.30.0 moss_tts files or transformers missing")
     codec = common.build_upstream_codec("tiny-v2", torch.device("cpu"), seed=3, n_vq=12)
@@ -329,7 +331,7 @@ def test_upstream_stage_streams_match_single_stream_decode():
         samples_per_frame=spf,
     )  # fmt: skip
     assert stage.num_slots == 2 and stage.pad_tails is False  # CPU: no scratch slots, no graphs
-    schedule = {rid: bench.ramp_schedule(c.shape[1], [1, 15]) for rid, c in streams.items()}
+    schedule = {rid: codec_stage.trace.ramp_schedule(c.shape[1], [1, 15]) for rid, c in streams.items()}
     batches = [[("a", 0), ("b", 0)], [("a", 1), ("b", 1)], [("a", 2)], [("c", 0)], [("c", 1), ("a", 3)], [("c", 2)]]
     got: dict[str, list] = {rid: [] for rid in streams}
     for batch in batches:
