@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_omni_moss.model_executor.models.moss_tts import config as config_module
 from vllm_omni_moss.model_executor.models.moss_tts.config import (
     CODEC_ABILITIES,
     PRESETS,
@@ -18,6 +19,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import (
     preset_config,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.state.offsets import offset_table_rows
+from vllm_omni_moss.testing import upstream as oracle_module
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -185,19 +187,19 @@ def _version_compares(path: Path) -> list[str]:
             sides = [node.left, *node.comparators]
             named = any(isinstance(n, ast.Attribute) and n.attr == "version" for n in sides)
             if named and any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in sides):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                found.append(f"{path}:{node.lineno}")
     return found
 
 
 def test_no_code_compares_the_codec_version_as_a_string():
     """What a version implies is a field of ``CodecAbilities``; the upstream oracle (``testing/``) mirrors
     upstream's own version switches and is the one exception."""
-    files = [*(ROOT / "vllm_omni_moss").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
-    files = [f for f in files if "testing" not in f.relative_to(ROOT).parts]
-    assert len(files) > 50
+    files = sorted(Path(config_module.__file__).parent.rglob("*.py"))  # the codec package, ops and state
+    benchmarks = ROOT / "benchmarks" / "tts"  # this repository's layout (a fork keeps them elsewhere)
+    files += sorted(benchmarks.rglob("*.py")) if benchmarks.is_dir() else []
+    assert len(files) > 40
     assert [hit for f in files for hit in _version_compares(f)] == []
-    planted = ROOT / "vllm_omni_moss" / "testing" / "upstream.py"  # negative control: the oracle does compare
-    assert _version_compares(planted)
+    assert _version_compares(Path(oracle_module.__file__))  # negative control: the oracle does compare
 
 
 @pytest.mark.parametrize(
