@@ -164,6 +164,24 @@ def test_deploy_file_whose_stages_name_two_schedules_fails_naming_both(tmp_path)
     )
 
 
+def test_deploy_file_with_a_misspelt_schedule_key_fails_naming_it(tmp_path):
+    """A misspelt key would be read by nobody: both stages would run 15-frame chunks, without the ramp."""
+    bad = tmp_path / "misspelt.yaml"
+    bad.write_text(
+        f"base_config: {DEPLOY_DIR / 'moss_tts_local_2gpu.yaml'}\n"
+        "connectors:\n"
+        "  shm:\n"
+        "    name: SharedMemoryConnector\n"
+        "    extra: {codec_chunk_ramps: [1, 1, 2, 4, 6], codec_chunk_frames: 6}\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ValueError) as err:
+        _schedule(bad)
+    assert "connector extra 'codec_chunk_ramps' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'?" in str(
+        err.value
+    )
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_deploy_file_gives_stage_1_the_slots_ladder_and_memory_its_comments_state(name):
     path = DEPLOY_DIR / name

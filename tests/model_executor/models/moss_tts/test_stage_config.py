@@ -182,6 +182,9 @@ def test_bad_pool_fields_are_rejected_at_construction(tmp_path, fields, message)
             "'codec_dtpye' (the closest known one is 'codec_dtype'), "
             "'codec_ring_semantic' (the closest known one is 'codec_ring_semantics')",
         ),
+        # Another case is another field, read by nobody.
+        (dict(Codec_dtype="float32"), "'Codec_dtype' (the closest known one is 'codec_dtype')"),
+        (dict(CODEC_POOL_KIND="paged"), "'CODEC_POOL_KIND' (the closest known one is 'codec_pool_kind')"),
     ],
 )
 def test_unknown_codec_option_is_refused_naming_the_closest_known_one(tmp_path, fields, named):
@@ -333,6 +336,27 @@ def test_connector_chunk_frames_cover_the_schedule(extra, sizes):
     [
         ({"codec_chunk_ramp": "1, x"}, "connector extra codec_chunk_ramp must hold integer frame counts, got '1, x'"),
         ({"codec_chunk_frames": -3}, "connector extra codec_chunk_frames must hold frame counts >= 0, got -3"),
+        ({"codec_chunk_frames": [3, 4]}, "connector extra codec_chunk_frames must be one frame count, got [3, 4]"),
+        (
+            {"initial_codec_chunk_frames": "1,2", "codec_chunk_frames": 6},
+            "connector extra initial_codec_chunk_frames must be one frame count, got '1,2'",
+        ),
+        (
+            {"codec_chunk_frame": 6},
+            "connector extra 'codec_chunk_frame' is not a chunk-schedule key; did you mean 'codec_chunk_frames'? "
+            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+        ),
+        (
+            {"codec_chunk_ramps": [1, 2, 4], "codec_chunk_frames": 6},
+            "connector extra 'codec_chunk_ramps' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'? "
+            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+        ),
+        (
+            {"Initial_Codec_Chunk_Frames": 1},
+            "connector extra 'Initial_Codec_Chunk_Frames' is not a chunk-schedule key; did you mean "
+            "'initial_codec_chunk_frames'? "
+            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+        ),
     ],
 )
 def test_connector_chunk_frames_reject_bad_values(extra, message):
@@ -341,6 +365,30 @@ def test_connector_chunk_frames_reject_bad_values(extra, message):
     with pytest.raises(ValueError) as err:
         connector_chunk_frames(extra)
     assert str(err.value) == message
+
+
+def test_other_models_connector_keys_are_not_taken_for_misspelt_schedule_keys():
+    """Keys vLLM-Omni 0.30.0's other stage input processors read from a connector's extra (grep of the wheel's
+    ``stage_input_processors/``): a deploy file may carry them, and none resembles a schedule key enough."""
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import connector_chunk_frames
+
+    others = [
+        "codec_left_context_frames", "codec_vocab_size", "video_codec_options", "codec_language_id",
+        "pretrained_codec_model", "codec_token_offset", "codec_stream_scale_factor", "codec_right_holdback_frames",
+        "codec_pre_lookahead_frames", "codec_max_chunk_frames", "codec_config",
+    ]  # fmt: skip
+    assert connector_chunk_frames({**dict.fromkeys(others, 1), "codec_chunk_frames": 6}) == [6]
+
+
+@pytest.mark.parametrize(("value", "shown"), [(0, "0"), (-2, "-2"), (2.0, "2.0"), ("8", "'8'"), (True, "True")])
+def test_a_slot_count_that_is_not_a_positive_integer_fails_at_construction(tmp_path, value, shown):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+
+    with pytest.raises(ValueError) as err:
+        MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, max_num_seqs=value))
+    assert str(err.value) == (
+        f"scheduler_config.max_num_seqs must be an integer >= 1 (the codec stage's slot count), got {shown}"
+    )
 
 
 def test_ramp_sets_graph_frame_sizes_and_longest_step(tmp_path, session_kwargs):

@@ -351,6 +351,8 @@ def test_a_meta_that_is_not_a_dict_fails_alone(stage, caplog, meta):
         ),
         ({"meta": {"left_context_size": -5}}, "payload meta.left_context_size must be an integer >= 0, got -5"),
         ({"meta": [1]}, "payload meta must be a dict, got list"),
+        # Upstream trims it all away too; here the request's error says why its audio is empty.
+        ({"meta": {"left_context_size": 3}}, "left_context_size 3 is not below the request's 3 frames"),
     ],
 )
 def test_offline_decode_fails_a_bad_payload_alone(tmp_path, caplog, info, error):

@@ -283,6 +283,10 @@ class MossTTSCodecDecoder(nn.Module):
             return self._empty_audio()
         if seg.numel() == 0:
             return self._empty_audio()
+        frames = seg.numel() // self.n_vq
+        if left >= frames:  # upstream returns empty audio here too; say why
+            self._report(None, index, f"left_context_size {left} is not below the request's {frames} frames")
+            return self._empty_audio()
         K = self._codec.config.codebook_size
         codes = seg.reshape(self.n_vq, -1).to(self._codec.device, torch.long).clamp(0, K - 1)
         wav = self._codec.decode(codes[:, None])[0].float().cpu()

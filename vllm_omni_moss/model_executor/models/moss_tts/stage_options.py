@@ -104,9 +104,11 @@ def check_codec_keys(hf: Any) -> None:
     Raises:
         ValueError: naming every unknown field and the known one closest to it (``difflib``).
     """
-    unknown = sorted(k for k in getattr(hf, "__dict__", {}) if k.startswith("codec_") and k not in CODEC_KEYS)
+    fields = getattr(hf, "__dict__", {})
+    # Any case: hf_config fields are case-sensitive, so `Codec_dtype` would be a field of its own, unread.
+    unknown = sorted(k for k in fields if k.lower().startswith("codec_") and k not in CODEC_KEYS)
     if unknown:
-        closest = {k: difflib.get_close_matches(k, CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
+        closest = {k: difflib.get_close_matches(k.lower(), CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
         named = [f"{k!r} (the closest known one is {near!r})" for k, near in closest.items()]
         raise ValueError(f"unknown codec option in the stage's hf_config (hf_overrides): {', '.join(named)}")
 
@@ -208,9 +210,42 @@ class ChunkSchedule:
 
 
 def _frame_count(extra: dict[str, Any], name: str) -> int:
-    """``extra[name]`` as one frame count >= 0 (0 when absent or null)."""
-    (value,) = _positive_frames(name, extra.get(name)) or [0]
-    return value
+    """``extra[name]`` as one frame count >= 0 (0 when absent or null).
+
+    Raises:
+        ValueError: not one integer >= 0 (a list or a comma-separated string of several counts included),
+            naming the key and its value.
+    """
+    frames = _positive_frames(name, extra.get(name)) or [0]
+    if len(frames) != 1:
+        raise ValueError(f"connector extra {name} must be one frame count, got {extra[name]!r}")
+    return frames[0]
+
+
+#: The connector ``extra`` keys a chunk schedule is read from (vLLM-Omni 0.30.0's names).
+SCHEDULE_KEYS = ("codec_chunk_frames", "codec_chunk_ramp", "initial_codec_chunk_frames")
+#: How alike (``difflib`` ratio, case ignored) a key must be to a schedule key to be taken for its misspelling.
+#: Other models' keys stay below it: the closest, ``codec_max_chunk_frames``, is 0.90 from ``codec_chunk_frames``.
+MISSPELT_RATIO = 0.92
+
+
+def check_schedule_keys(extra: dict[str, Any]) -> None:
+    """Refuse a connector ``extra`` key that looks like a misspelt schedule key (another case, a letter missing
+    or extra): read by nobody, it would leave the talker and the stage on a schedule nobody asked for.
+
+    Raises:
+        ValueError: naming the key and the schedule key it resembles.
+    """
+    for key in extra:
+        if not isinstance(key, str) or key in SCHEDULE_KEYS:
+            continue
+        ratios = {name: difflib.SequenceMatcher(None, key.lower(), name).ratio() for name in SCHEDULE_KEYS}
+        near = max(ratios, key=ratios.get)
+        if ratios[near] >= MISSPELT_RATIO:
+            raise ValueError(
+                f"connector extra {key!r} is not a chunk-schedule key; did you mean {near!r}? "
+                f"(the schedule keys: {', '.join(SCHEDULE_KEYS)})"
+            )
 
 
 def resolve_chunk_schedule(
@@ -230,8 +265,10 @@ def resolve_chunk_schedule(
         ValueError: a non-integer or negative frame count (as :func:`connector_chunk_frames` always did); a ramp
             ``parse_ramp`` refuses (empty, one size, a size < 1), or a ramp without ``parse_ramp``; a ramp
             together with ``initial_codec_chunk_frames`` (vLLM-Omni's chunkers read one or the other); a size
-            above ``max_frames``. Each message names the key and its value.
+            above ``max_frames``; a key that looks like a misspelt schedule key (:func:`check_schedule_keys`).
+            Each message names the key and its value.
     """
+    check_schedule_keys(extra)
     steady = _frame_count(extra, "codec_chunk_frames") or TALKER_DEFAULT_STEADY_FRAMES
     initial = min(_frame_count(extra, "initial_codec_chunk_frames"), steady)
     raw = extra.get("codec_chunk_ramp")
@@ -266,6 +303,22 @@ def connector_chunk_frames(extra: dict[str, Any], parse_ramp: RampParser | None 
         ValueError: as :func:`resolve_chunk_schedule`.
     """
     return resolve_chunk_schedule(extra, parse_ramp).frame_sizes
+
+
+def _slot_count(max_num_seqs: Any) -> int:
+    """The stage's slot count from the scheduler's ``max_num_seqs`` (1 without a scheduler config, as in
+    direct calls).
+
+    Raises:
+        ValueError: a ``max_num_seqs`` that is not an integer >= 1, naming it.
+    """
+    if max_num_seqs is None:
+        return 1
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(
+            f"scheduler_config.max_num_seqs must be an integer >= 1 (the codec stage's slot count), got {max_num_seqs!r}"
+        )
+    return max_num_seqs
 
 
 def _connector_extra(model_config) -> dict[str, Any]:
@@ -351,7 +404,7 @@ class StageOptions:
         if budget is not None and pool_kind not in (None, "paged"):
             raise ValueError(f"codec_state_budget_gib needs the paged pool; codec_pool_kind is {pool_kind!r}")
         scheduler = getattr(vllm_config, "scheduler_config", None)
-        capacity = max(1, int(getattr(scheduler, "max_num_seqs", 1) or 1))
+        capacity = _slot_count(getattr(scheduler, "max_num_seqs", None))
         tokens = getattr(scheduler, "max_num_scheduled_tokens", None) or getattr(
             scheduler, "max_num_batched_tokens", None
         )
