@@ -367,6 +367,61 @@ def test_offline_decode_fails_a_bad_payload_alone(tmp_path, caplog, info, error)
     assert _warnings(caplog) == [f"MOSS codec request None (batch row 1): {error}; returning empty audio"]
 
 
+@pytest.mark.parametrize("value", ["-7", "K+5", "2**62"])
+def test_codes_outside_the_codebook_fail_their_chunk_alone_and_the_stream_goes_on(stage, caplog, value):
+    K, n = stage._codec.config.codebook_size, stage.n_vq
+    v = {"-7": -7, "K+5": K + 5, "2**62": 2**62}[value]
+    good, a, bad, c = (_codes(stage, f, seed=40 + i) for i, f in enumerate((3, 2, 2, 2)))
+    bad[n - 1, 1] = v
+    run(stage, [good[:, :1], a], [raw_info("g", 1, n), raw_info("s", 2, n)], ["g", "s"])
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [good[:, 1:], bad], [raw_info("g", 2, n), raw_info("s", 2, n)], ["g", "s"])
+    assert out[1].numel() == 0
+    _assert_audio(out[0], fresh_decode(stage, good, [1, 2])[..., -out[0].shape[-1] :], "good")
+    got = run(stage, [c], [raw_info("s", 2, n, finished=True)], ["s"])[0]  # decodes as if bad never came
+    _assert_audio(got, fresh_decode(stage, torch.cat([a, c], dim=1), [2, 2])[..., -got.shape[-1] :], "s")
+    assert _warnings(caplog) == [
+        f"MOSS codec request s (batch row 1): code {v} is outside 0..{K} (codebook_size {K}, the last the "
+        "talker's padding); the chunk is refused; returning empty audio"
+    ]
+
+
+def test_a_terminal_chunk_with_codes_outside_the_codebook_still_ends_its_stream(stage, caplog):
+    n = stage.n_vq
+    bad = _codes(stage, 2, seed=44)
+    bad[0, 0] = -1
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [bad], [raw_info("s", 2, n, finished=True)], ["s"])
+    assert out[0].numel() == 0 and stage._session.free_slots == stage.state_capacity
+    assert len(_warnings(caplog)) == 1
+
+
+def test_the_talkers_padding_code_decodes_as_upstreams_clamp(stage):
+    """``codebook_size`` is the talker's padding code: decoded as ``codebook_size - 1``, as upstream does."""
+    K, n = stage._codec.config.codebook_size, stage.n_vq
+    codes = _codes(stage, 3, seed=45)
+    codes[:, 2] = K
+    got = run(stage, [codes], [raw_info("s", 3, n)], ["s"])[0]
+    _assert_audio(got, fresh_decode(stage, codes, [3]), "padding")
+
+
+def test_offline_decode_refuses_codes_outside_the_codebook(tmp_path, caplog):
+    stage = build_stage(tmp_path, async_chunk=False)
+    K = stage._codec.config.codebook_size
+    codes = _codes(stage, 3, seed=46)
+    bad = codes.clone()
+    bad[1, 2] = K + 1
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [codes, bad], [{"meta": {"left_context_size": 0}}] * 2, ["good", "bad"])
+    assert out[1].numel() == 0
+    ref = stage._codec.decode(codes[:, None])[0]  # the whole utterance at once
+    _assert_audio(out[0], ref.reshape(-1) if ref.shape[0] == 1 else ref, "good")
+    assert _warnings(caplog) == [
+        f"MOSS codec request None (batch row 1): code {K + 1} is outside 0..{K} (codebook_size {K}, the last the "
+        "talker's padding); the chunk is refused; returning empty audio"
+    ]
+
+
 def test_finished_request_drops_its_buffered_prefix(stage):
     codes = _codes(stage, 2, seed=15)
     stage.token_budget = 5  # the prefix used the whole budget of its step

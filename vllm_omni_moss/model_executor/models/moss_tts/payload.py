@@ -146,11 +146,21 @@ class PayloadAssembler:
         self.n_vq = n_vq
         self.partial: dict[str, tuple[torch.Tensor, int]] = {}
 
-    def row(self, index: int, seg: torch.Tensor, info: dict, key: str | tuple, may_split: bool) -> StreamChunk:
+    def row(
+        self,
+        index: int,
+        seg: torch.Tensor,
+        info: dict,
+        key: str | tuple,
+        may_split: bool,
+        codes_error: str | None = None,
+    ) -> StreamChunk:
         """The chunk of batch row ``index``: flat codes ``seg`` (a view of the engine's input buffer), payload
         ``info``, stream ``key`` (or a tuple ``(error,)`` / ``(error, request id)`` holding the row's error);
-        ``may_split``: the step used the whole token budget, so a chunk can be split across it and the next. A
-        row with an error in ``key`` hands no codes to the session (its ``key`` names the request, if any)."""
+        ``may_split``: the step used the whole token budget, so a chunk can be split across it and the next;
+        ``codes_error``: why the row's codes cannot be decoded (the caller checks their values), or None. A
+        row with an error in ``key`` hands no codes to the session (its ``key`` names the request, if any); a
+        row with ``codes_error`` fails like a malformed payload (a terminal one still ends its stream)."""
         refused = isinstance(key, tuple)
         named = (key[1] if len(key) == 2 else None) if refused else key
         try:
@@ -163,7 +173,11 @@ class PayloadAssembler:
             return StreamChunk(index, named, None, False, key[0] if refused else str(exc))
         if refused:
             return StreamChunk(index, named, None, finished, key[0])
-        codes, error, dropped = self._assemble(key, seg, meta, finished, segment_end, may_split)
+        if codes_error is not None:  # the whole chunk goes, with any buffered first part of it
+            self.partial.pop(key, None)
+            codes, error, dropped = None, codes_error, None
+        else:
+            codes, error, dropped = self._assemble(key, seg, meta, finished, segment_end, may_split)
         if error is not None:
             # A terminal payload still ends its stream: a zero-frame terminal chunk.
             codes = _empty_codes(self.n_vq) if finished else None

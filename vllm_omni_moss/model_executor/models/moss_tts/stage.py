@@ -283,6 +283,10 @@ class MossTTSCodecDecoder(nn.Module):
             return self._empty_audio()
         if seg.numel() == 0:
             return self._empty_audio()
+        bad = self._codes_out_of_range([(seg, info)])
+        if bad:
+            self._report(None, index, bad[0])
+            return self._empty_audio()
         frames = seg.numel() // self.n_vq
         if left >= frames:  # upstream returns empty audio here too; say why
             self._report(None, index, f"left_context_size {left} is not below the request's {frames} frames")
@@ -294,6 +298,28 @@ class MossTTSCodecDecoder(nn.Module):
             wav = wav[..., left * self._codec.config.samples_per_frame :]
         return self._shape_audio(wav)
 
+    def _codes_out_of_range(self, batch: list[tuple[torch.Tensor, dict]]) -> dict[int, str]:
+        """Rows (by batch position) whose integer codes leave ``0..codebook_size``, with the error naming the
+        first such value and the range. ``codebook_size`` itself is the talker's padding code, which upstream's
+        decode clamps to ``codebook_size - 1``, as this stage's steps do; anything else out of range is not a
+        code. One ``aminmax`` over the batch and one device sync; each row only when the batch fails."""
+        rows = [(i, seg) for i, (seg, _) in enumerate(batch) if seg.numel() and _integer_codes(seg)]
+        if not rows:
+            return {}
+        K = self._codec.config.codebook_size
+        lo, hi = torch.stack(torch.aminmax(torch.cat([seg.reshape(-1) for _, seg in rows]))).tolist()
+        if lo >= 0 and hi <= K:
+            return {}
+        bad = {}
+        for i, seg in rows:
+            lo, hi = torch.stack(torch.aminmax(seg)).tolist()
+            if lo < 0 or hi > K:
+                bad[i] = (
+                    f"code {lo if lo < 0 else hi} is outside 0..{K} (codebook_size {K}, the last the talker's "
+                    "padding); the chunk is refused"
+                )
+        return bad
+
     # ------------------------------------------------------------------ streams
     def _decode_streams(self, batch: list[tuple[torch.Tensor, dict]], runner_ids: Any) -> list[torch.Tensor]:
         """One ``async_chunk`` step: every row through the session, each failing alone."""
@@ -303,8 +329,10 @@ class MossTTSCodecDecoder(nn.Module):
         # token budget.
         tokens = sum(seg.numel() for seg, _ in batch)
         may_split = self.token_budget is not None and tokens >= self.token_budget
+        bad_codes = self._codes_out_of_range(batch)
         chunks = [
-            self._payloads.row(i, seg, info, key, may_split) for i, ((seg, info), key) in enumerate(zip(batch, keys))
+            self._payloads.row(i, seg, info, key, may_split, bad_codes.get(i))
+            for i, ((seg, info), key) in enumerate(zip(batch, keys))
         ]
         self._payloads.end_with_terminal_duplicates(chunks, keys)
         for c in chunks:
@@ -553,3 +581,8 @@ def _state_spec(options: StageOptions, codec: CodecDecoder, dtype: torch.dtype) 
         codec, options.pool_kind, dtype, options.ring_semantics, backend,
         state_budget_bytes=options.state_budget_bytes, expected_stream_frames=frames,
     )  # fmt: skip
+
+
+def _integer_codes(seg: torch.Tensor) -> bool:
+    """Whether ``seg`` holds integers (float, complex and bool rows are refused by the payload checks)."""
+    return not (seg.dtype.is_floating_point or seg.dtype.is_complex or seg.dtype == torch.bool)
