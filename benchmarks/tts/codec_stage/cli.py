@@ -116,7 +116,9 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/bench_codec_stage", help="output directory")
     p.add_argument("--append", action="store_true", help="add these runs to --out's results (same commit, settings)")
     p.add_argument("--report-only", action="store_true", help="run nothing: rewrite reports and plots from --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bars (they are off anyway when stderr is not a terminal)"
+    )
     p.add_argument("--time-replays", action="store_true", help="CUDA, our arms: time graph replays between syncs")
     p.add_argument("--trace-calls", action="store_true", help="our arms: each decode call's host time by phase")
 

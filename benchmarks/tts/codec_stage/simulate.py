@@ -292,7 +292,7 @@ def simulate(arm, trace: Trace, chunk_sizes: list[int], cfg, args, device, label
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    bar = tqdm(total=trace.measured_count, desc=label, unit="req", disable=args.quiet, leave=False)
+    bar = tqdm(total=trace.measured_count, desc=label, unit="req", disable=True if args.quiet else None, leave=False)
     try:
         driver = Driver(
             arm,
