@@ -785,6 +785,8 @@ def test_report_only_refuses_a_truncated_results_file_and_bad_latencies(ideal_ou
     assert _report_only_refused(out, capsys) == f"{npz}: ideal/2 is not a list of finite latencies (ms)"
     np.savez(npz, **{"ideal": np.array([0.0])})
     assert _report_only_refused(out, capsys) == f"{npz} is not readable: array 'ideal' is not named <arm>/<run key>"
+    npz.write_bytes(b"not an archive\n")
+    assert _report_only_refused(out, capsys) == f"{npz} is not readable: not an .npz (zip) archive"
 
 
 def test_report_only_rewrites_every_report_of_good_files(ideal_out, tmp_path, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import shlex
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -144,10 +145,13 @@ def read_results(directory: Path, in_sweep: bool = False) -> tuple[dict[str, Any
         for key in (k for k in entry if RUN_KEY.matches(k)):
             if key not in result["details"][arm]:
                 raise ValueError(f"{path}: details.{arm}.{key} is missing (arms.{arm}.{key} is a run)")
+    npz = directory / "latencies.npz"
+    if npz.is_file() and not zipfile.is_zipfile(npz):  # numpy would try it as a pickle and say so
+        raise ValueError(f"{npz} is not readable: not an .npz (zip) archive")
     try:
         latencies = load_latencies(directory)
     except (OSError, ValueError, EOFError) as exc:
-        raise ValueError(f"{directory / 'latencies.npz'} is not readable: {exc}") from None
+        raise ValueError(f"{npz} is not readable: {exc}") from None
     for arm, per_key in latencies.items():
         for key, values in per_key.items():
             name = f"{directory / 'latencies.npz'}: {arm}/{key}"
