@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """CodecStreamSession when things go wrong around it: a pool step that raises fails its own rows' streams alone
-(the audio decoded before it is returned, the other streams decode on and stay exact); a session refuses a second
-caller (another thread, or a call from inside a running one).
+(the audio decoded before it is returned, the other streams decode on and stay exact); so does a pool call that
+raises while a stream is admitted, preempted (its state saved) or resumed (its state restored); a session refuses
+a second caller (another thread, or a call from inside a running one).
 
 Audio is compared with the solo decode ``decoder.decode(codes[:, None], chunk_frames=<the pieces it was fed>)``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -143,6 +145,139 @@ def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkey
     monkeypatch.setattr(s.pool, "decode_streaming_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
+
+
+# ----------------------------------------------------------------------------- admission, preemption, resumption
+
+
+def _failing(session, monkeypatch, method: str) -> None:
+    """Make every later call of the pool's ``method`` raise (before it changes anything)."""
+
+    def broken(*args):
+        raise RuntimeError(f"injected {method} failure")
+
+    monkeypatch.setattr(session.pool, method, broken)
+
+
+_WHAT = {
+    "save_slot": "saving its decoder state to preempt it",
+    "restore_slot": "restoring its preempted decoder state",
+    "acquire": "admitting it to a decoder slot",
+}
+
+
+def _error(rid: str, method: str, undecoded: int) -> str:
+    return (
+        f"request {rid!r}: {_WHAT[method]} failed with RuntimeError: injected {method} failure; "
+        f"the stream was ended, frames left undecoded: {undecoded}"
+    )
+
+
+def _logged(caplog, error: str) -> int:
+    return sum(r.getMessage() == f"MOSS codec: {error}" and r.exc_info is not None for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", ["save_slot", "restore_slot"])
+def test_a_failing_preemption_for_a_terminal_chunk_fails_the_preempted_stream_alone(
+    method, ring_decoder, monkeypatch, caplog
+):
+    """Two slots, both live ("l1", "l2"); "w" waits and sends its terminal chunk: "l2" (the youngest) is preempted
+    for it. When saving l2's state raises, l2 fails (its state never reached the host) and its slot goes to "w";
+    when restoring it raises once "w" has ended, l2 fails then and its slot is freed. Either way l2 gets the error
+    once (logged once), "w" and "l1" decode exactly in that call and after, and no slot leaks."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 2)
+    l1, l2, w = (_codes(ring_decoder, n, seed) for n, seed in ((3, 1), (4, 2), (3, 3)))
+    s.decode([ChunkRequest("l1", l1[:, :1]), ChunkRequest("l2", l2[:, :1])])
+    assert s.decode([ChunkRequest("w", w[:, :1])])["w"].queued
+
+    _failing(s, monkeypatch, method)
+    batch = [ChunkRequest("l1", l1[:, 1:2]), ChunkRequest("l2", l2[:, 1:3]), ChunkRequest("w", w[:, 1:], True)]
+    with caplog.at_level(logging.ERROR):
+        got = s.decode(batch)
+    monkeypatch.undo()
+    error = _error("l2", method, 2)
+    assert (got["l2"].error, got["l2"].frames, got["l2"].queued) == (error, 0, False)
+    assert _logged(caplog, error) == 1
+    assert got["l1"].error is None and got["w"].error is None and got["w"].frames == 3
+    _close(got["l1"].audio, ring_decoder.decode(l1[:, None, :2], [1, 1])[0][:, spf:], "l1")
+    _close(got["w"].audio, ring_decoder.decode(w[:, None], [1, 2])[0], "w")
+    assert s.live_requests == {"l1": 0} and s.waiting_requests == [] and s.free_slots == 1
+    assert s.stats()["request_errors"] == 1 and s.stats()["preemptions"] == (method == "restore_slot")
+
+    # l2 stays refused until its request ends; l1 ends exactly; the id "l2" then starts afresh.
+    last = s.decode([ChunkRequest("l1", l1[:, 2:], True), ChunkRequest("l2", l2[:, 3:], True)])
+    assert (last["l2"].error, last["l2"].frames) == (error, 0)
+    _close(last["l1"].audio, ring_decoder.decode(l1[:, None], [1, 1, 1])[0][:, 2 * spf :], "l1 after")
+    assert s.live_requests == {} and s.free_slots == 2
+    fresh = s.decode([ChunkRequest("l2", l2, True)])["l2"]
+    assert fresh.error is None
+    _close(fresh.audio, ring_decoder.decode(l2[:, None], [4])[0], "l2 afresh")
+
+
+@pytest.mark.parametrize("method", ["save_slot", "restore_slot"])
+def test_a_failing_preemption_for_pages_fails_the_preempted_stream_alone(method, ring_decoder, monkeypatch, caplog):
+    """A paged pool with pages for less than both streams' chunks: "a" is preempted so that "b" (terminal) can
+    decode. Saving a's state, or restoring it once "b" ended, raises: "a" fails with the error (logged once), "b"
+    decodes exactly, and every slot and page is free again."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 2, pool_kind="paged", page_fraction=0.75)
+    full = s.pool.free_page_counts()
+    codes = random_codes(ring_decoder, 2, 6, seed=1)
+    a, b = codes[:, 0], codes[:, 1]
+    s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
+
+    _failing(s, monkeypatch, method)
+    with caplog.at_level(logging.ERROR):
+        got = s.decode([ChunkRequest("a", a[:, 1:5]), ChunkRequest("b", b[:, 1:5], True)])
+    monkeypatch.undo()
+    error = _error("a", method, 4)
+    assert (got["a"].error, got["a"].frames, got["a"].queued) == (error, 0, False)
+    assert _logged(caplog, error) == 1
+    assert got["b"].error is None
+    _close(got["b"].audio, ring_decoder.decode(b[:, None, :5], [1, 4])[0][:, spf:], "b")
+    assert s.live_requests == {} and s.waiting_requests == [] and s.free_slots == 2
+    assert s.pool.free_page_counts() == full
+    assert s.stats()["request_errors"] == 1 and s.stats()["preemptions"] == (method == "restore_slot")
+
+    last = s.decode([ChunkRequest("a", a[:, 5:], True)])["a"]
+    assert (last.error, last.frames) == (error, 0)
+    fresh = s.decode([ChunkRequest("a", a[:, :2], True)])["a"]
+    assert fresh.error is None
+    _close(fresh.audio, ring_decoder.decode(a[:, None, :2], [2])[0], "a afresh")
+    assert s.free_slots == 2 and s.pool.free_page_counts() == full
+
+
+def test_a_failing_admission_fails_the_admitted_stream_alone(ring_decoder, monkeypatch, caplog):
+    """A slot frees between calls (on_requests_finished) for the waiting "w"; taking it raises as the next call
+    admits "w" (before its chunk of that call is routed), and again for the new stream "n": both fail, each with
+    its error once (this call's chunk included in the frames left undecoded), and "k" decodes exactly."""
+    s = CodecStreamSession(ring_decoder, 2)
+    k, w, n = (_codes(ring_decoder, t, seed) for t, seed in ((3, 1), (3, 2), (2, 3)))
+    s.decode([ChunkRequest("k", k[:, :1]), ChunkRequest("a", w[:, :1])])
+    assert s.decode([ChunkRequest("w", w[:, :1])])["w"].queued
+    s.on_requests_finished(["a"])
+
+    _failing(s, monkeypatch, "acquire")
+    with caplog.at_level(logging.ERROR):
+        got = s.decode([ChunkRequest("w", w[:, 1:]), ChunkRequest("k", k[:, 1:2]), ChunkRequest("n", n)])
+    monkeypatch.undo()
+    errors = {"w": _error("w", "acquire", 3), "n": _error("n", "acquire", 2)}
+    for rid, error in errors.items():
+        assert (got[rid].error, got[rid].frames, got[rid].queued) == (error, 0, False)
+        assert _logged(caplog, error) == 1
+    _close(
+        got["k"].audio, ring_decoder.decode(k[:, None, :2], [1, 1])[0][:, ring_decoder.config.samples_per_frame :], "k"
+    )
+    assert s.live_requests == {"k": 0} and s.waiting_requests == [] and s.free_slots == 1
+    assert s.stats()["request_errors"] == 2
+
+    last = s.decode([ChunkRequest(rid, c[:, -1:], True) for rid, c in (("w", w), ("n", n), ("k", k))])
+    assert {rid: last[rid].error for rid in errors} == errors
+    _close(
+        last["k"].audio, ring_decoder.decode(k[:, None], [1, 1, 1])[0][:, -ring_decoder.config.samples_per_frame :], "k"
+    )
+    assert s.live_requests == {} and s.free_slots == 2
 
 
 # ----------------------------------------------------------------------------- one caller

@@ -15,6 +15,11 @@ times so far (the youngest among those), so no stream is preempted again before 
 been preempted as often; and new streams are admitted in the order they arrived: a stream whose terminal chunk
 must be decoded at once takes the new streams queued ahead of it along, as far as the pool holds them
 (:meth:`admit_ending`).
+
+A pool call that raises an ``Exception`` while a stream is admitted, preempted (its state saved) or resumed (its
+state restored) fails that stream alone, as a failing step fails its rows' streams (:meth:`Scheduler.fail`):
+its slot is released (reset), its buffered chunks are dropped, and the call goes on (docs/serving.md, "A step
+that raises").
 """
 
 from __future__ import annotations
@@ -51,10 +56,12 @@ class Scheduler:
         # request ends (its terminal chunk, or finish_requests), so a refused request never resumes from zero.
         self.refused: dict[str, str] = {}
         self._live_reserved = False  # during a call: the live streams' pending chunks hold their pages
+        # During a call: request id -> the error of a stream that failed outside a step (:meth:`_failed`).
+        self.failures: dict[str, str] = {}
 
     def begin(self, accepted: list[ChunkRequest]) -> None:
         """Start a call whose valid chunks are ``accepted``: admission accounts for their frames."""
-        self.incoming = {}
+        self.incoming, self.failures = {}, {}
         for req in accepted:
             self.incoming[req.request_id] = self.incoming.get(req.request_id, 0) + req.codes.shape[1]
         self._live_reserved = False
@@ -73,20 +80,28 @@ class Scheduler:
         return self._live_reserved
 
     def _admit(self, stream: Stream, chunk_frames: int) -> bool:
-        """Give ``stream`` (not live) a slot holding its decoded frames plus ``chunk_frames`` more, restoring
-        a preempted stream's state into it; False (nothing changed) when no slot or state is free."""
-        if not self.pool.free_slot_count or not self._reserve_live():
+        """Give ``stream`` (not live) a slot holding its decoded frames plus ``chunk_frames`` more (all it has
+        buffered and brings in this call), restoring a preempted stream's state into it; False when no slot or
+        state is free (nothing changed), or when a pool call raised: the stream then failed (:meth:`_failed`,
+        ``stream.error`` set)."""
+        what = "admitting it to a decoder slot"
+        try:
+            if not self.pool.free_slot_count or not self._reserve_live():
+                return False
+            stream.slot = self.pool.acquire()
+            if not self.pool.reserve({stream.slot: stream.frames_decoded + chunk_frames}):
+                slot, stream.slot = stream.slot, None
+                self.pool.release([slot])  # the slot is back on top of the free list, as it was
+                return False
+            if stream.saved is not None:  # a preempted stream resumes exactly where it stopped
+                what = "restoring its preempted decoder state"
+                started = time.perf_counter()
+                self.pool.restore_slot(stream.slot, stream.saved)
+                stream.saved = None
+                self.counters.preemption_s += time.perf_counter() - started
+        except Exception as exc:  # this stream fails, the call goes on (docs/serving.md, "A step that raises")
+            self._failed(stream, what, chunk_frames, exc)
             return False
-        slot = self.pool.acquire()
-        if not self.pool.reserve({slot: stream.frames_decoded + chunk_frames}):
-            self.pool.release([slot])  # the slot is back on top of the free list, as it was
-            return False
-        stream.slot = slot
-        if stream.saved is not None:  # a preempted stream resumes exactly where it stopped
-            started = time.perf_counter()
-            self.pool.restore_slot(slot, stream.saved)
-            stream.saved = None
-            self.counters.preemption_s += time.perf_counter() - started
         self.live[stream.request_id] = stream
         return True
 
@@ -96,9 +111,10 @@ class Scheduler:
             oldest = self.waiting.peek_oldest()
             # All it has buffered and brings in this batch: what the step that follows needs state for.
             pending = oldest.buffered_frames + self.incoming.get(oldest.request_id, 0)
-            if not self._admit(oldest, pending):
+            if self._admit(oldest, pending):
+                self._count_admitted(self.waiting.pop_oldest())
+            elif oldest.error is None:  # no room (a stream that failed has left the queue: the next one may fit)
                 return
-            self._count_admitted(self.waiting.pop_oldest())
 
     def accept(self, req: ChunkRequest) -> str | None:
         """Route one valid chunk to its live or waiting stream, or start one. Returns an error or None."""
@@ -120,8 +136,10 @@ class Scheduler:
         if stream is None:
             if frames == 0:
                 return None  # nothing to decode and no stream to end
-            stream = Stream(rid)
+            stream = Stream(rid, finished=req.finished)
             if self.waiting or not self._admit(stream, frames):
+                if stream.error is not None:
+                    return None  # it failed: its error comes back with the call's failures, the chunk is dropped
                 # A terminal chunk is never refused by the queue's bounds: admit_ending gives it a slot in
                 # this call (preempting a live stream that is not ending), so it does not stay buffered.
                 error = None if req.finished else self.waiting.refusal(frames, new_stream=True, capacity=self.capacity)
@@ -210,6 +228,8 @@ class Scheduler:
         it to ``admitted``. False (it still waits) when no stream is left to preempt."""
         rid = stream.request_id
         while not self._admit(stream, stream.buffered_frames + self.incoming.get(rid, 0)):
+            if stream.error is not None:
+                return True  # it failed and left the queue: the streams behind it go on
             victim = self._victim(admitted)
             if victim is None:
                 return False
@@ -227,8 +247,16 @@ class Scheduler:
         logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
 
     def _preempt(self, victim: Stream) -> None:
+        """Save live ``victim``'s state to the host, free its slot and queue it ahead of new streams. When saving
+        raises, the victim fails instead (its state never reached the host, it cannot resume); its slot is
+        freed all the same."""
         started = time.perf_counter()
-        victim.saved = self.pool.save_slot(victim.slot)
+        try:
+            victim.saved = self.pool.save_slot(victim.slot)
+        except Exception as exc:  # whatever part of the state was copied is dropped with the stream
+            undecoded = victim.buffered_frames + self.incoming.get(victim.request_id, 0)
+            self._failed(victim, "saving its decoder state to preempt it", undecoded, exc)
+            return
         self.pool.release([victim.slot])
         self.counters.preemption_s += time.perf_counter() - started
         self.counters.preempted_bytes += victim.saved.nbytes
@@ -263,6 +291,28 @@ class Scheduler:
             if not stream.finished:
                 self.refused[stream.request_id] = errors[stream.request_id]
         self.pool.release([s.slot for s in streams])
+
+    def _failed(self, stream: Stream, what: str, undecoded: int, exc: Exception) -> None:
+        """End ``stream`` (live or waiting) because a pool call for it (``what``) raised ``exc`` outside a step, as
+        :meth:`fail` ends a failing step's streams: its error (naming ``what``, the exception and the ``undecoded``
+        frames) is logged once with the traceback and kept in :attr:`failures` and ``stream.error``; the slot it
+        holds is released (reset: its state is unknown); its buffered chunks and saved state are dropped; a stream
+        without its terminal chunk stays refused until its request ends."""
+        rid = stream.request_id
+        error = (
+            f"request {rid!r}: {what} failed with {type(exc).__name__}: {exc}; the stream was ended, "
+            f"frames left undecoded: {undecoded}"
+        )
+        logger.error("MOSS codec: %s", error, exc_info=exc)
+        stream.error, stream.chunks, stream.saved = error, [], None
+        self.failures[rid] = error
+        self.live.pop(rid, None)
+        self.waiting.drop(rid)
+        if not stream.finished:
+            self.refused[rid] = error
+        if stream.slot is not None:
+            slot, stream.slot = stream.slot, None
+            self.pool.release([slot])
 
     # ------------------------------------------------------------------ lifecycle
     def finish_requests(self, request_ids) -> None:

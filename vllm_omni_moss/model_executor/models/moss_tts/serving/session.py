@@ -33,7 +33,8 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   before anything changes. Codes outside ``[0, codebook_size)`` are clamped and counted. A pool step that
   raises (a CUDA out-of-memory error, say) fails the streams of its rows alone: each gets its audio decoded
   before the failure with ``error`` set, its slot is released, and later chunks under its id get that error
-  until the request ends; every other stream decodes on, in that call and later ones.
+  until the request ends; every other stream decodes on, in that call and later ones. So does a pool call that
+  raises while a stream is admitted, preempted (its state saved) or resumed (restored): that stream alone fails.
 * **One caller.** A session is not thread-safe: one caller at a time, as vLLM's runner calls ``forward``. Its
   mutating methods (:meth:`decode`, :meth:`on_requests_finished`, :meth:`close`, the call-trace switches) raise
   ``RuntimeError`` when called while another of them runs, from another thread or from inside it (a
@@ -298,11 +299,11 @@ class CodecStreamSession:
             requests: at most one chunk per request id.
         Returns:
             A :class:`ChunkResult` for every request id in ``requests`` (with ``error`` set for a refused chunk,
-            and beside the audio decoded before it for a stream whose pool step raised; ``queued`` while the
-            stream waits), plus one for every waiting stream that got a slot and was decoded in this call. A
-            request whose id is not a non-empty ``str`` gets its error under ``InvalidRequestId(position,
-            request_id)`` (``serving.requests``), a key no other request shares. With :meth:`enable_call_traces`,
-            the call also appends its :class:`CallTrace`.
+            and beside the audio decoded before it for a stream whose pool step raised, or whose admission,
+            preemption or resumption did; ``queued`` while the stream waits), plus one for every waiting
+            stream that got a slot and was decoded in this call. A request whose id is not a non-empty ``str``
+            gets its error under ``InvalidRequestId(position, request_id)`` (``serving.requests``), a key no
+            other request shares. With :meth:`enable_call_traces`, the call also appends its :class:`CallTrace`.
         Raises:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
@@ -348,9 +349,11 @@ class CodecStreamSession:
         finally:
             # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
             scheduler.own_buffered_chunks(accepted)
-        for rid, error in failed.items():
-            self._counters.request_errors += 1
+        for rid, error in {**scheduler.failures, **failed}.items():
             refused = results.get(rid)  # this call's chunk under the id was refused too: both errors
+            if refused is not None and refused.error == error:
+                continue  # it failed as the call began (admitted from the queue): its chunk got the error already
+            self._counters.request_errors += 1
             results[rid] = self._empty(error=error if refused is None else f"{refused.error}; {error}")
         return self._results(results, audio, ids)
 

@@ -27,6 +27,7 @@ class Stream:
         saved: the state of a preempted stream, restored when it gets a slot back.
         frames_decoded: frames of its own decoded so far (the host's count).
         preemptions: times it was preempted (the scheduler preempts the least preempted stream first).
+        error: why it ended when a pool call for it raised outside a step (``Scheduler._failed``), else None.
     """
 
     request_id: str
@@ -37,6 +38,7 @@ class Stream:
     saved: object | None = None
     frames_decoded: int = 0
     preemptions: int = 0
+    error: str | None = None
 
     @property
     def buffered_frames(self) -> int:
