@@ -6,7 +6,9 @@ frames/s (talker RTF 0.5) that is 25,000 calls a second in the talker's process.
 interleaved streams of ``--frames`` frames each, one ``[1, n_vq]`` int64 frame per call, through a stand-in for
 vLLM-Omni's chunk transfer adapter, and prints microseconds per frame for this package's chunker
 (``talker_chunker.talker2codec_ramp_async_chunk``, with the deploy files' ramp) and for vLLM-Omni 0.30.0's
-``talker2codec_raw_async_chunk`` (its first and steady sizes). The budget is 5 us a frame (docs/serving.md).
+``talker2codec_raw_async_chunk`` (its first and steady sizes), and two floors in the same process: a chunker
+that does nothing (the loop's own cost) and one that only finds the request's state and copies the frame out of
+the engine's tensor. The budget is 5 us a frame (docs/serving.md).
 
     .venv/bin/python benchmarks/tts/bench_chunker.py --streams 1000 --frames 50
 """
@@ -55,6 +57,16 @@ def us_per_frame(fn, extra: dict, streams: int, frames: int, n_vq: int, seed: in
     return (time.process_time() - start) * 1e6 / (streams * frames)
 
 
+def _no_op(transfer_manager, multimodal_output, request, is_finished: bool = False) -> None:
+    return None
+
+
+def _copy_only(transfer_manager, multimodal_output, request, is_finished: bool = False) -> None:
+    """The least any chunker does per call: its request's state, and a copy of the frame the engine may reuse."""
+    transfer_manager.code_prompt_token_ids[request.external_req_id].extend(multimodal_output["codes"]["audio"].tolist())
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=1000, help="interleaved streams (1000)")
@@ -75,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, fn, extra in (
         ("vllm_omni_moss talker_chunker (ramp 1,1,2,4,6 then 6)", talker2codec_ramp_async_chunk, RAMP),
         ("vllm-omni 0.30.0 talker2codec_raw_async_chunk (3 then 5)", talker2codec_raw_async_chunk, UPSTREAM),
+        ("floor: a chunker that does nothing (this loop's own cost)", _no_op, RAMP),
+        ("floor: find the request's state, copy its frame out (one tolist)", _copy_only, RAMP),
     ):
         best = min(us_per_frame(fn, extra, args.streams, args.frames, args.n_vq, seed) for seed in range(args.repeats))
         print(f"{label}: {best:.2f} us/frame ({args.streams} streams x {args.frames} frames, n_vq={args.n_vq})")
