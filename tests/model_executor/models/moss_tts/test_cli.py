@@ -42,6 +42,20 @@ def test_cli_make_checkpoint_and_decode_v2(tmp_path, capsys):
     decoder = load_checkpoint(tmp_path / "ck")
     expected = decoder.decode(torch.from_numpy(codes)[:, None], chunk_frames=[1, 15])[0].T.numpy()
     assert np.array_equal(audio.astype(np.float32), expected)
+    assert f"peak |sample| {float(np.abs(expected).max()):.3g};" in printed
+
+
+def test_cli_decode_with_random_weights_says_how_loud_the_noise_is(tmp_path, capsys):
+    codes = np.random.default_rng(1).integers(0, 1024, size=(12, 4))
+    np.save(tmp_path / "codes.npy", codes)
+    out = tmp_path / "out.wav"
+    assert main(["decode", str(tmp_path / "codes.npy"), "-o", str(out), "--preset", "tiny-v2"]) == 0
+    peak = float(np.abs(soundfile.read(out)[0]).max())
+    assert peak > 1  # random weights: noise far outside [-1, 1]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"note: the audio peaks at |sample| = {peak:.3g}, outside [-1, 1]: random weights are not a trained "
+        "codec, and a player clips what the float WAV holds"
+    )
 
 
 def test_cli_errors(tmp_path, capsys):

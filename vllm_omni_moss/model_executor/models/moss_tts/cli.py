@@ -267,7 +267,7 @@ def _cmd_decode(args) -> int:
     codes = codes[:, None].to(device)
     num_frames = codes.shape[-1]
     spans = chunk_schedule(num_frames, chunks)
-    written = 0
+    written, peak = 0, 0.0
     with wav:
         start = time.perf_counter()
         with decoder.streaming(1, args.semantics) as stream:
@@ -275,6 +275,7 @@ def _cmd_decode(args) -> int:
                 audio = stream.decode(codes[:, :, a:b])[0].cpu()  # (channels, samples)
                 wav.write(audio.T.numpy())
                 written += audio.shape[-1]
+                peak = max(peak, float(audio.abs().max())) if audio.numel() else peak
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -287,8 +288,15 @@ def _cmd_decode(args) -> int:
     )
     print(
         f"wrote {out}: {seconds:.2f} s of audio, {cfg.sampling_rate} Hz, {cfg.number_channels} channel(s), "
-        f"{expected} samples per channel; decode took {elapsed:.2f} s (real-time factor {elapsed / seconds:.3f})"
+        f"{expected} samples per channel, peak |sample| {peak:.3g}; decode took {elapsed:.2f} s "
+        f"(real-time factor {elapsed / seconds:.3f})"
     )
+    if peak > 1 and not args.checkpoint:
+        print(
+            f"note: the audio peaks at |sample| = {peak:.3g}, outside [-1, 1]: random weights are not a trained "
+            "codec, and a player clips what the float WAV holds",
+            file=sys.stderr,
+        )
     return 0
 
 
