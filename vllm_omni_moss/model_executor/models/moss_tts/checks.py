@@ -1,9 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one integer check the package's arguments share: a count is an ``int`` (never a ``bool``) at least some minimum."""
+"""The integer checks the package's arguments share: a count is an ``int`` (never a ``bool``) at least some
+minimum; codes are a tensor of an integer dtype (never ``bool``)."""
 
 from __future__ import annotations
 
-__all__ = ["check_count", "is_count"]
+import torch
+
+__all__ = ["check_count", "is_count", "is_integer_dtype"]
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` hold integer codes: not floating point, not complex, not ``bool``."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def is_count(value, minimum: int = 0) -> bool:

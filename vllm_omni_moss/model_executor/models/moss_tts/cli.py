@@ -59,6 +59,8 @@ def _load_codes(path: Path):
     import numpy as np
     import torch
 
+    from .checks import is_integer_dtype
+
     if not path.is_file():
         raise CliError(f"codes file not found: {path}")
     if path.suffix.lower() in (".pt", ".pth"):
@@ -80,7 +82,7 @@ def _load_codes(path: Path):
         raise CliError(f"{path} is not a valid {kind} of integer codes (expected shape (n_vq, T))")
     if codes.dim() != 2:
         raise CliError(f"{path}: codes must have shape (n_vq, T), got {tuple(codes.shape)}")
-    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+    if not is_integer_dtype(codes.dtype):
         raise CliError(f"{path}: codes must be integers, got dtype {codes.dtype}")
     if codes.shape[1] == 0:
         raise CliError(f"{path}: codes have no frames (T = 0)")

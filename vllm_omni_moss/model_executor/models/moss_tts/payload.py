@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .checks import is_integer_dtype
+
 __all__ = ["PayloadAssembler", "PayloadError", "StreamChunk", "meta_count", "meta_of", "payload_id", "same_request"]
 
 
@@ -209,7 +211,7 @@ class PayloadAssembler:
         not (a terminal one still ends its stream, by the caller). A buffered prefix whose next row does not
         complete it is handled by :meth:`_pending_prefix`.
         """
-        if seg.dtype.is_floating_point or seg.dtype.is_complex or seg.dtype == torch.bool:
+        if not is_integer_dtype(seg.dtype):
             self.partial.pop(key, None)
             return None, f"input_ids must be integer codes, got dtype {seg.dtype}", None
         try:

@@ -45,6 +45,7 @@ from vllm_omni.model_executor.models.output_templates import OmniOutput
 from vllm_omni.model_executor.stage_input_processors.chunk_size_utils import parse_chunk_ramp
 
 from .checkpoint import load_checkpoint, resolve_checkpoint_dir
+from .checks import is_integer_dtype
 from .config import load_config, preset_config
 from .decoder import CodecDecoder
 from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
@@ -303,7 +304,8 @@ class MossTTSCodecDecoder(nn.Module):
         first such value and the range. ``codebook_size`` itself is the talker's padding code, which upstream's
         decode clamps to ``codebook_size - 1``, as this stage's steps do; anything else out of range is not a
         code. One ``aminmax`` over the batch and one device sync; each row only when the batch fails."""
-        rows = [(i, seg) for i, (seg, _) in enumerate(batch) if seg.numel() and _integer_codes(seg)]
+        # Rows of another dtype are refused by the payload checks.
+        rows = [(i, seg) for i, (seg, _) in enumerate(batch) if seg.numel() and is_integer_dtype(seg.dtype)]
         if not rows:
             return {}
         K = self._codec.config.codebook_size
@@ -581,8 +583,3 @@ def _state_spec(options: StageOptions, codec: CodecDecoder, dtype: torch.dtype) 
         codec, options.pool_kind, dtype, options.ring_semantics, backend,
         state_budget_bytes=options.state_budget_bytes, expected_stream_frames=frames,
     )  # fmt: skip
-
-
-def _integer_codes(seg: torch.Tensor) -> bool:
-    """Whether ``seg`` holds integers (float, complex and bool rows are refused by the payload checks)."""
-    return not (seg.dtype.is_floating_point or seg.dtype.is_complex or seg.dtype == torch.bool)
