@@ -103,19 +103,16 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
 
 
 def _payload(req_id: str, codes: torch.Tensor | None, frames: int, finished: bool) -> OmniPayloadStruct:
-    """The payload of ``frames`` frames of flat codebook-major ``codes`` (None: the terminal-only payload)."""
+    """The payload of ``frames`` frames of flat codebook-major ``codes`` (None, with ``frames`` 0: the
+    terminal-only payload)."""
     flag = torch.tensor(finished, dtype=torch.bool)  # one tensor for both flags (vLLM-Omni replaces, never edits, it)
-    if codes is None:
-        meta = MetaStruct(
-            req_id=[req_id], left_context_size=0, codec_chunk_frames=0, codec_left_context_frames=0,
-            stream_finished=flag, finished=flag,
-        )  # fmt: skip
-        return OmniPayloadStruct(meta=meta, request_id=req_id)
+    # The terminal-only payload declares no code count: None is MetaStruct's default, which it omits.
     meta = MetaStruct(
         req_id=[req_id], left_context_size=0, codec_chunk_frames=frames, codec_left_context_frames=0,
-        code_flat_numel=int(codes.numel()), stream_finished=flag, finished=flag,
+        code_flat_numel=None if codes is None else int(codes.numel()), stream_finished=flag, finished=flag,
     )  # fmt: skip
-    return OmniPayloadStruct(codes=CodesStruct(audio=codes), meta=meta, request_id=req_id)
+    audio = None if codes is None else CodesStruct(audio=codes)
+    return OmniPayloadStruct(codes=audio, meta=meta, request_id=req_id)
 
 
 def _fail(transfer_manager: Any, request: Any, stream: _Stream, error: ChunkerError) -> None:
