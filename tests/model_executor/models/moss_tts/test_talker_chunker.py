@@ -92,6 +92,7 @@ def _frames(gen, n: int, pad_rows: tuple[int, ...] = ()) -> torch.Tensor:
     ],
 )
 def test_payloads_equal_upstream_raw_chunker_without_a_ramp(extra):
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
     from vllm_omni.model_executor.stage_input_processors.moss_tts import talker2codec_raw_async_chunk
 
     gen = torch.Generator().manual_seed(1)
@@ -106,6 +107,8 @@ def test_payloads_equal_upstream_raw_chunker_without_a_ramp(extra):
             want = _call(talker2codec_raw_async_chunk, upstream, rid, f, finished)
             got = _call(_ours(), ours, rid, f, finished)
             assert _plain(got) == _plain(want), (rid, i)
+            # The bytes vLLM-Omni's connectors send are the same (our codes tensor wraps an int64 array).
+            assert OmniSerializer.serialize(got) == OmniSerializer.serialize(want), (rid, i)
     # A request that ends right after a chunk: both send the terminal-only payload.
     frames = [_frames(gen, 1) for _ in range(40)]
     sent = {}
