@@ -249,6 +249,29 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
 
 
 @pytest.mark.cuda
+def test_session_pins_the_audio_rows_of_every_graph_frame_size_at_startup(tmp_path):
+    """After construction no graph step pins host memory: a full bucket at each graph frame size, smallest first,
+    creates no page-locked block (torch's caching host allocator serves a row only from its own power-of-two
+    size class, so warming only the largest size left the smaller sizes' first steps to pin theirs)."""
+    dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
+    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(2, 4), graph_frame_sizes=(1, 2, 3))
+    spf = int(dec.config.samples_per_frame) * int(dec.config.number_channels) * 4
+    assert len({(spf * t - 1).bit_length() for t in (1, 2, 3)}) == 3, "the sizes must fall in distinct classes"
+    torch.cuda.synchronize()
+    created = torch.cuda.host_memory_stats()["num_host_alloc"]
+    gen = torch.Generator().manual_seed(0)
+    K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
+    for t in (1, 2, 3, 1):
+        codes = torch.randint(0, K, (n_vq, CAPACITY, t), generator=gen)
+        got = session.decode([ChunkRequest(r, codes[:, i]) for i, r in enumerate("abcd")])
+        assert [got[r].audio.shape[-1] for r in "abcd"] == [t * int(dec.config.samples_per_frame)] * CAPACITY
+        del got
+    torch.cuda.synchronize()
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == created
+    session.close()
+
+
+@pytest.mark.cuda
 def test_session_counts_clamped_codes_of_host_and_device_chunks(tmp_path):
     """Codes outside the codebook are counted by the step that clamps them: host chunks on the host,
     device chunks on the device (read when ``clamped_codes`` is read); the audio is that of the

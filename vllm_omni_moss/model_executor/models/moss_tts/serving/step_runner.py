@@ -85,11 +85,14 @@ class StepRunner:
         self._inputs_read = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copies_pending = False
         if self.graphs is not None:
-            rows, frames = graph_batch_sizes[-1], graph_frame_sizes[-1]
-            self._input_buffer((n_vq * frames + 2) * rows)
-            # Pin one burst's audio rows once and free them: the caching host allocator keeps the blocks.
-            warm = [self._audio_row(frames) for _ in range(rows)]
-            del warm
+            rows = graph_batch_sizes[-1]
+            self._input_buffer((n_vq * graph_frame_sizes[-1] + 2) * rows)
+            # Pin one burst of audio rows of every graph frame size and free it: the caching host allocator keeps
+            # the blocks, in power-of-two size classes, and serves a row only from its own class. A burst of the
+            # largest size alone left each smaller size's first large step to pin its rows (docs/memory.md).
+            for frames in graph_frame_sizes:
+                warm = [self._audio_row(frames) for _ in range(rows)]
+                del warm
 
     def _compiled_step(self, compile) -> Callable | None:
         if compile is True:
