@@ -182,18 +182,22 @@ def talker2codec_ramp_async_chunk(
         return None
     frames_out = pending if is_finished else size
     n = frames_out * stream.width
-    taken, width = stream.codes[:n], stream.width
+    chunk = _codebook_major(stream.codes[:n], stream.width, frames_out)
     del stream.codes[:n]
-    # Frame-major to codebook-major by slicing (a loop over codebooks). The tensor wraps an int64 array it owns
-    # (torch.frombuffer keeps the array alive): a third of the cost of torch.tensor over a list of ints.
-    major = [0] * n
-    for k in range(width):
-        major[k * frames_out : (k + 1) * frames_out] = taken[k::width]
-    chunk = torch.frombuffer(array("q", major), dtype=torch.long)
     stream.sent += 1
     if is_finished:
         _forget(transfer_manager, req_id)
     return _payload(req_id, chunk, frames_out, is_finished)
+
+
+def _codebook_major(codes: list[int], width: int, frames: int) -> torch.Tensor:
+    """int64 ``[width * frames]`` codebook-major tensor of ``frames`` frame-major frames of ``width`` codes."""
+    major = [0] * (width * frames)
+    for k in range(width):  # a slice per codebook, not a loop over frames
+        major[k * frames : (k + 1) * frames] = codes[k::width]
+    # The tensor wraps an int64 array of its own (torch.frombuffer keeps the array alive): a third of the cost of
+    # torch.tensor over a list of Python ints.
+    return torch.frombuffer(array("q", major), dtype=torch.long)
 
 
 def _forget(transfer_manager: Any, req_id: str) -> None:
