@@ -58,8 +58,23 @@ def test_bad_share_is_refused(utilization, device, message):
     assert str(err.value) == message
 
 
-def test_pool_kinds_are_the_pools():
-    assert deploy_sizing._POOL_KINDS == POOL_KINDS
+def test_pool_kind_records_name_the_pools_their_plans_and_their_slots(tmp_path):
+    """One record per pool kind: its name is the pool class's kind, its plans are attention's builders (each
+    named once), and deploy sizing counts each kind's extra slots from its record."""
+    from vllm_omni_moss.model_executor.models.moss_tts.attention import PLAN_BUILDERS
+    from vllm_omni_moss.model_executor.models.moss_tts.pool_kinds import POOL_KIND_RECORDS
+    from vllm_omni_moss.model_executor.models.moss_tts.state import POOL_CLASSES
+
+    assert tuple(POOL_KIND_RECORDS) == POOL_KINDS == tuple(POOL_CLASSES) == ("compact", "legacy", "paged")
+    assert all(POOL_CLASSES[k].kind == r.name == k for k, r in POOL_KIND_RECORDS.items())
+    named = [plan for r in POOL_KIND_RECORDS.values() for plan in r.plans.values()]
+    assert sorted(named) == sorted(PLAN_BUILDERS) and len(set(named)) == len(named)
+    assert {k: r.backends for k, r in POOL_KIND_RECORDS.items()} == {
+        "compact": ("sdpa", "triton"), "legacy": ("sdpa",), "paged": ("triton",),
+    }  # fmt: skip
+    assert [deploy_sizing.pool_slots(k, 8, 4) for k in POOL_KINDS] == [9, 12, 9]
+    with pytest.raises(TypeError):
+        POOL_KIND_RECORDS["compact"].plans["sdpa"] = "legacy"  # the records are frozen
 
 
 @pytest.mark.parametrize(

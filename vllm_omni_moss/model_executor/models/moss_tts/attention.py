@@ -46,6 +46,7 @@ from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache, commit_offsets
 from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
+from .pool_kinds import POOL_KIND_RECORDS
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "GroupStep",
     "LegacyRingAttention",
     "OfflineAttention",
+    "PLAN_BUILDERS",
     "StepPlan",
     "apply_rope",
     "check_attention_backend",
@@ -356,7 +358,7 @@ class FixedWidthAttention:
 # (0 for invalid rows) and ``num_frames`` = T.
 
 
-def _legacy_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+def legacy_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
     offsets = pool.offsets
     attention = LegacyRingAttention(
         pool.rings, offsets.offset_table, offsets.layer_rows, offsets.group_rows, pool.ring_semantics, slots
@@ -371,7 +373,7 @@ def _compact_finish(pool, frames_decoded, valid_frames, slots):
     )
 
 
-def _compact_sdpa_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+def compact_sdpa_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
     # Ring metadata (cells, sources, masks) once per group; gathered rows, masked commits.
     frames_decoded = pool.frames_decoded.index_select(0, slots)
     groups = group_steps(pool.config, num_frames, valid_frames, pool.ring_semantics, frames_decoded)
@@ -379,7 +381,7 @@ def _compact_sdpa_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, nu
     return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
 
 
-def _compact_triton_plan(pool, slots, valid_frames, num_frames: int, tables=None) -> StepPlan:
+def compact_triton_plan(pool, slots, valid_frames, num_frames: int, tables=None) -> StepPlan:
     # No ring metadata: the kernels derive positions from offsets and valid token counts.
     frames_decoded = pool.frames_decoded.index_select(0, slots)
     groups = group_steps(pool.config, num_frames, valid_frames)
@@ -389,27 +391,28 @@ def _compact_triton_plan(pool, slots, valid_frames, num_frames: int, tables=None
     return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
 
 
-def _paged_triton_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+def paged_triton_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
     # The compact plan over pages: every group's page table, keyed by its first layer.
-    return _compact_triton_plan(pool, slots, valid_frames, num_frames, pool.store.tables_by_first_layer())
+    return compact_triton_plan(pool, slots, valid_frames, num_frames, pool.store.tables_by_first_layer())
 
 
-_PLAN_BUILDERS = {
-    ("legacy", "sdpa"): _legacy_plan,
-    ("compact", "sdpa"): _compact_sdpa_plan,
-    ("compact", "triton"): _compact_triton_plan,
-    ("paged", "triton"): _paged_triton_plan,
+#: Step-plan builders by the plan name a pool kind gives for its backend (``pool_kinds.PoolKind.plans``).
+PLAN_BUILDERS: dict[str, Callable] = {
+    "legacy": legacy_plan,
+    "compact_sdpa": compact_sdpa_plan,
+    "compact_triton": compact_triton_plan,
+    "paged_triton": paged_triton_plan,
 }
 
 
 def plan_builder(kind: str, backend: str) -> Callable:
-    """The step-plan builder of a pool of ``kind`` with attention ``backend``: ``(pool, slots, lengths,
-    num_frames) -> StepPlan``.
+    """The step-plan builder of a pool of ``kind`` with attention ``backend``: ``(pool, slots, valid_frames,
+    num_frames) -> StepPlan``; the kind's record (``pool_kinds.POOL_KIND_RECORDS``) names it.
 
     Raises:
         ValueError: a combination no pool runs (the state spec refuses it first).
     """
-    try:
-        return _PLAN_BUILDERS[(kind, backend)]
-    except KeyError:
-        raise ValueError(f"no {kind!r} pool runs attention backend {backend!r}") from None
+    record = POOL_KIND_RECORDS.get(kind)
+    if record is None or backend not in record.plans:
+        raise ValueError(f"no {kind!r} pool runs attention backend {backend!r}")
+    return PLAN_BUILDERS[record.plans[backend]]

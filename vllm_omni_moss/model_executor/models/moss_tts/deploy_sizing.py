@@ -22,6 +22,7 @@ import numbers
 from dataclasses import dataclass
 
 from .checks import check_count
+from .pool_kinds import POOL_KIND_RECORDS, POOL_KINDS
 
 __all__ = [
     "STEP_RESERVE_BYTES",
@@ -38,9 +39,6 @@ GIB = 1 << 30
 #: buffers, and the CUDA context (which torch's allocator statistics do not count): about twice the peak
 #: measured above the decoder state and the weights (docs/serving.md, "Placing the codec stage apart").
 STEP_RESERVE_BYTES = 4 * GIB
-
-#: Pool kinds and the slots each allocates besides one per stream (docs/memory.md, "Slots per pool").
-_POOL_KINDS = ("compact", "legacy", "paged")
 
 
 def _gib(n: int) -> str:
@@ -92,11 +90,12 @@ def pool_slots(pool_kind: str, max_num_seqs: int, largest_graph_bucket: int = 0)
         ValueError: unknown ``pool_kind``, ``max_num_seqs`` not an integer >= 1 or ``largest_graph_bucket``
             not an integer >= 0.
     """
-    if pool_kind not in _POOL_KINDS:
-        raise ValueError(f"pool_kind must be one of {', '.join(map(repr, _POOL_KINDS))}; got {pool_kind!r}")
+    record = POOL_KIND_RECORDS.get(pool_kind) if isinstance(pool_kind, str) else None
+    if record is None:
+        raise ValueError(f"pool_kind must be one of {', '.join(map(repr, POOL_KINDS))}; got {pool_kind!r}")
     _check_int("max_num_seqs", max_num_seqs, 1)
     _check_int("largest_graph_bucket", largest_graph_bucket, 0)
-    return max_num_seqs + (largest_graph_bucket if pool_kind == "legacy" else 1)
+    return max_num_seqs + record.extra_slots(largest_graph_bucket)
 
 
 def slots_that_fit(bytes_per_slot: int, share: MemoryShare, reserved_bytes: int = 0) -> int:

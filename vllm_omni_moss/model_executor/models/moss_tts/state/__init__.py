@@ -9,6 +9,7 @@
   :mod:`.snapshot`, :mod:`.step` - the parts a pool is made of.
 """
 
+from ..pool_kinds import POOL_KINDS
 from .page_budget import PageBudget
 from .paged_rings import PagesExhausted
 from .pool import DecoderStatePool
@@ -21,7 +22,7 @@ from .pools import (
     make_state_pool,
 )
 from .snapshot import SlotState, ring_geometry
-from .spec import POOL_KINDS, PagingSpec, StateSpec, state_bytes_for
+from .spec import PagingSpec, StateSpec, state_bytes_for
 
 __all__ = [
     "POOL_CLASSES",

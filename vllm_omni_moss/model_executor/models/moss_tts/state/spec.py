@@ -18,13 +18,11 @@ import torch
 from ..attention import check_attention_backend, default_attention_backend
 from ..checks import check_count
 from ..ops.ring_write import RING_DTYPES
+from ..pool_kinds import POOL_KIND_RECORDS, POOL_KINDS
 from ..step_metadata import check_ring_semantics
 from .offsets import offset_table_rows
 
-__all__ = ["POOL_KINDS", "PagingSpec", "StateSpec", "state_bytes_for"]
-
-#: Pool kinds a :class:`StateSpec` names.
-POOL_KINDS = ("compact", "legacy", "paged")
+__all__ = ["PagingSpec", "StateSpec", "state_bytes_for"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,8 @@ class StateSpec:
     """A pool's variant, resolved and validated (:meth:`resolve`).
 
     Attributes:
-        kind: ``"compact"``, ``"legacy"`` or ``"paged"`` (:data:`POOL_KINDS`).
+        kind: ``"compact"``, ``"legacy"`` or ``"paged"`` (``pool_kinds.POOL_KINDS``; its facts:
+            ``pool_kinds.POOL_KIND_RECORDS``).
         dtype: ring dtype (floating point; one of ``ops.ring_attention.RING_DTYPES`` for ``"triton"``).
         ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
         attention_backend: ``"sdpa"`` or ``"triton"`` (``attention.ATTENTION_BACKENDS``).
@@ -124,10 +123,9 @@ class StateSpec:
                 does not divide every group's ring capacity.
             RuntimeError: ``"triton"`` without the ``triton`` package installed.
         """
-        if kind not in POOL_KINDS:
-            raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
+        record = _record(kind)
         config = decoder.config
-        if kind != "legacy" and not config.abilities.compact_pool:
+        if record.needs_compact_codec and not config.abilities.compact_pool:
             raise ValueError(
                 f"the compact pool serves v2 codecs; this codec is {config.version} and keeps the legacy pool"
             )
@@ -138,12 +136,13 @@ class StateSpec:
         check_ring_semantics(ring_semantics)
         backend = attention_backend
         if backend is None:
-            backend = _DEFAULT_BACKEND.get(kind) or default_attention_backend(decoder.device)
+            backend = record.default_backend or default_attention_backend(decoder.device)
         backend = check_attention_backend(backend)
         if backend == "triton" and dtype not in RING_DTYPES:
             raise ValueError(f"attention backend 'triton' needs a ring dtype in {RING_DTYPES}, got {dtype}")
-        _check_backend_for(kind, backend)
-        pages = PagingSpec.checked(config, **(paging or {})) if kind == "paged" else None
+        if backend not in record.plans:
+            raise record.refuse_backend(backend)
+        pages = PagingSpec.checked(config, **(paging or {})) if record.paged else None
         return cls(kind, dtype, ring_semantics, backend, pages)
 
     @classmethod
@@ -173,24 +172,19 @@ class StateSpec:
             "state_budget_bytes": state_budget_bytes,
             "expected_stream_frames": expected_stream_frames,
         }
+        record = POOL_KIND_RECORDS.get(kind) if isinstance(kind, str) else None
         for name, value in paging.items():
-            if value is not None and kind != "paged":
+            if value is not None and not (record is not None and record.paged):
                 raise ValueError(f"{name} applies to the paged pool, not to a {kind!r} pool")
         return cls.resolve(decoder, kind, dtype, ring_semantics, attention_backend, paging)
 
 
-#: The attention backend a kind uses when none is asked for (other kinds: the device's default).
-_DEFAULT_BACKEND = {"legacy": "sdpa", "paged": "triton"}
-
-
-def _check_backend_for(kind: str, backend: str) -> None:
-    if kind == "legacy" and backend != "sdpa":
-        raise ValueError(
-            f"the legacy pool runs upstream's per-layer SDPA path only; attention backend "
-            f"{backend!r} needs the compact pool (v2 codecs)"
-        )
-    if kind == "paged" and backend != "triton":
-        raise ValueError(f"the paged pool needs attention_backend 'triton' (its ops read pages), got {backend!r}")
+def _record(kind: str):
+    """The facts of pool ``kind``; ValueError naming the choices when there is no such kind."""
+    try:
+        return POOL_KIND_RECORDS[kind]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}") from None
 
 
 def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int = 2) -> int:
@@ -204,9 +198,5 @@ def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int
     Raises:
         ValueError: unknown ``kind``.
     """
-    rings = num_slots * decoder_config.state_bytes_per_slot(element_size)
-    if kind in ("compact", "paged"):
-        return rings + num_slots * 8
-    if kind == "legacy":
-        return rings + offset_table_rows(decoder_config) * num_slots * 8
-    raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
+    counters = offset_table_rows(decoder_config) if _record(kind).offset_table else 1
+    return num_slots * decoder_config.state_bytes_per_slot(element_size) + counters * num_slots * 8
