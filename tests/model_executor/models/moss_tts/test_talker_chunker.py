@@ -124,6 +124,31 @@ def test_payloads_equal_upstream_raw_chunker_without_a_ramp(extra):
     assert not ours.code_prompt_token_ids and not upstream.code_prompt_token_ids
 
 
+def test_each_payload_tensor_has_memory_of_its_own():
+    """vLLM-Omni's NIXL connector registers every tensor leaf of a payload as a DMA region
+    (``NixlConnector._extract_tensor_leaves`` / ``_tensor_region``); NIXL refuses, or frees twice, a region
+    registered twice, so no two leaves may share memory, as no two of upstream's do. A consumer editing one
+    payload's tensors in place changes nothing else: not its other flag, not later payloads, not the pending codes."""
+    from vllm_omni.distributed.omni_connectors.connectors.nixl_connector import NixlConnector
+    from vllm_omni.model_executor.stage_input_processors.moss_tts import talker2codec_raw_async_chunk
+
+    gen = torch.Generator().manual_seed(7)
+    frames = _frames(gen, 5)
+    for fn in (_ours(), talker2codec_raw_async_chunk):
+        manager = _manager({"initial_codec_chunk_frames": 2, "codec_chunk_frames": 2})
+        first = [_call(fn, manager, r, frames[:2]) for r in "ab"]
+        _, leaves = NixlConnector._extract_tensor_leaves(first[0])
+        regions = [NixlConnector._tensor_region(t) for t in NixlConnector._normalize_tensor_payload(leaves)[0]]
+        assert len(leaves) == 3 and len(set(regions)) == 3, fn
+        first[0].codes.audio.fill_(-1)
+        first[0].meta.finished.fill_(True)
+        assert not bool(first[0].meta.stream_finished), fn
+        assert torch.equal(first[1].codes.audio, frames[:2].t().reshape(-1)) and not bool(first[1].meta.finished)
+        last = _call(fn, manager, "a", frames[2:5], finished=True)
+        assert torch.equal(last.codes.audio, frames[2:5].t().reshape(-1)), fn
+        assert bool(last.meta.finished) and bool(last.meta.stream_finished), fn
+
+
 # ----------------------------------------------------------------------------- ramps
 
 

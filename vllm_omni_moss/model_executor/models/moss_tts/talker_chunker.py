@@ -13,8 +13,8 @@ resolved by :func:`chunk_schedule_of`, the function Stage 1 resolves its graph f
 checks of the frames' dtype and width.
 
 Host cost: the frames of one call are copied to a Python list once (no loop over frames); a chunk is one
-codebook-major reordering by slices and one tensor over an int64 array (benchmarks/tts/bench_chunker.py;
-docs/serving.md states the figure: under the 5 us a frame budget).
+codebook-major reordering by slices, one tensor over an int64 array and two flag clones
+(benchmarks/tts/bench_chunker.py; docs/serving.md states the figure: under the 5 us a frame budget).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ AUDIO_PAD_CODE = 1024
 #: Tensor dtypes that hold codes; floating, complex and bool frames are refused.
 _CODE_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
-#: The finished flag's two values; each payload gets its own clone (cheaper than building a tensor from a bool).
+#: The finished flag's two values; each payload field gets a clone of its own (cheaper than building a tensor from
+#: a bool).
 _FLAGS = {True: torch.tensor(True), False: torch.tensor(False)}
 
 
@@ -110,11 +111,14 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
 def _payload(req_id: str, codes: torch.Tensor | None, frames: int, finished: bool) -> OmniPayloadStruct:
     """The payload of ``frames`` frames of flat codebook-major ``codes`` (None, with ``frames`` 0: the
     terminal-only payload)."""
-    flag = _FLAGS[bool(finished)].clone()  # one tensor for both flags (vLLM-Omni replaces, never edits, it)
-    # The terminal-only payload declares no code count: None is MetaStruct's default, which it omits.
+    flag = _FLAGS[bool(finished)]
+    # Two flags of their own memory, as upstream's: vLLM-Omni's NIXL connector registers each tensor of a payload
+    # as a DMA region, and NIXL refuses (or frees twice) one region registered twice. The terminal-only payload
+    # declares no code count: None is MetaStruct's default, which it omits.
     meta = MetaStruct(
         req_id=[req_id], left_context_size=0, codec_chunk_frames=frames, codec_left_context_frames=0,
-        code_flat_numel=None if codes is None else int(codes.numel()), stream_finished=flag, finished=flag,
+        code_flat_numel=None if codes is None else int(codes.numel()), stream_finished=flag.clone(),
+        finished=flag.clone(),
     )  # fmt: skip
     audio = None if codes is None else CodesStruct(audio=codes)
     return OmniPayloadStruct(codes=audio, meta=meta, request_id=req_id)
