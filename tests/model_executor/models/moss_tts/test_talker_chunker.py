@@ -307,6 +307,16 @@ def test_bad_schedule_fails_at_stage_startup_and_at_the_chunkers_first_call(tmp_
             torch.zeros(1, 1, N_VQ, dtype=torch.long),
             f"request a: codec frames must be 2-D [frames, n_vq], got (1, 1, {N_VQ})",
         ),
+        # Frames torch cannot read out: they failed with torch's error, the request not failed, its later frames
+        # accepted after the gap.
+        (
+            torch.ones(1, N_VQ, dtype=torch.long).to_sparse(),
+            "request a: codec frames must be a dense tensor holding data, got layout torch.sparse_coo on device cpu",
+        ),
+        (
+            torch.ones(1, N_VQ, dtype=torch.long, device="meta"),
+            "request a: codec frames must be a dense tensor holding data, got layout torch.strided on device meta",
+        ),
     ],
 )
 def test_bad_frames_fail_their_request_alone_naming_it(frames, message):

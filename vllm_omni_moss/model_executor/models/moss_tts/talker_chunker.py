@@ -99,8 +99,14 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
         raise ChunkerError(
             f"request {req_id}: codec frames of {width} codes after frames of {stream.width} (n_vq changed)"
         )
+    try:
+        rows = frames.tolist()  # a copy: the engine may reuse its tensor after the call
+    except (RuntimeError, NotImplementedError):  # a sparse tensor, a meta tensor: checked only when they fail
+        raise ChunkerError(
+            f"request {req_id}: codec frames must be a dense tensor holding data, got layout {frames.layout} "
+            f"on device {frames.device}"
+        ) from None
     stream.width = width
-    rows = frames.tolist()  # a copy: the engine may reuse its tensor after the call
     flat = rows if frames.ndim == 1 else rows[0] if len(rows) == 1 else list(chain.from_iterable(rows))
     if AUDIO_PAD_CODE in flat:  # some row may be all pad: filter rows in torch
         rows = frames.reshape(-1, width)
@@ -156,7 +162,8 @@ def talker2codec_ramp_async_chunk(
         terminal-only payload, or None while the chunk is incomplete.
     Raises:
         ValueError: a bad schedule (:func:`chunk_schedule_of`). ChunkerError: frames that are not integer, not
-            1-D or 2-D, or of another width than the request's first frames; the message names the request,
+            1-D or 2-D, of another width than the request's first frames, or that torch cannot read out (sparse,
+            meta); the message names the request,
             which fails alone (its later frames are dropped; its terminal call still ends its stream).
     """
     external = getattr(request, "external_req_id", None)
