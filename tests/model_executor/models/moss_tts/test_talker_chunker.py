@@ -149,6 +149,26 @@ def test_each_payload_tensor_has_memory_of_its_own():
         assert bool(last.meta.finished) and bool(last.meta.stream_finished), fn
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32])
+def test_integer_frames_of_any_width_up_to_int64_give_upstreams_payloads(dtype):
+    """vLLM-Omni's raw chunker reads any integer frames as int64, as Stage 1 reads any integer codes
+    (``checks.is_integer_dtype``); ours refused uint16 and uint32 as "not integer codes"."""
+    from vllm_omni.model_executor.stage_input_processors.moss_tts import talker2codec_raw_async_chunk
+
+    low = 0 if dtype in (torch.uint8, torch.uint16, torch.uint32) else -100  # negative codes, where they fit
+    gen = torch.Generator().manual_seed(11)
+    frames = [torch.randint(low, 100, (2, N_VQ), generator=gen).to(dtype) for _ in range(4)]
+    if dtype not in (torch.uint8, torch.int8):
+        frames[1][0] = PAD  # a pad row, dropped by both
+    extra = {"initial_codec_chunk_frames": 2, "codec_chunk_frames": 3}
+    ours, upstream = _manager(extra), _manager(extra)
+    for i, f in enumerate(frames + [None]):
+        finished = i == len(frames)
+        got = _plain(_call(_ours(), ours, "a", f, finished))
+        assert got == _plain(_call(talker2codec_raw_async_chunk, upstream, "a", f, finished)), (dtype, i)
+    assert not ours.failures
+
+
 # ----------------------------------------------------------------------------- ramps
 
 
@@ -306,6 +326,10 @@ def test_bad_schedule_fails_at_stage_startup_and_at_the_chunkers_first_call(tmp_
         (
             torch.zeros(1, 1, N_VQ, dtype=torch.long),
             f"request a: codec frames must be 2-D [frames, n_vq], got (1, 1, {N_VQ})",
+        ),
+        (
+            torch.zeros(1, N_VQ, dtype=torch.uint64),
+            "request a: codec frames must be integer codes of at most 64 bits signed, got dtype torch.uint64",
         ),
         # Frames torch cannot read out: they failed with torch's error, the request not failed, its later frames
         # accepted after the gap.

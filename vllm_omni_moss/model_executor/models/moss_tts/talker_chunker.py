@@ -28,6 +28,7 @@ import torch
 from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
 from vllm_omni.model_executor.stage_input_processors.chunk_size_utils import parse_chunk_ramp, ramp_chunk_size
 
+from .checks import is_integer_dtype
 from .stage_options import ChunkSchedule, resolve_chunk_schedule
 
 __all__ = [
@@ -43,8 +44,9 @@ __all__ = [
 AUDIO_PAD_CODE = 1024
 
 
-#: Tensor dtypes that hold codes; floating, complex and bool frames are refused.
-_CODE_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+#: Tensor dtypes that hold codes, read as int64 (as vLLM-Omni's raw chunker reads them); floating, complex and
+#: bool frames are refused, and uint64 frames, whose codes may not fit the int64 the chunks are sent in.
+_CODE_DTYPES = frozenset({torch.int64, torch.int32, torch.uint32, torch.int16, torch.uint16, torch.int8, torch.uint8})
 
 #: The finished flag's two values; each payload field gets a clone of its own (cheaper than building a tensor from
 #: a bool).
@@ -91,7 +93,8 @@ def _schedule(transfer_manager: Any) -> ChunkSchedule:
 def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
     """Append ``frames`` (``[T, n_vq]`` or one ``[n_vq]`` frame) to ``stream``, pad rows dropped."""
     if frames.dtype not in _CODE_DTYPES:
-        raise ChunkerError(f"request {req_id}: codec frames must be integer codes, got dtype {frames.dtype}")
+        kind = "integer codes of at most 64 bits signed" if is_integer_dtype(frames.dtype) else "integer codes"
+        raise ChunkerError(f"request {req_id}: codec frames must be {kind}, got dtype {frames.dtype}")
     if frames.ndim not in (1, 2):
         raise ChunkerError(f"request {req_id}: codec frames must be 2-D [frames, n_vq], got {tuple(frames.shape)}")
     width = frames.shape[-1]
@@ -161,10 +164,10 @@ def talker2codec_ramp_async_chunk(
         ``codec_chunk_frames``, ``code_flat_numel``, ``stream_finished`` / ``finished``, zero left context), the
         terminal-only payload, or None while the chunk is incomplete.
     Raises:
-        ValueError: a bad schedule (:func:`chunk_schedule_of`). ChunkerError: frames that are not integer, not
-            1-D or 2-D, of another width than the request's first frames, or that torch cannot read out (sparse,
-            meta); the message names the request,
-            which fails alone (its later frames are dropped; its terminal call still ends its stream).
+        ValueError: a bad schedule (:func:`chunk_schedule_of`). ChunkerError: frames that are not integer (or are
+            uint64), not 1-D or 2-D, of another width than the request's first frames, or that torch cannot read
+            out (sparse, meta); the message names the request, which fails alone (its later frames are dropped;
+            its terminal call still ends its stream).
     """
     external = getattr(request, "external_req_id", None)
     req_id = str(external if external is not None else getattr(request, "request_id", id(request)))
