@@ -231,7 +231,8 @@ def deploy_chunk_schedule(path: str) -> ChunkSchedule:
     Stage 1 silently read Stage 0's; this check refuses such a file before it is served.
 
     Raises:
-        ValueError: the two connectors' schedules differ (the message names both connectors and schedules), or a
+        ValueError: the two connectors' schedules differ (the message names both connectors and schedules), a stage
+            names a connector the file does not define (as ``load_omni_transfer_config`` refuses it), or a
             schedule is bad (:func:`chunk_schedule_of`).
     """
     from vllm_omni.config.stage_config import load_deploy_config
@@ -243,6 +244,8 @@ def deploy_chunk_schedule(path: str) -> ChunkSchedule:
     found: list[tuple[str, str, ChunkSchedule]] = []
     for label, stage_id, field, key in ends:
         ref = (getattr(stages.get(stage_id), field, None) or {}).get(key)
+        if isinstance(ref, str) and ref not in named:  # not a connector without keys: vLLM-Omni refuses the file
+            raise ValueError(f"{path}: {label}'s connector {ref!r} is none of the file's connectors ({_names(named)})")
         spec = named.get(ref, {}) if isinstance(ref, str) else ref or {}
         found.append(
             (label, repr(ref if isinstance(ref, str) else "inline"), chunk_schedule_of(spec.get("extra") or {}))
@@ -254,6 +257,10 @@ def deploy_chunk_schedule(path: str) -> ChunkSchedule:
             f"expects {_describe(b_schedule)}; vLLM-Omni would hand both stages Stage 0's: name one connector"
         )
     return a_schedule
+
+
+def _names(named: Mapping[str, Any]) -> str:
+    return ", ".join(map(repr, named)) or "none"
 
 
 def _describe(schedule: ChunkSchedule) -> str:
