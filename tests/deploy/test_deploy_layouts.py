@@ -164,6 +164,23 @@ def test_deploy_file_whose_stages_name_two_schedules_fails_naming_both(tmp_path)
     )
 
 
+@pytest.mark.parametrize("ends", [("to_stage_1",), ("from_stage_0",), ("to_stage_1", "from_stage_0")])
+def test_deploy_file_naming_a_connector_it_does_not_define_fails_naming_it(tmp_path, ends):
+    """The check read an undefined name as a connector without keys: 15-frame chunks, so a misspelt name on one
+    stage was reported as two schedules, and on both stages it passed with a schedule nobody set (vLLM-Omni's
+    ``load_omni_transfer_config`` refuses such a file when serving it)."""
+    text = (DEPLOY_DIR / "moss_tts_local_h200.yaml").read_text(encoding="utf-8")
+    for end in ends:
+        assert f"{end}: shm\n" in text
+        text = text.replace(f"{end}: shm\n", f"{end}: shmm\n")
+    bad = tmp_path / "undefined.yaml"
+    bad.write_text(text, encoding="utf-8")
+    label = "Stage 0" if ends[0] == "to_stage_1" else "Stage 1"
+    with pytest.raises(ValueError) as err:
+        _schedule(bad)
+    assert str(err.value) == f"{bad}: {label}'s connector 'shmm' is none of the file's connectors ('shm')"
+
+
 def test_deploy_file_with_a_misspelt_schedule_key_fails_naming_it(tmp_path):
     """A misspelt key would be read by nobody: both stages would run 15-frame chunks, without the ramp."""
     bad = tmp_path / "misspelt.yaml"

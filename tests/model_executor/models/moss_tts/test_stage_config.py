@@ -351,6 +351,22 @@ def test_connector_chunk_frames_cover_the_schedule(extra, sizes):
             "connector extra 'codec_chunk_ramps' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'? "
             "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
         ),
+        (  # YAML and command lines spell options with hyphens; the difflib ratio alone let these through
+            {"codec-chunk-frames": 6},
+            "connector extra 'codec-chunk-frames' is not a chunk-schedule key; did you mean 'codec_chunk_frames'? "
+            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+        ),
+        (
+            {"Codec-Chunk-Ramp": [1, 2]},
+            "connector extra 'Codec-Chunk-Ramp' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'? "
+            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+        ),
+        (
+            {"initial codec chunk frames": 1},
+            "connector extra 'initial codec chunk frames' is not a chunk-schedule key; did you mean "
+            "'initial_codec_chunk_frames'? "
+            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+        ),
         (
             {"Initial_Codec_Chunk_Frames": 1},
             "connector extra 'Initial_Codec_Chunk_Frames' is not a chunk-schedule key; did you mean "

@@ -124,6 +124,51 @@ def test_payloads_equal_upstream_raw_chunker_without_a_ramp(extra):
     assert not ours.code_prompt_token_ids and not upstream.code_prompt_token_ids
 
 
+def test_each_payload_tensor_has_memory_of_its_own():
+    """vLLM-Omni's NIXL connector registers every tensor leaf of a payload as a DMA region
+    (``NixlConnector._extract_tensor_leaves`` / ``_tensor_region``); NIXL refuses, or frees twice, a region
+    registered twice, so no two leaves may share memory, as no two of upstream's do. A consumer editing one
+    payload's tensors in place changes nothing else: not its other flag, not later payloads, not the pending codes."""
+    from vllm_omni.distributed.omni_connectors.connectors.nixl_connector import NixlConnector
+    from vllm_omni.model_executor.stage_input_processors.moss_tts import talker2codec_raw_async_chunk
+
+    gen = torch.Generator().manual_seed(7)
+    frames = _frames(gen, 5)
+    for fn in (_ours(), talker2codec_raw_async_chunk):
+        manager = _manager({"initial_codec_chunk_frames": 2, "codec_chunk_frames": 2})
+        first = [_call(fn, manager, r, frames[:2]) for r in "ab"]
+        _, leaves = NixlConnector._extract_tensor_leaves(first[0])
+        regions = [NixlConnector._tensor_region(t) for t in NixlConnector._normalize_tensor_payload(leaves)[0]]
+        assert len(leaves) == 3 and len(set(regions)) == 3, fn
+        first[0].codes.audio.fill_(-1)
+        first[0].meta.finished.fill_(True)
+        assert not bool(first[0].meta.stream_finished), fn
+        assert torch.equal(first[1].codes.audio, frames[:2].t().reshape(-1)) and not bool(first[1].meta.finished)
+        last = _call(fn, manager, "a", frames[2:5], finished=True)
+        assert torch.equal(last.codes.audio, frames[2:5].t().reshape(-1)), fn
+        assert bool(last.meta.finished) and bool(last.meta.stream_finished), fn
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32])
+def test_integer_frames_of_any_width_up_to_int64_give_upstreams_payloads(dtype):
+    """vLLM-Omni's raw chunker reads any integer frames as int64, as Stage 1 reads any integer codes
+    (``checks.is_integer_dtype``); ours refused uint16 and uint32 as "not integer codes"."""
+    from vllm_omni.model_executor.stage_input_processors.moss_tts import talker2codec_raw_async_chunk
+
+    low = 0 if dtype in (torch.uint8, torch.uint16, torch.uint32) else -100  # negative codes, where they fit
+    gen = torch.Generator().manual_seed(11)
+    frames = [torch.randint(low, 100, (2, N_VQ), generator=gen).to(dtype) for _ in range(4)]
+    if dtype not in (torch.uint8, torch.int8):
+        frames[1][0] = PAD  # a pad row, dropped by both
+    extra = {"initial_codec_chunk_frames": 2, "codec_chunk_frames": 3}
+    ours, upstream = _manager(extra), _manager(extra)
+    for i, f in enumerate(frames + [None]):
+        finished = i == len(frames)
+        got = _plain(_call(_ours(), ours, "a", f, finished))
+        assert got == _plain(_call(talker2codec_raw_async_chunk, upstream, "a", f, finished)), (dtype, i)
+    assert not ours.failures
+
+
 # ----------------------------------------------------------------------------- ramps
 
 
@@ -281,6 +326,20 @@ def test_bad_schedule_fails_at_stage_startup_and_at_the_chunkers_first_call(tmp_
         (
             torch.zeros(1, 1, N_VQ, dtype=torch.long),
             f"request a: codec frames must be 2-D [frames, n_vq], got (1, 1, {N_VQ})",
+        ),
+        (
+            torch.zeros(1, N_VQ, dtype=torch.uint64),
+            "request a: codec frames must be integer codes of at most 64 bits signed, got dtype torch.uint64",
+        ),
+        # Frames torch cannot read out: they failed with torch's error, the request not failed, its later frames
+        # accepted after the gap.
+        (
+            torch.ones(1, N_VQ, dtype=torch.long).to_sparse(),
+            "request a: codec frames must be a dense tensor holding data, got layout torch.sparse_coo on device cpu",
+        ),
+        (
+            torch.ones(1, N_VQ, dtype=torch.long, device="meta"),
+            "request a: codec frames must be a dense tensor holding data, got layout torch.strided on device meta",
         ),
     ],
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -230,8 +231,9 @@ MISSPELT_RATIO = 0.92
 
 
 def check_schedule_keys(extra: dict[str, Any]) -> None:
-    """Refuse a connector ``extra`` key that looks like a misspelt schedule key (another case, a letter missing
-    or extra): read by nobody, it would leave the talker and the stage on a schedule nobody asked for.
+    """Refuse a connector ``extra`` key that looks like a misspelt schedule key (another case, hyphens or spaces
+    for underscores, a letter missing or extra): read by nobody, it would leave the talker and the stage on a
+    schedule nobody asked for.
 
     Raises:
         ValueError: naming the key and the schedule key it resembles.
@@ -239,7 +241,9 @@ def check_schedule_keys(extra: dict[str, Any]) -> None:
     for key in extra:
         if not isinstance(key, str) or key in SCHEDULE_KEYS:
             continue
-        ratios = {name: difflib.SequenceMatcher(None, key.lower(), name).ratio() for name in SCHEDULE_KEYS}
+        # Separators compared as underscores: `codec-chunk-frames` is 0.89 from its key as typed, below the ratio.
+        plain = re.sub(r"[\s\-.]+", "_", key.strip().lower())
+        ratios = {name: difflib.SequenceMatcher(None, plain, name).ratio() for name in SCHEDULE_KEYS}
         near = max(ratios, key=ratios.get)
         if ratios[near] >= MISSPELT_RATIO:
             raise ValueError(

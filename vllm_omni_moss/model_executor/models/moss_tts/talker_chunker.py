@@ -13,8 +13,8 @@ resolved by :func:`chunk_schedule_of`, the function Stage 1 resolves its graph f
 checks of the frames' dtype and width.
 
 Host cost: the frames of one call are copied to a Python list once (no loop over frames); a chunk is one
-codebook-major reordering by slices and one tensor over an int64 array (benchmarks/tts/bench_chunker.py;
-docs/serving.md states the figure: under the 5 us a frame budget).
+codebook-major reordering by slices, one tensor over an int64 array and two flag clones
+(benchmarks/tts/bench_chunker.py; docs/serving.md states the figure: under the 5 us a frame budget).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
 from vllm_omni.model_executor.stage_input_processors.chunk_size_utils import parse_chunk_ramp, ramp_chunk_size
 
+from .checks import is_integer_dtype
 from .stage_options import ChunkSchedule, resolve_chunk_schedule
 
 __all__ = [
@@ -43,10 +44,12 @@ __all__ = [
 AUDIO_PAD_CODE = 1024
 
 
-#: Tensor dtypes that hold codes; floating, complex and bool frames are refused.
-_CODE_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+#: Tensor dtypes that hold codes, read as int64 (as vLLM-Omni's raw chunker reads them); floating, complex and
+#: bool frames are refused, and uint64 frames, whose codes may not fit the int64 the chunks are sent in.
+_CODE_DTYPES = frozenset({torch.int64, torch.int32, torch.uint32, torch.int16, torch.uint16, torch.int8, torch.uint8})
 
-#: The finished flag's two values; each payload gets its own clone (cheaper than building a tensor from a bool).
+#: The finished flag's two values; each payload field gets a clone of its own (cheaper than building a tensor from
+#: a bool).
 _FLAGS = {True: torch.tensor(True), False: torch.tensor(False)}
 
 
@@ -90,7 +93,8 @@ def _schedule(transfer_manager: Any) -> ChunkSchedule:
 def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
     """Append ``frames`` (``[T, n_vq]`` or one ``[n_vq]`` frame) to ``stream``, pad rows dropped."""
     if frames.dtype not in _CODE_DTYPES:
-        raise ChunkerError(f"request {req_id}: codec frames must be integer codes, got dtype {frames.dtype}")
+        kind = "integer codes of at most 64 bits signed" if is_integer_dtype(frames.dtype) else "integer codes"
+        raise ChunkerError(f"request {req_id}: codec frames must be {kind}, got dtype {frames.dtype}")
     if frames.ndim not in (1, 2):
         raise ChunkerError(f"request {req_id}: codec frames must be 2-D [frames, n_vq], got {tuple(frames.shape)}")
     width = frames.shape[-1]
@@ -98,8 +102,14 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
         raise ChunkerError(
             f"request {req_id}: codec frames of {width} codes after frames of {stream.width} (n_vq changed)"
         )
+    try:
+        rows = frames.tolist()  # a copy: the engine may reuse its tensor after the call
+    except (RuntimeError, NotImplementedError):  # a sparse tensor, a meta tensor: checked only when they fail
+        raise ChunkerError(
+            f"request {req_id}: codec frames must be a dense tensor holding data, got layout {frames.layout} "
+            f"on device {frames.device}"
+        ) from None
     stream.width = width
-    rows = frames.tolist()  # a copy: the engine may reuse its tensor after the call
     flat = rows if frames.ndim == 1 else rows[0] if len(rows) == 1 else list(chain.from_iterable(rows))
     if AUDIO_PAD_CODE in flat:  # some row may be all pad: filter rows in torch
         rows = frames.reshape(-1, width)
@@ -110,11 +120,14 @@ def _take(stream: _Stream, frames: torch.Tensor, req_id: str) -> None:
 def _payload(req_id: str, codes: torch.Tensor | None, frames: int, finished: bool) -> OmniPayloadStruct:
     """The payload of ``frames`` frames of flat codebook-major ``codes`` (None, with ``frames`` 0: the
     terminal-only payload)."""
-    flag = _FLAGS[bool(finished)].clone()  # one tensor for both flags (vLLM-Omni replaces, never edits, it)
-    # The terminal-only payload declares no code count: None is MetaStruct's default, which it omits.
+    flag = _FLAGS[bool(finished)]
+    # Two flags of their own memory, as upstream's: vLLM-Omni's NIXL connector registers each tensor of a payload
+    # as a DMA region, and NIXL refuses (or frees twice) one region registered twice. The terminal-only payload
+    # declares no code count: None is MetaStruct's default, which it omits.
     meta = MetaStruct(
         req_id=[req_id], left_context_size=0, codec_chunk_frames=frames, codec_left_context_frames=0,
-        code_flat_numel=None if codes is None else int(codes.numel()), stream_finished=flag, finished=flag,
+        code_flat_numel=None if codes is None else int(codes.numel()), stream_finished=flag.clone(),
+        finished=flag.clone(),
     )  # fmt: skip
     audio = None if codes is None else CodesStruct(audio=codes)
     return OmniPayloadStruct(codes=audio, meta=meta, request_id=req_id)
@@ -151,9 +164,10 @@ def talker2codec_ramp_async_chunk(
         ``codec_chunk_frames``, ``code_flat_numel``, ``stream_finished`` / ``finished``, zero left context), the
         terminal-only payload, or None while the chunk is incomplete.
     Raises:
-        ValueError: a bad schedule (:func:`chunk_schedule_of`). ChunkerError: frames that are not integer, not
-            1-D or 2-D, or of another width than the request's first frames; the message names the request,
-            which fails alone (its later frames are dropped; its terminal call still ends its stream).
+        ValueError: a bad schedule (:func:`chunk_schedule_of`). ChunkerError: frames that are not integer (or are
+            uint64), not 1-D or 2-D, of another width than the request's first frames, or that torch cannot read
+            out (sparse, meta); the message names the request, which fails alone (its later frames are dropped;
+            its terminal call still ends its stream).
     """
     external = getattr(request, "external_req_id", None)
     req_id = str(external if external is not None else getattr(request, "request_id", id(request)))
@@ -217,7 +231,8 @@ def deploy_chunk_schedule(path: str) -> ChunkSchedule:
     Stage 1 silently read Stage 0's; this check refuses such a file before it is served.
 
     Raises:
-        ValueError: the two connectors' schedules differ (the message names both connectors and schedules), or a
+        ValueError: the two connectors' schedules differ (the message names both connectors and schedules), a stage
+            names a connector the file does not define (as ``load_omni_transfer_config`` refuses it), or a
             schedule is bad (:func:`chunk_schedule_of`).
     """
     from vllm_omni.config.stage_config import load_deploy_config
@@ -229,6 +244,8 @@ def deploy_chunk_schedule(path: str) -> ChunkSchedule:
     found: list[tuple[str, str, ChunkSchedule]] = []
     for label, stage_id, field, key in ends:
         ref = (getattr(stages.get(stage_id), field, None) or {}).get(key)
+        if isinstance(ref, str) and ref not in named:  # not a connector without keys: vLLM-Omni refuses the file
+            raise ValueError(f"{path}: {label}'s connector {ref!r} is none of the file's connectors ({_names(named)})")
         spec = named.get(ref, {}) if isinstance(ref, str) else ref or {}
         found.append(
             (label, repr(ref if isinstance(ref, str) else "inline"), chunk_schedule_of(spec.get("extra") or {}))
@@ -240,6 +257,10 @@ def deploy_chunk_schedule(path: str) -> ChunkSchedule:
             f"expects {_describe(b_schedule)}; vLLM-Omni would hand both stages Stage 0's: name one connector"
         )
     return a_schedule
+
+
+def _names(named: Mapping[str, Any]) -> str:
+    return ", ".join(map(repr, named)) or "none"
 
 
 def _describe(schedule: ChunkSchedule) -> str:
