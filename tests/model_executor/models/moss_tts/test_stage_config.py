@@ -185,6 +185,9 @@ def test_bad_pool_fields_are_rejected_at_construction(tmp_path, fields, message)
         # Another case is another field, read by nobody.
         (dict(Codec_dtype="float32"), "'Codec_dtype' (the closest known one is 'codec_dtype')"),
         (dict(CODEC_POOL_KIND="paged"), "'CODEC_POOL_KIND' (the closest known one is 'codec_pool_kind')"),
+        # So is another separator.
+        ({"codec-dtype": "float32"}, "'codec-dtype' (the closest known one is 'codec_dtype')"),
+        ({"Codec Pool-Kind": "paged"}, "'Codec Pool-Kind' (the closest known one is 'codec_pool_kind')"),
     ],
 )
 def test_unknown_codec_option_is_refused_naming_the_closest_known_one(tmp_path, fields, named):

@@ -106,12 +106,19 @@ def check_codec_keys(hf: Any) -> None:
         ValueError: naming every unknown field and the known one closest to it (``difflib``).
     """
     fields = getattr(hf, "__dict__", {})
-    # Any case: hf_config fields are case-sensitive, so `Codec_dtype` would be a field of its own, unread.
-    unknown = sorted(k for k in fields if k.lower().startswith("codec_") and k not in CODEC_KEYS)
+    # Any case and separator: hf_config fields are exact names, so `Codec_dtype` or `codec-dtype` would be a
+    # field of its own, unread.
+    unknown = sorted(k for k in fields if _plain_key(k).startswith("codec_") and k not in CODEC_KEYS)
     if unknown:
-        closest = {k: difflib.get_close_matches(k.lower(), CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
+        closest = {k: difflib.get_close_matches(_plain_key(k), CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
         named = [f"{k!r} (the closest known one is {near!r})" for k, near in closest.items()]
         raise ValueError(f"unknown codec option in the stage's hf_config (hf_overrides): {', '.join(named)}")
+
+
+def _plain_key(key: str) -> str:
+    """``key`` lower-cased, its runs of spaces, hyphens and dots as one underscore (what a misspelling check
+    compares)."""
+    return re.sub(r"[\s\-.]+", "_", key.strip().lower())
 
 
 class _CodecFields:
@@ -242,7 +249,7 @@ def check_schedule_keys(extra: dict[str, Any]) -> None:
         if not isinstance(key, str) or key in SCHEDULE_KEYS:
             continue
         # Separators compared as underscores: `codec-chunk-frames` is 0.89 from its key as typed, below the ratio.
-        plain = re.sub(r"[\s\-.]+", "_", key.strip().lower())
+        plain = _plain_key(key)
         ratios = {name: difflib.SequenceMatcher(None, plain, name).ratio() for name in SCHEDULE_KEYS}
         near = max(ratios, key=ratios.get)
         if ratios[near] >= MISSPELT_RATIO:
