@@ -197,6 +197,33 @@ def test_slots_are_lifo(ring_decoder):
     assert s.live_requests["e"] == 2 and s.live_requests["f"] == 0
 
 
+def test_the_step_runner_reads_frozen_scheduled_chunks_and_the_scheduler_counts_what_it_decoded(ring_decoder):
+    """One way: ``Scheduler.schedule`` takes each ready stream's chunks out of its ``Stream`` into frozen
+    ``ScheduledChunks`` (the same tensors, in order); the runner never sees a ``Stream``; ``Scheduler.update``
+    adds the frames it decoded, a chunk longer than a piece counted whole."""
+    from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import ScheduledChunks
+
+    s = CodecStreamSession(ring_decoder, 4, max_step_frames=4)
+    runner, scheduler, seen = s._steps, s._scheduler, []
+    real = runner.decode_streams
+
+    def spy(work):
+        assert all(type(w) is ScheduledChunks for w in work)
+        assert all(scheduler.live[w.request_id].chunks == [] for w in work)  # taken, not shared
+        seen.append({w.request_id: (w.slot, [c.shape[1] for c in w.chunks]) for w in work})
+        with pytest.raises(AttributeError):
+            work[0].chunks = ()  # frozen
+        return real(work)
+
+    runner.decode_streams = spy
+    chunks = {"a": _codes(ring_decoder, 3, 1), "b": _codes(ring_decoder, 9, 2)}  # b: 9 frames > 4 a piece
+    s.decode([ChunkRequest(rid, c) for rid, c in chunks.items()])
+    assert seen == [{"a": (0, [3]), "b": (1, [9])}]
+    assert {rid: st.frames_decoded for rid, st in scheduler.live.items()} == {"a": 3, "b": 9}
+    s.decode([ChunkRequest("a", _codes(ring_decoder, 2, 3))])
+    assert seen[-1] == {"a": (0, [2])} and scheduler.live["a"].frames_decoded == 5
+
+
 def _assert_slot_clear(session, slot):
     state = session.pool.slot_state(slot)
     assert int(state["layer_offsets"].abs().sum()) == 0

@@ -29,7 +29,7 @@ import time
 
 from .counters import SessionCounters
 from .requests import ChunkRequest
-from .streams import AdmissionQueue, Stream
+from .streams import AdmissionQueue, ScheduledChunks, Stream
 
 __all__ = ["Scheduler"]
 
@@ -190,6 +190,21 @@ class Scheduler:
             self._preempt(victim)
             ready = [s for s in ready if s is not victim]
         return ready
+
+    def schedule(self) -> list[ScheduledChunks]:
+        """The work of this round: every ready stream's buffered chunks (:meth:`ready`: their state reserved),
+        taken out of the streams, which then buffer nothing. The step runner decodes it; :meth:`update` then
+        counts what it decoded."""
+        work = [ScheduledChunks(s.request_id, s.slot, tuple(s.chunks)) for s in self.ready()]
+        for w in work:
+            self.live[w.request_id].chunks = []
+        return work
+
+    def update(self, decoded_frames: dict[str, int]) -> None:
+        """Advance each live stream's frames decoded by what the step runner decoded of its scheduled chunks
+        (request id -> frames; a stream whose step failed counts the pieces decoded before it)."""
+        for rid, frames in decoded_frames.items():
+            self.live[rid].frames_decoded += frames
 
     def _victim(self, protected: set[str] | frozenset[str] = frozenset()) -> Stream | None:
         """The live stream to preempt: not ending (a stream whose terminal chunk arrived must be decoded in

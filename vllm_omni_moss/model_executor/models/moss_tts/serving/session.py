@@ -366,10 +366,11 @@ class CodecStreamSession:
         while True:
             scheduler.admit_waiting()
             scheduler.admit_ending()
-            ready = scheduler.ready()
+            work = scheduler.schedule()
             ending = scheduler.finished_live()
-            if ready:
-                decoded, errors = self._steps.decode_streams(ready)
+            if work:
+                decoded, frames, errors = self._steps.decode_streams(work)
+                scheduler.update(frames)
                 for rid, rows in decoded.items():
                     audio.setdefault(rid, []).extend(rows)
                 if errors:

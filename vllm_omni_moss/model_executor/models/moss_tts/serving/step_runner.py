@@ -4,9 +4,10 @@
 It cuts chunks into pieces of at most :attr:`StepRunner.max_piece_frames` frames, groups the ``i``-th piece
 of every stream into steps of at most :attr:`StepRunner.max_step_rows` rows, stages each step's inputs
 (through one page-locked buffer on CUDA), dispatches the step (a CUDA-graph replay when one fits, else the
-eager step) and queues each row's audio to the host. Streams and slots are the scheduler's; the runner only
-reads a stream's slot and chunks and advances its frames decoded. A step that raises fails its own rows'
-streams and no other (:meth:`StepRunner.decode_streams`).
+eager step) and queues each row's audio to the host. Streams and slots are the scheduler's: the runner reads
+the frozen :class:`~.streams.ScheduledChunks` the scheduler hands it and returns the frames it decoded of each,
+which the scheduler counts. A step that raises fails its own rows' streams and no other
+(:meth:`StepRunner.decode_streams`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from ..graph_ladder import bucket_for
 from .counters import SessionCounters
-from .streams import Stream
+from .streams import ScheduledChunks
 from .tracing import CallTracer
 
 __all__ = ["StepRunner", "padding_slack"]
@@ -129,8 +130,10 @@ class StepRunner:
         return self.graph_batch_sizes[-1] if self.graph_batch_sizes else None
 
     # ------------------------------------------------------------------ cut and dispatch
-    def decode_streams(self, streams: list[Stream]) -> tuple[dict[str, list[torch.Tensor]], dict[str, str]]:
-        """Decode the buffered chunks of ``streams`` (slots in use, pages reserved) in few, well-filled steps.
+    def decode_streams(
+        self, streams: list[ScheduledChunks]
+    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, int], dict[str, str]]:
+        """Decode the scheduled chunks of ``streams`` (slots in use, pages reserved) in few, well-filled steps.
 
         Each stream's chunks keep their boundaries (a stream that waited is decoded chunk by chunk, as if it
         had never waited); a chunk longer than :attr:`max_piece_frames` is cut into pieces. Round ``i`` decodes
@@ -144,8 +147,8 @@ class StepRunner:
 
         Returns:
             Each stream's audio rows, one per piece decoded (on CUDA their copies may still run:
-            :meth:`await_host_copies`; a failed stream with none is left out), and the error of each failed
-            stream by request id.
+            :meth:`await_host_copies`; a failed stream with none is left out), the frames decoded of each
+            stream (0 when none), and the error of each failed stream, all by request id.
         """
         limit = self.max_piece_frames
         pieces: dict[str, list[torch.Tensor]] = {}
@@ -153,11 +156,11 @@ class StepRunner:
             pieces[s.request_id] = [
                 c if c.shape[1] <= limit else c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)
             ]
-            s.chunks = []
         parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
+        frames_decoded = dict.fromkeys(parts, 0)
         failed: dict[str, str] = {}
         for i in range(max(len(p) for p in pieces.values())):
-            by_frames: dict[int, list[Stream]] = {}
+            by_frames: dict[int, list[ScheduledChunks]] = {}
             for s in streams:
                 if len(pieces[s.request_id]) > i and s.request_id not in failed:
                     by_frames.setdefault(self._group_frames(pieces[s.request_id][i].shape[1]), []).append(s)
@@ -174,10 +177,12 @@ class StepRunner:
                         continue
                     for s, piece, wav in zip(batch, step_pieces, wavs):
                         parts[s.request_id].append(wav)
-                        s.frames_decoded += piece.shape[1]
-        return {rid: rows for rid, rows in parts.items() if rows}, failed
+                        frames_decoded[s.request_id] += piece.shape[1]
+        return {rid: rows for rid, rows in parts.items() if rows}, frames_decoded, failed
 
-    def _step_failed(self, batch: list[Stream], undecoded: list[list[torch.Tensor]], exc: Exception) -> dict[str, str]:
+    def _step_failed(
+        self, batch: list[ScheduledChunks], undecoded: list[list[torch.Tensor]], exc: Exception
+    ) -> dict[str, str]:
         """Log the failure ``exc`` of the step of ``batch`` (with its traceback) and return each of its streams'
         error, naming the step, the exception and the frames of the stream left undecoded in this call."""
         rows, frames = len(batch), self._step_frames(max(u[0].shape[1] for u in undecoded))

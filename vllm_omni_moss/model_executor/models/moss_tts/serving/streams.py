@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A request's stream as the scheduler keeps it, and the admission queue of streams waiting for a slot."""
+"""A request's stream as the scheduler keeps it, the admission queue of streams waiting for a slot, and the frozen
+work of one stream that the scheduler hands the step runner (:class:`ScheduledChunks`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AdmissionQueue", "Stream"]
+__all__ = ["AdmissionQueue", "ScheduledChunks", "Stream"]
 
 
 @dataclass
@@ -43,6 +44,23 @@ class Stream:
     @property
     def buffered_frames(self) -> int:
         return sum(c.shape[1] for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class ScheduledChunks:
+    """One live stream's buffered chunks, taken by :meth:`.scheduler.Scheduler.schedule` for the step runner:
+    the runner reads this and never the scheduler's :class:`Stream`; what it decoded goes back through
+    :meth:`.scheduler.Scheduler.update`.
+
+    Attributes:
+        request_id: the engine's request id.
+        slot: the pool slot the stream holds (its state reserved for every frame of ``chunks``).
+        chunks: ``(n_vq, T)`` integer codes in arrival order, as :attr:`Stream.chunks` held them.
+    """
+
+    request_id: str
+    slot: int
+    chunks: tuple[torch.Tensor, ...]
 
 
 class AdmissionQueue:
