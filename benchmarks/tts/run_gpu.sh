@@ -15,7 +15,7 @@
 #   tests   pytest -m cuda                       -> env.txt pytest.log
 #   memory  bench_codec_memory.py (64, 128)      -> memory.json memory.log
 #   step    bench_codec_step.py                  -> step.json step.log
-#   stage   bench_codec_stage.py $STAGE_ARGS     -> stage/ (results.json, results.md, latencies.npz, three PNGs)
+#   stage   bench_codec_stage.py $STAGE_ARGS     -> stage/ (results.json, results.md, latencies.npz, four PNGs)
 # The stage sweep is the main job and takes longer than the other parts together (each arm and concurrency
 # simulates ~75 s of traffic at 17 requests per stream), so run it on its own, in parts if need be, e.g.
 #   PARTS=stage STAGE_ARGS="--arms v2,upstream --concurrency 64,128" bash benchmarks/tts/run_gpu.sh
