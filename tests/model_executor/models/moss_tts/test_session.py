@@ -864,6 +864,18 @@ def test_rows_split_into_steps_that_pad_little(ring_decoder):
     assert CodecStreamSession(ring_decoder, 8)._steps.split_rows(7, 15) == [7]  # no buckets: one step
 
 
+def test_the_session_keeps_graph_sizes_distinct_ascending_and_within_its_slots(ring_decoder):
+    """One normalisation (``graph_ladder.graph_sizes``) for the session and the graph runner: duplicates, zeros,
+    negatives and batch sizes above the slot count dropped, numbers as ints, ascending."""
+    from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import graph_sizes
+
+    s = CodecStreamSession(
+        ring_decoder, 8, graph_batch_sizes=[16, 4, 0, 4, 8, -2, 2.0], graph_frame_sizes=[15, 1, 1, 0]
+    )
+    assert (s.graph_batch_sizes, s.graph_frame_sizes) == ([2, 4, 8], [1, 15])
+    assert graph_sizes([3, 3.0, 2, -1], upper=2) == [2] and graph_sizes([]) == []
+
+
 def test_a_call_steps_each_frame_size_apart(ring_decoder):
     """A 1-frame first chunk beside 4-frame chunks is its own 1-frame step (before it padded to 4 frames), and
     the audio is the same."""

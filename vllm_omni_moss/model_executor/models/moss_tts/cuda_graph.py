@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .graph_ladder import graph_sizes
 from .state import DecoderStatePool
 
 __all__ = ["GraphMemoryError", "StreamingGraphRunner"]
@@ -106,8 +107,7 @@ class StreamingGraphRunner:
         if not pool.initialized:
             raise ValueError("initialise the pool before building its graph runner")
         self.pool = pool
-        self.batch_sizes = sorted({int(b) for b in batch_sizes if int(b) > 0})
-        self.frame_sizes = sorted({int(t) for t in frame_sizes if int(t) > 0})
+        self.batch_sizes, self.frame_sizes = graph_sizes(batch_sizes), graph_sizes(frame_sizes)
         if not self.batch_sizes or not self.frame_sizes:
             raise ValueError(
                 f"need at least one batch size and one frame size, got {self.batch_sizes} / {self.frame_sizes}"

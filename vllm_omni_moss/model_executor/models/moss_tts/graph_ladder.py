@@ -15,7 +15,7 @@ import math
 
 from .checks import check_count
 
-__all__ = ["DENSE_UP_TO", "GROWTH", "batch_buckets", "bucket_for"]
+__all__ = ["DENSE_UP_TO", "GROWTH", "batch_buckets", "bucket_for", "graph_sizes"]
 
 #: Buckets up to this many rows are the powers of two.
 DENSE_UP_TO = 64
@@ -46,3 +46,9 @@ def batch_buckets(max_rows: int) -> list[int]:
 def bucket_for(buckets: list[int], rows: int) -> int | None:
     """The smallest bucket of ``buckets`` (ascending) holding ``rows`` rows, or None when none does."""
     return next((b for b in buckets if b >= rows), None)
+
+
+def graph_sizes(sizes, upper: int | None = None) -> list[int]:
+    """Graph batch or frame sizes as the session and the graph runner keep them: distinct, ascending, each
+    ``int(size)`` in ``1..upper`` (no upper bound when ``upper`` is None); other sizes are dropped."""
+    return sorted({int(n) for n in sizes if 0 < int(n) and (upper is None or int(n) <= upper)})

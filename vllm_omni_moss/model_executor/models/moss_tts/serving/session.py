@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..checks import check_count
+from ..graph_ladder import graph_sizes
 from ..state import DecoderStatePool, build_pool
 from ..state.spec import StateSpec
 from .counters import SessionCounters
@@ -163,12 +164,16 @@ class CodecStreamSession:
         self.n_vq = cfg.num_quantizers if n_vq is None else int(n_vq)
         self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
-        self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes if 0 < int(b) <= state_capacity})
-        self.graph_frame_sizes = sorted({int(t) for t in graph_frame_sizes if int(t) > 0})
-        loose = (pool_kind, state_dtype, ring_semantics, attention_backend, page_fraction, state_budget_bytes)
-        if state_spec is not None and any(v is not None for v in (*loose, expected_stream_frames)):
+        self.graph_batch_sizes = graph_sizes(graph_batch_sizes, state_capacity)
+        self.graph_frame_sizes = graph_sizes(graph_frame_sizes)
+        options = dict(
+            kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics, attention_backend=attention_backend,
+            page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
+            expected_stream_frames=expected_stream_frames,
+        )  # fmt: skip
+        if state_spec is not None and any(v is not None for v in options.values()):
             raise ValueError("give the session a state_spec or the pool options it is made of, not both")
-        spec = state_spec or StateSpec.from_options(decoder, *loose, expected_stream_frames)
+        spec = state_spec or StateSpec.from_options(decoder, **options)
         self.pool = build_pool(decoder, spec)
         use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
         self.pool.initialize(
