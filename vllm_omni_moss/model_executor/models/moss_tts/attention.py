@@ -46,7 +46,7 @@ from .ops import ring_attention as ring_ops
 from .ops.commit import commit_cache, commit_offsets
 from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
-from .pool_kinds import POOL_KIND_RECORDS
+from .pool_kinds import pool_kind_record
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 
 __all__ = [
@@ -407,12 +407,12 @@ PLAN_BUILDERS: dict[str, Callable] = {
 
 def plan_builder(kind: str, backend: str) -> Callable:
     """The step-plan builder of a pool of ``kind`` with attention ``backend``: ``(pool, slots, valid_frames,
-    num_frames) -> StepPlan``; the kind's record (``pool_kinds.POOL_KIND_RECORDS``) names it.
+    num_frames) -> StepPlan``; the kind's record (``pool_kinds.pool_kind_record``) names it.
 
     Raises:
         ValueError: a combination no pool runs (the state spec refuses it first).
     """
-    record = POOL_KIND_RECORDS.get(kind)
+    record = pool_kind_record(kind)
     if record is None or backend not in record.plans:
         raise ValueError(f"no {kind!r} pool runs attention backend {backend!r}")
     return PLAN_BUILDERS[record.plans[backend]]

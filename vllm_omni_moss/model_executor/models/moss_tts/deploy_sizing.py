@@ -22,7 +22,7 @@ import numbers
 from dataclasses import dataclass
 
 from .checks import check_count
-from .pool_kinds import POOL_KIND_RECORDS, POOL_KINDS
+from .pool_kinds import POOL_KINDS, pool_kind_record
 
 __all__ = [
     "STEP_RESERVE_BYTES",
@@ -90,7 +90,7 @@ def pool_slots(pool_kind: str, max_num_seqs: int, largest_graph_bucket: int = 0)
         ValueError: unknown ``pool_kind``, ``max_num_seqs`` not an integer >= 1 or ``largest_graph_bucket``
             not an integer >= 0.
     """
-    record = POOL_KIND_RECORDS.get(pool_kind) if isinstance(pool_kind, str) else None
+    record = pool_kind_record(pool_kind)
     if record is None:
         raise ValueError(f"pool_kind must be one of {', '.join(map(repr, POOL_KINDS))}; got {pool_kind!r}")
     _check_int("max_num_seqs", max_num_seqs, 1)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["POOL_KINDS", "POOL_KIND_RECORDS", "PoolKind"]
+__all__ = ["POOL_KINDS", "POOL_KIND_RECORDS", "PoolKind", "pool_kind_record"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,9 @@ POOL_KIND_RECORDS: Mapping[str, PoolKind] = MappingProxyType(
 
 #: The pool kind names, in the order options list them.
 POOL_KINDS: tuple[str, ...] = tuple(POOL_KIND_RECORDS)
+
+
+def pool_kind_record(name: object) -> PoolKind | None:
+    """The record of pool kind ``name``, or None when ``name`` is no pool kind (any value: a caller's option);
+    each caller raises its own error, naming :data:`POOL_KINDS`."""
+    return POOL_KIND_RECORDS.get(name) if isinstance(name, str) else None

@@ -18,7 +18,7 @@ import torch
 from ..attention import check_attention_backend, default_attention_backend
 from ..checks import check_count
 from ..ops.ring_write import RING_DTYPES
-from ..pool_kinds import POOL_KIND_RECORDS, POOL_KINDS
+from ..pool_kinds import POOL_KINDS, pool_kind_record
 from ..step_metadata import check_ring_semantics
 from .offsets import offset_table_rows
 
@@ -172,7 +172,7 @@ class StateSpec:
             "state_budget_bytes": state_budget_bytes,
             "expected_stream_frames": expected_stream_frames,
         }
-        record = POOL_KIND_RECORDS.get(kind) if isinstance(kind, str) else None
+        record = pool_kind_record(kind)
         for name, value in paging.items():
             if value is not None and not (record is not None and record.paged):
                 raise ValueError(f"{name} applies to the paged pool, not to a {kind!r} pool")
@@ -181,10 +181,10 @@ class StateSpec:
 
 def _record(kind: str):
     """The facts of pool ``kind``; ValueError naming the choices when there is no such kind."""
-    try:
-        return POOL_KIND_RECORDS[kind]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}") from None
+    record = pool_kind_record(kind)
+    if record is None:
+        raise ValueError(f"unknown state pool kind {kind!r}; expected one of {POOL_KINDS}")
+    return record
 
 
 def state_bytes_for(decoder_config, num_slots: int, kind: str, element_size: int = 2) -> int:
