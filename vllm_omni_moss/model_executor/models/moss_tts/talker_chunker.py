@@ -121,9 +121,9 @@ def _payload(req_id: str, codes: torch.Tensor | None, frames: int, finished: boo
     """The payload of ``frames`` frames of flat codebook-major ``codes`` (None, with ``frames`` 0: the
     terminal-only payload)."""
     flag = _FLAGS[bool(finished)]
-    # Two flags of their own memory, as upstream's: vLLM-Omni's NIXL connector registers each tensor of a payload
-    # as a DMA region, and NIXL refuses (or frees twice) one region registered twice. The terminal-only payload
-    # declares no code count: None is MetaStruct's default, which it omits.
+    # Two flags of their own memory, as upstream's: vLLM-Omni's NIXL connector registers the memory of every tensor
+    # of a payload (connectors/nixl_connector.py), so one shared flag would be one region registered twice. The
+    # terminal-only payload declares no code count: None is MetaStruct's default, which it omits.
     meta = MetaStruct(
         req_id=[req_id], left_context_size=0, codec_chunk_frames=frames, codec_left_context_frames=0,
         code_flat_numel=None if codes is None else int(codes.numel()), stream_finished=flag.clone(),

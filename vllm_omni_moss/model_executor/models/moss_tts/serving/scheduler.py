@@ -195,9 +195,10 @@ class Scheduler:
         """The work of this round: every ready stream's buffered chunks (:meth:`ready`: their state reserved),
         taken out of the streams, which then buffer nothing. The step runner decodes it; :meth:`update` then
         counts what it decoded."""
-        work = [ScheduledChunks(s.request_id, s.slot, tuple(s.chunks)) for s in self.ready()]
-        for w in work:
-            self.live[w.request_id].chunks = []
+        ready = self.ready()
+        work = [ScheduledChunks(s.request_id, s.slot, tuple(s.chunks)) for s in ready]
+        for s in ready:
+            s.chunks = []
         return work
 
     def update(self, decoded_frames: dict[str, int]) -> None:
