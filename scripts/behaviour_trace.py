@@ -47,6 +47,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config  
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch  # noqa: E402
 from vllm_omni_moss.testing.weights import fill_random_weights_  # noqa: E402
 
 #: (preset, pool kind, attention backend, ring semantics, page fraction)
@@ -158,7 +159,7 @@ def _pool_trace(name: str, decoder, kind, backend, semantics, out) -> None:
     for step, T in enumerate((3, 4, 2)):
         codes = torch.randint(0, K, (n_vq, 4, T), generator=gen)
         lengths = torch.tensor([T, T - 1, 0, 0])
-        audio, audio_lengths = pool.decode_streaming_batch(codes, lengths, slots, valid)
+        audio, audio_lengths = decode_batch(pool, codes, lengths, slots, valid)
         out[f"{name}/pool/step{step}/audio"] = audio.numpy()
         out[f"{name}/pool/step{step}/lengths"] = audio_lengths.numpy()
         for s in pool.slots_dirtied_by_padding(2):
@@ -169,7 +170,7 @@ def _pool_trace(name: str, decoder, kind, backend, semantics, out) -> None:
     c = pool.acquire() if c == a else c
     pool.restore_slot(c, saved)
     codes = torch.randint(0, K, (n_vq, 1, 3), generator=gen)
-    audio, _ = pool.decode_streaming_batch(codes, torch.tensor([3]), torch.tensor([c]), torch.tensor([True]))
+    audio, _ = decode_batch(pool, codes, torch.tensor([3]), torch.tensor([c]), torch.tensor([True]))
     out[f"{name}/pool/restored/audio"] = audio.numpy()
     _state_arrays(f"{name}/pool", pool, out)
     pool.close()

@@ -17,11 +17,11 @@ CUDA-graph batch bucket equals C:
   fewer (as if the session had preempted its youngest stream), so ``streams_held`` says how many of the C
   streams fit (C at page fraction 1.0).
 
-  How the pages are obtained: on CUDA, by REAL DECODE STEPS (``pool.decode_streaming_batch`` on random
-  codes, which calls ``pool.prepare_step(slots, frames)`` before writing, exactly as the session's ``_step``
+  How the pages are obtained: on CUDA, by REAL DECODE STEPS (``step.decode_batch`` on random
+  codes, which reserves the step's pages with ``pool.reserve`` before writing, as the session's scheduler
   does). Without a GPU the pool lives on the meta device (no values, nothing allocated) and each step
-  instead calls ``pool.prepare_step(slots, frames, frames_decoded)`` with the frame counts kept on the host
-  (so it never reads the device's counters): the same page
+  instead calls ``pool.reserve`` with the frame counts kept on the host (so it never reads the device's
+  counters): the same page
   arithmetic, ``min(ceil(F x tokens_per_frame / page_size), window / page_size)`` pages per group and slot,
   without decoding (decoding the v2 preset's C streams on a CPU would take hours). ``paged_context_bytes``
   runs either way on any real device, so the tests check one against the other on a tiny codec.
@@ -69,6 +69,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import (  # noqa: E402
     make_state_pool,
     state_bytes_for,
 )
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch  # noqa: E402
 
 ARMS = ("legacy", "v2", "v2-paged", "upstream")
 #: Our arms (pools of this package); ``v2-paged`` is the paged pool.
@@ -186,7 +187,8 @@ def _advance_streams(pool, held: int, pieces: list[int], n_vq: int, seed: int) -
     for piece in pieces:
         if decode:
             codes = torch.randint(0, pool.config.codebook_size, (n_vq, held, piece), generator=gen)
-            pool.decode_streaming_batch(
+            decode_batch(
+                pool,
                 codes.to(pool.device),
                 torch.full((held,), piece, dtype=torch.long, device=pool.device),
                 torch.tensor(slots, dtype=torch.long, device=pool.device),
@@ -194,7 +196,8 @@ def _advance_streams(pool, held: int, pieces: list[int], n_vq: int, seed: int) -
             )
             steps += 1
         else:
-            pool.prepare_step(slots, [piece] * held, [frames] * held)
+            pool.reserve(dict.fromkeys(slots, frames + piece), strict=True)
+            pool.commit_page_tables()
         frames += piece
     return steps
 
@@ -213,10 +216,10 @@ def paged_context_bytes(
 
     The pool is ``make_state_pool(decoder, "paged", dtype, page_fraction=page_fraction)`` initialised for
     ``streams`` slots; the streams take fresh slots and advance together, one step per piece of
-    :func:`piece_frames`. On a real device every step is a real ``pool.decode_streaming_batch`` on random
-    codes (``n_vq`` codebooks), which allocates the step's pages through ``pool.prepare_step`` as the
-    session's steps do. On the meta device every step only reserves the pages: ``pool.prepare_step`` with
-    each slot's frame count kept on the host. When a step is short of pages
+    :func:`piece_frames`. On a real device every step is a real ``step.decode_batch`` on random
+    codes (``n_vq`` codebooks), which reserves the step's pages (``pool.reserve``) as the session's scheduler
+    does. On the meta device every step only reserves the pages: ``pool.reserve`` with each slot's frame count
+    kept on the host. When a step is short of pages
     (``page_fraction`` < 1) the whole run starts again in a fresh pool with one stream fewer: the pages the
     other streams hold do not depend on the dropped stream, so this equals the session preempting its
     youngest stream (a meta pool cannot release a slot: releasing reads the slot's page list on the device).

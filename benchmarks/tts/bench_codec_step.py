@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Streaming decode-step latency: legacy pool vs V2 pool vs upstream vLLM-Omni 0.30.0, in one process.
 
-One step = one ``decode_streaming_tensors`` call on ``B`` live rows (slots ``0..B-1``, all valid, no
+One step = one ``step.decode_tensors`` call on ``B`` live rows (slots ``0..B-1``, all valid, no
 padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 
 * ``legacy``   - our legacy pool (``initialize(maxB, maxB)``), per-layer metadata, whole-ring write-back.
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -68,6 +69,7 @@ import torch  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors  # noqa: E402
 from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
 ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")
@@ -161,7 +163,7 @@ def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
             decoder.fused_glue = False
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
-        return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
+        return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
     pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
     if kind == "v2-paged":
@@ -169,8 +171,9 @@ def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
         # than the longest window) so that no step needs a page and the tables are what they will be.
         longest = max(-(-g.ring_capacity // g.tokens_per_frame) for g in decoder.config.groups)
         slots = [pool.acquire() for _ in range(max_batch)]  # 0..B-1, the ids the steps address
-        pool.prepare_step(slots, [longest] * max_batch)
-    return Arm(kind, pool.decode_streaming_tensors, pool.state_bytes(), pool.close)
+        pool.reserve(dict.fromkeys(slots, longest), strict=True)
+        pool.commit_page_tables()
+    return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
 
 
 def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int, name: str = "upstream") -> Arm:

@@ -13,6 +13,7 @@ import pytest
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors
 from vllm_omni_moss.testing import upstream as oracle
 
 pytestmark = [pytest.mark.cpu]
@@ -108,14 +109,14 @@ def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
     reference = make_state_pool(decoder, "compact", attention_backend="triton")
     reference.initialize(2, 2)
     try:
-        unfused = arm.step.__self__.decoder
+        unfused = arm.step.args[0].decoder  # the arm's step is decode_tensors bound to its pool
         assert unfused is not decoder and unfused.fused_glue is False and decoder.fused_glue is True
         assert unfused.lut is decoder.lut and unfused.groups is decoder.groups  # the same weights
         gen = torch.Generator().manual_seed(5)
         codes = torch.randint(0, decoder.config.codebook_size, (decoder.config.num_quantizers, 2, 3), generator=gen)
         args = (codes, torch.tensor([3, 2]), torch.tensor([0, 1]), torch.tensor([True, True]))
         # CPU steps run the references either way: the two arms decode bitwise alike.
-        assert torch.equal(arm.step(*args)[0], reference.decode_streaming_tensors(*args)[0])
+        assert torch.equal(arm.step(*args)[0], decode_tensors(reference, *args)[0])
     finally:
         arm.close()
         reference.close()

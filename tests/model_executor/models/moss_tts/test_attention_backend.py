@@ -26,6 +26,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as 
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import cpu_uses_triton_interpreter
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 from vllm_omni_moss.testing.weights import fill_random_weights_
 
 pytestmark = [pytest.mark.core_model]
@@ -42,7 +43,7 @@ def stream_pool(pool, codes, schedule):
     parts = []
     for a, b in chunk_schedule(codes.shape[-1], schedule):
         lengths = torch.full((B,), b - a, device=device)
-        audio, _ = pool.decode_streaming_batch(codes[:, :, a:b].to(device), lengths, ids, torch.ones_like(ids).bool())
+        audio, _ = decode_batch(pool, codes[:, :, a:b].to(device), lengths, ids, torch.ones_like(ids).bool())
         parts.append(audio)
     return torch.cat(parts, dim=-1)
 
@@ -120,8 +121,8 @@ def test_triton_backend_on_cpu_equals_sdpa_bitwise(semantics, ring_decoder):
     for step, (T, lengths) in enumerate([(3, [3, 1, 0]), (12, [12, 7, 12]), (1, [1, 0, 1]), (7, [7, 7, 2])]):
         codes = random_codes(ring_decoder, 4, T, seed=step)
         args = (torch.tensor(lengths + [T]), torch.tensor([2, 0, 1, 99]), torch.tensor([True] * 3 + [False]))
-        a, _ = sdpa.decode_streaming_batch(codes, *args)
-        b, _ = tri.decode_streaming_batch(codes, *args)
+        a, _ = decode_batch(sdpa, codes, *args)
+        b, _ = decode_batch(tri, codes, *args)
         assert torch.equal(a, b), f"step {step}"
         assert_slot_state_equal(sdpa, tri, range(3))
         assert not any(r[:, tri.null_slot].any() for r in tri.rings)
@@ -172,7 +173,7 @@ def test_triton_pool_step_traces_fullgraph(ring_decoder):
         codes = random_codes(ring_decoder, B, T, seed=i)
         valid = torch.arange(B) < B - 1 if i == 1 else torch.ones(B, dtype=torch.bool)
         args = (codes, torch.where(valid, T, 0), torch.tensor([2, 0, 3, 1][:B]), valid)
-        assert torch.equal(step(*args)[0], eager.decode_streaming_tensors(*args)[0])
+        assert torch.equal(step(*args)[0], decode_tensors(eager, *args)[0])
         assert_slot_state_equal(eager, traced, range(4))
     torch._dynamo.reset()
 
@@ -344,7 +345,7 @@ def _script_run(decoder, semantics):
         codes = random_codes(decoder, 4, T, seed=step).cuda()
         lengths = torch.tensor(lengths + [T], device="cuda")
         ids, valid = torch.tensor([0, 1, 2, 7], device="cuda"), torch.tensor([True] * 3 + [False], device="cuda")
-        audio.append(pool.decode_streaming_batch(codes, lengths, ids, valid)[0])
+        audio.append(decode_batch(pool, codes, lengths, ids, valid)[0])
     return audio, pool
 
 
@@ -378,7 +379,7 @@ def test_cuda_graph_replay_of_the_triton_step_equals_eager(cuda_tiny_decoder):
         slots = eager.padding_slot_ids(bucket).clone()
         slots[:B] = ids
         valid = torch.arange(bucket, device="cuda") < B
-        ref, _ = eager.decode_streaming_batch(full, lengths, slots, valid)
+        ref, _ = decode_batch(eager, full, lengths, slots, valid)
         assert torch.equal(got, ref[:B]), f"step {step}: replay differs from eager"
         assert_slot_state_equal(eager, graphed, range(4))
 
@@ -398,7 +399,7 @@ def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
             torch.arange(B, device="cuda"),
             torch.ones(B, device="cuda").bool(),
         )
-        ref, _ = eager.decode_streaming_tensors(*args)
+        ref, _ = decode_tensors(eager, *args)
         got, _ = step(*args)
         assert torch.isfinite(got).all() and _rel_rms(got, ref) <= 2.5e-2, f"step {i}"
         assert torch.equal(eager.frames_decoded, compiled.frames_decoded)

@@ -31,6 +31,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool, make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 
 pytestmark = [pytest.mark.core_model]
 
@@ -118,7 +119,7 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
         ids = torch.tensor(live, dtype=torch.long, device="cuda")
         got = runner.decode(codes, torch.full((B,), T, device="cuda"), ids)
         bucket = runner.select(B, T)[0]
-        ref, _ = eager.decode_streaming_batch(*_padded(eager, codes, live, bucket))
+        ref, _ = decode_batch(eager, *_padded(eager, codes, live, bucket))
         assert got is not None and got.shape == (B, dec.config.number_channels, T * dec.config.samples_per_frame)
         assert torch.equal(got, ref[:B]), f"step {step}: replay differs from eager"
         if B:
@@ -186,7 +187,7 @@ def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
             torch.tensor(live, device="cuda"),
             torch.ones(B, dtype=torch.bool, device="cuda"),
         )
-        ref, ref_len = eager.decode_streaming_tensors(*args)
+        ref, ref_len = decode_tensors(eager, *args)
         got, got_len = step(*args)
         _assert_close_to_peak(got, ref)
         assert torch.equal(got_len, ref_len)
@@ -207,7 +208,7 @@ def test_runner_captures_the_compiled_step_and_stages_null_padding(cuda_ring_dec
     for i in range(3):
         codes = random_codes(dec, 2, 3, seed=40 + i).cuda()
         got = runner.decode(codes, torch.full((2,), 3, device="cuda"), torch.tensor([0, 1], device="cuda"))
-        ref, _ = eager.decode_streaming_batch(*_padded(eager, codes, [0, 1], 4))
+        ref, _ = decode_batch(eager, *_padded(eager, codes, [0, 1], 4))
         assert got.shape[0] == 2
         _assert_close_to_peak(got, ref[:2])
         assert runner.graphs[(4, 3)].slot_ids.tolist() == [0, 1, 4, 4]
@@ -236,7 +237,7 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
         got = session.decode([ChunkRequest(r, codes[:, i]) for i, r in enumerate(names)])
         live = [session.live_requests[r] for r in names]
         assert live == ["abc".index(r) for r in names]  # fresh session: a, b, c acquire 0, 1, 2
-        ref, _ = reference.decode_streaming_batch(*_padded(reference, codes.cuda(), live, bucket))
+        ref, _ = decode_batch(reference, *_padded(reference, codes.cuda(), live, bucket))
         for i, r in enumerate(names):
             assert torch.equal(got[r].audio, ref[i].float().cpu()), f"{r}: graph path differs from eager"
         g = session.runner.graphs[(bucket, 1)]
@@ -310,7 +311,7 @@ def test_replay_with_mixed_lengths_equals_eager_of_the_same_batch(kind, cuda_rin
         lengths = torch.tensor([3, 1, 2, 0], device="cuda").roll(step)
         ids = torch.tensor([0, 1, 2, 3], device="cuda")
         got = runner.decode(codes, lengths, ids)
-        ref, ref_len = eager.decode_streaming_batch(codes, lengths, ids, torch.ones(4, dtype=torch.bool, device="cuda"))
+        ref, ref_len = decode_batch(eager, codes, lengths, ids, torch.ones(4, dtype=torch.bool, device="cuda"))
         assert torch.equal(got, ref), f"step {step}: replay differs from eager"
         assert torch.equal(ref_len, lengths * spf)
         assert_slot_state_equal(eager, graphed, range(CAPACITY))
@@ -453,7 +454,7 @@ def test_step_traces_as_one_dynamic_graph(kind, ffn_row_chunk, ring_decoder, mon
         ids = torch.tensor([2, 0, 3, 1][:B])
         ids[~valid] = traced.padding_slot_ids(1)
         args = (codes, torch.where(valid, T, 0), ids, valid)
-        got, want = step(*args)[0], eager.decode_streaming_tensors(*args)[0]
+        got, want = step(*args)[0], decode_tensors(eager, *args)[0]
         if ffn_row_chunk is None:
             assert torch.equal(got, want)
         else:  # the eager FFN runs in slices, the traced one in one pass: GEMM rounding only

@@ -35,6 +35,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
 )
 from vllm_omni_moss.model_executor.models.moss_tts.ops.ring_reference import attend_gathered_rows
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, build_ring_metadata, rope_tables
 
 INTERPRETED = cpu_uses_triton_interpreter()
@@ -584,8 +585,8 @@ def test_pool_interpreted_triton_backend_matches_sdpa(semantics, ring_decoder):
             torch.tensor(rows + [-1]),
             torch.tensor([True] * len(rows) + [False]),
         )
-        a, a_len = sdpa.decode_streaming_batch(codes, *args)
-        b, b_len = tri.decode_streaming_batch(codes, *args)
+        a, a_len = decode_batch(sdpa, codes, *args)
+        b, b_len = decode_batch(tri, codes, *args)
         assert torch.equal(a_len, b_len)
         scale = a.abs().max().item()
         assert (a - b).abs().max().item() <= 1e-5 * scale, f"step {step}: audio differs"
@@ -620,7 +621,7 @@ def _pool_stream(decoder, codes, schedule, semantics, backend):
     for a, b in chunk_schedule(codes.shape[-1], schedule):
         chunk = codes[:, :, a:b].to(decoder.device)
         ones = torch.ones(1, dtype=torch.long, device=decoder.device)
-        audio, _ = pool.decode_streaming_batch(chunk, ones * (b - a), ones * 0, ones.bool())
+        audio, _ = decode_batch(pool, chunk, ones * (b - a), ones * 0, ones.bool())
         parts.append(audio)
     return torch.cat(parts, dim=-1)
 

@@ -16,6 +16,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import (
     PagesExhausted,
     make_state_pool,
 )
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 CAPACITY = 3
 
@@ -43,9 +44,7 @@ def _pools(decoder, **paged):
 
 def _step(pool, codes, lengths, slots):
     B = codes.shape[1]
-    return pool.decode_streaming_batch(
-        codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool)
-    )
+    return decode_batch(pool, codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
 
 
 def _assert_same_state(compact, pool, slot, paged_slot=None):
@@ -269,7 +268,8 @@ def _random_steps(decoder, pools, steps, seed, device="cpu"):
         lengths = [rng.randint(0, T) for _ in range(B)]
         codes = random_codes(decoder, B, T, seed=step).to(device)
         outs = [
-            p.decode_streaming_batch(
+            decode_batch(
+                p,
                 codes,
                 torch.tensor(lengths, device=device),
                 torch.tensor(slots, device=device),
@@ -302,8 +302,8 @@ def test_paged_session_against_the_compact_session(page_fraction, ring_decoder):
 @_cuda
 @pytest.mark.parametrize("page_fraction", [1.0, 0.67])
 def test_cuda_graph_session_on_a_paged_pool(page_fraction, cuda_ring_decoder):
-    """CUDA graphs captured over a paged pool replay with the page tables prepare_step fills before
-    each replay: with pages for every slot the audio is bitwise the compact session's (graphs too);
+    """CUDA graphs captured over a paged pool replay with the page tables the scheduler reserves and the step
+    runner commits before each replay: with pages for every slot the audio is bitwise the compact session's (graphs too);
     short of pages, preempted streams resume and every stream equals the compact session within
     rounding of other batch shapes. No step runs eagerly."""
     _paged_session_case(cuda_ring_decoder, page_fraction)
@@ -452,9 +452,18 @@ def test_paged_restore_and_page_calls_check_slots_in_use_and_pages_first(ring_de
     pool.release([y])
     with pytest.raises(ValueError, match=r"restore_slot: slot 1 is not in use"):
         pool.restore_slot(y, saved)
-    for bad in (y, 2, -1, 99):
-        with pytest.raises(ValueError, match=rf"prepare_step: slot {bad} is not in use"):
-            pool.prepare_step([bad], [1])
+    before = pool.free_page_counts()
+    with pytest.raises(ValueError, match=rf"decode_batch: slot {y} is not in use"):
+        _step(pool, random_codes(ring_decoder, 1, 1, seed=3), [1], [y])
+    for bad in (2, -1, 99):
+        with pytest.raises(ValueError, match=rf"slot id {bad} of a valid row is outside the live slots 0..1"):
+            _step(pool, random_codes(ring_decoder, 1, 1, seed=3), [1], [bad])
+    assert pool.acquire() == y
+    with pytest.raises(PagesExhausted, match=rf"group 0 needs 1 more pages of \d+ tokens for slots \[{y}\]; 0 are"):
+        pool.reserve({y: 1}, strict=True)
+    assert not pool.reserve({y: 1})
+    pool.release([y])
+    assert pool.free_page_counts() == before  # nothing allocated by a refused step or reservation
     with pytest.raises(ValueError, match=r"reserve: slot 7 is not in use"):
         pool.reserve({7: 3})
     free = pool.free_page_counts()

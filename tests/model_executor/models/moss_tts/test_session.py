@@ -8,6 +8,8 @@ Every request's audio is compared with its solo fixed-width reference decode
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from moss_codecs import random_codes
@@ -38,13 +40,13 @@ def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def _count_steps(session, monkeypatch) -> list[tuple[int, int]]:
     """Record ``(B, T)`` of every pool step."""
     steps = []
-    real = session.pool.decode_streaming_batch
+    real = session._steps.eager_step
 
     def spy(codes, lengths, slot_ids, valid):
         steps.append((codes.shape[1], codes.shape[2]))
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(session.pool, "decode_streaming_batch", spy)
+    monkeypatch.setattr(session._steps, "eager_step", spy)
     return steps
 
 
@@ -125,13 +127,22 @@ def test_graph_replays_count_the_padding_rows_of_their_buckets(ring_decoder):
     replays = []
 
     class Graphs:
+        n_vq = s.n_vq
+
         def select(self, batch, frames):
             return (next(b for b in (2, 4) if b >= batch), next(t for t in (1, 4) if t >= frames))
 
-        def decode(self, codes, lengths, slot_ids):
-            bucket, t = self.select(codes.shape[1], codes.shape[2])
-            replays.append((codes.shape[1], bucket, t))
-            return torch.zeros(codes.shape[1], channels, t * spf)
+        def buffers(self, key):
+            bucket, t = key
+            zeros = torch.zeros(bucket, dtype=torch.long)
+            return types.SimpleNamespace(
+                codes=torch.zeros(s.n_vq, bucket, t, dtype=torch.long), lengths=zeros.clone(),
+                slot_ids=zeros.clone(), valid=torch.zeros(bucket, dtype=torch.bool), padding_host=zeros,
+            )  # fmt: skip
+
+        def replay(self, key, rows):
+            replays.append((rows, *key))
+            return torch.zeros(rows, channels, key[1] * spf)
 
         def close(self):
             pass
@@ -658,13 +669,13 @@ def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
     # Slot ids and lengths that were views of one staging tensor would make torch.compile guard on its strides.
     s = CodecStreamSession(ring_decoder, 3)
     seen = []
-    real = s.pool.decode_streaming_batch
+    real = s._steps.eager_step
 
     def spy(codes, lengths, slot_ids, valid):
         seen.append((codes, lengths, slot_ids))
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", spy)
+    monkeypatch.setattr(s._steps, "eager_step", spy)
     s.decode([ChunkRequest(r, _codes(ring_decoder, n, i)) for i, (r, n) in enumerate([("a", 2), ("b", 3), ("c", 1)])])
     ((codes, lengths, slot_ids),) = seen
     assert lengths.tolist() == [2, 3, 1] and sorted(slot_ids.tolist()) == [0, 1, 2]
@@ -690,14 +701,14 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
 
     # A garbage collection inside the pool step is counted and lands in the run phase; a collection's stop
     # whose start came before the call is not counted.
-    real = s.pool.decode_streaming_batch
+    real = s._steps.eager_step
     collected = []
 
     def step_with_gc(codes, lengths, slot_ids, valid):
         collected.append(gc.collect())
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", step_with_gc)
+    monkeypatch.setattr(s._steps, "eager_step", step_with_gc)
     before = sum(s.stats()["steps_by_path"].values())
     tracing_module._gc_hook("start", {})  # outside any call: ignored
     # Chunks of 3 frames are cut into pieces of 2 and 1: two steps in one call.
@@ -717,7 +728,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
         tracing_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", stray_stop)
+    monkeypatch.setattr(s._steps, "eager_step", stray_stop)
     gc.disable()
     try:
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 5))])
@@ -735,7 +746,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     def broken(codes, lengths, slot_ids, valid):
         raise RuntimeError("the device fell over")
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", broken)
+    monkeypatch.setattr(s._steps, "eager_step", broken)
     assert "the device fell over" in s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])["c"].error
     assert not traces[-1].failed and traces[-1].failed_steps == 1 and traces[-1].steps == 0
     # A call that raises is recorded as failed; the session goes on decoding and tracing.
@@ -744,7 +755,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
         s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
     assert traces[-1].failed and traces[-1].steps == 0 and s._tracer.trace is None
     monkeypatch.undo()
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", real)
+    monkeypatch.setattr(s._steps, "eager_step", real)
     s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 7))])
     assert not traces[-1].failed and traces[-1].steps == 1
 

@@ -45,7 +45,7 @@ def _pieces(frames: int) -> list[int]:
 def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, int]]:
     """Make the ``fail_at``-th pool step from now raise (``before`` it runs, or ``after`` it wrote its state);
     returns the ``(B, T)`` of every step tried."""
-    real, tried = session.pool.decode_streaming_batch, []
+    real, tried = session._steps.eager_step, []
 
     def step(codes, lengths, slot_ids, valid):
         tried.append((codes.shape[1], codes.shape[2]))
@@ -56,7 +56,7 @@ def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, in
             raise RuntimeError(f"injected failure in step {fail_at}")
         return out
 
-    monkeypatch.setattr(session.pool, "decode_streaming_batch", step)
+    monkeypatch.setattr(session._steps, "eager_step", step)
     return tried
 
 
@@ -142,7 +142,7 @@ def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkey
     def interrupted(codes, lengths, slot_ids, valid):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", interrupted)
+    monkeypatch.setattr(s._steps, "eager_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
 
@@ -294,7 +294,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
     """While one thread's decode() is inside a pool step, every mutating method called from another thread
     raises at once, changing nothing; the first call then finishes exactly and the session serves again."""
     s = CodecStreamSession(ring_decoder, 2)
-    real = s.pool.decode_streaming_batch
+    real = s._steps.eager_step
     entered, release = threading.Event(), threading.Event()
 
     def blocking(codes, lengths, slot_ids, valid):
@@ -302,7 +302,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
         assert release.wait(timeout=60)
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", blocking)
+    monkeypatch.setattr(s._steps, "eager_step", blocking)
     a = _codes(ring_decoder, 3, 1)
     out = {}
     worker = threading.Thread(target=lambda: out.update(s.decode([ChunkRequest("a", a[:, :2])])))
@@ -356,7 +356,7 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
     assert str(info.value) == _busy_message("close", "on_requests_finished")
     assert s.live_requests == {} and s.free_slots == 2  # the id seen before the failure was released
 
-    real, refused = s.pool.decode_streaming_batch, []
+    real, refused = s._steps.eager_step, []
 
     def step(codes, lengths, slot_ids, valid):
         try:
@@ -365,7 +365,7 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
             refused.append(str(exc))
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(s.pool, "decode_streaming_batch", step)
+    monkeypatch.setattr(s._steps, "eager_step", step)
     got = s.decode([ChunkRequest("b", a, True)])["b"]
     assert refused == [_busy_message("on_requests_finished", "decode")]
     _close(got.audio, ring_decoder.decode(a[:, None], [2])[0], "b")

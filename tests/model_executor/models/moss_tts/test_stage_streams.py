@@ -551,7 +551,7 @@ def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_r
     the 3 frames decoded before (the error logged once), request g's row beside it is exact, and f's next row
     returns empty audio while g decodes on."""
     session = stage._ensure_session()
-    real, tried = session.pool.decode_streaming_batch, []
+    real, tried = session._steps.eager_step, []
 
     def step(codes, lengths, slot_ids, valid):
         tried.append(codes.shape[1:])
@@ -559,7 +559,7 @@ def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_r
             raise RuntimeError("injected")
         return real(codes, lengths, slot_ids, valid)
 
-    monkeypatch.setattr(session.pool, "decode_streaming_batch", step)
+    monkeypatch.setattr(session._steps, "eager_step", step)
     g, f = _codes(stage, 2, seed=31), _codes(stage, 6, seed=32)
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
         out = run(stage, [g[:, :1], f[:, :5]], [delay_info(), delay_info()], ["g", "f"])

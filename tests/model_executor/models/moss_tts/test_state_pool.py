@@ -18,6 +18,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import (
     make_state_pool,
     state_bytes_for,
 )
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -82,10 +83,10 @@ def test_metadata_built_once_per_group_per_step(monkeypatch, ring_decoder):
     legacy, v2 = _pair(ring_decoder)
     codes = random_codes(ring_decoder, 2, 3, seed=1)
     args = (torch.tensor([3, 3]), torch.tensor([0, 1]), torch.tensor([True, True]))
-    v2.decode_streaming_batch(codes, *args)
+    decode_batch(v2, codes, *args)
     assert calls == [3, 6]  # one build per group, with its token count
     calls.clear()
-    legacy.decode_streaming_batch(codes, *args)
+    decode_batch(legacy, codes, *args)
     assert calls == [3, 3, 3, 6, 6, 6]  # the legacy pool rebuilds per layer, as upstream
 
 
@@ -118,7 +119,7 @@ def test_legacy_lifecycle_and_offset_bank(ring_decoder):
     assert legacy.num_slots == 8
     assert tuple(legacy.offset_table.shape) == (14, 8)  # 2 groups x (3 layers x 2 + 1)
     codes = random_codes(ring_decoder, 2, 2, seed=3)
-    legacy.decode_streaming_batch(codes, torch.tensor([2, 2]), torch.tensor([1, 5]), torch.tensor([True, False]))
+    decode_batch(legacy, codes, torch.tensor([2, 2]), torch.tensor([1, 5]), torch.tensor([True, False]))
     assert legacy.offset_table[:, 1].tolist() == [2] * 7 + [4] * 7
     assert legacy.offset_table[:, 5].tolist() == [0] * 14
     legacy.reset(torch.tensor([1]))
@@ -150,8 +151,8 @@ def test_full_codec_script_bit_identical_to_legacy(ring_decoder):
             legacy_ids = torch.tensor(live + [6, 7])
             v2_ids = torch.tensor(live + [6, 7])  # out of range for V2: redirected to the null slot
         lengths = torch.where(valid, T, 0)
-        a_audio, a_len = legacy.decode_streaming_batch(codes, lengths, legacy_ids, valid)
-        b_audio, b_len = v2.decode_streaming_batch(codes, lengths, v2_ids, valid)
+        a_audio, a_len = decode_batch(legacy, codes, lengths, legacy_ids, valid)
+        b_audio, b_len = decode_batch(v2, codes, lengths, v2_ids, valid)
         assert torch.equal(a_audio, b_audio), f"step {step}: audio differs"
         assert torch.equal(a_len, b_len)
         assert a_len.tolist() == [T * 8 if v else 0 for v in valid.tolist()]
@@ -177,9 +178,7 @@ def test_v1_legacy_pool_matches_fixed_width_reference(ring_decoder_v1):
     out, start = [], 0
     for T in SCRIPT_T:
         chunk = codes[:, :, start : start + T].expand(-1, 2, -1).contiguous()
-        audio, _ = pool.decode_streaming_batch(
-            chunk, torch.tensor([T, 0]), torch.tensor([2, 4]), torch.tensor([True, False])
-        )
+        audio, _ = decode_batch(pool, chunk, torch.tensor([T, 0]), torch.tensor([2, 4]), torch.tensor([True, False]))
         out.append(audio[:1])
         start += T
     got = torch.cat(out, dim=-1)
@@ -195,7 +194,8 @@ def test_released_slot_with_nan_garbage_decodes_like_a_fresh_pool(kind, ring_dec
     used.initialize(3, 2)
     fresh.initialize(3, 2)
     pad = used.padding_slot_ids(1)
-    used.decode_streaming_batch(
+    decode_batch(
+        used,
         random_codes(ring_decoder, 2, 7, seed=9),
         torch.tensor([7, 0]),
         torch.cat([torch.tensor([1]), pad]),
@@ -208,8 +208,8 @@ def test_released_slot_with_nan_garbage_decodes_like_a_fresh_pool(kind, ring_dec
     for T, seed in ((1, 10), (3, 11), (7, 12)):
         codes = random_codes(ring_decoder, 2, T, seed=seed)
         args = (torch.tensor([T, 0]), torch.cat([torch.tensor([1]), pad]), torch.tensor([True, False]))
-        a, _ = used.decode_streaming_batch(codes, *args)
-        b, _ = fresh.decode_streaming_batch(codes, *args)
+        a, _ = decode_batch(used, codes, *args)
+        b, _ = decode_batch(fresh, codes, *args)
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
 
@@ -254,10 +254,10 @@ def test_bad_input_raises_and_changes_no_slot(kind, mutate, message, ring_decode
         torch.tensor([0, 1]),
         torch.tensor([True, True]),
     )
-    pool.decode_streaming_batch(*ok)
+    decode_batch(pool, *ok)
     before = _snapshot(pool)
     with pytest.raises(ValueError, match=message):
-        pool.decode_streaming_batch(*mutate(*ok))
+        decode_batch(pool, *mutate(*ok))
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool)))
 
 
@@ -266,12 +266,10 @@ def test_legacy_padding_rows_must_use_distinct_scratch_slots(ring_decoder):
     pool.initialize(3, 2)
     codes = random_codes(ring_decoder, 2, 1, seed=1)
     with pytest.raises(ValueError, match=r"padding row slot id 1 is not a scratch slot \(3..4\)"):
-        pool.decode_streaming_batch(codes, torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([True, False]))
+        decode_batch(pool, codes, torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([True, False]))
     codes = random_codes(ring_decoder, 3, 1, seed=1)
     with pytest.raises(ValueError, match=r"duplicate scratch slot ids among padding rows: \[3\]"):
-        pool.decode_streaming_batch(
-            codes, torch.tensor([1, 0, 0]), torch.tensor([0, 3, 3]), torch.tensor([True, False, False])
-        )
+        decode_batch(pool, codes, torch.tensor([1, 0, 0]), torch.tensor([0, 3, 3]), torch.tensor([True, False, False]))
     with pytest.raises(ValueError, match="3 padding rows need 3 scratch slots; this pool has 2"):
         pool.padding_slot_ids(3)
 
@@ -355,8 +353,8 @@ def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder
         legacy_ids = torch.tensor(live + legacy.padding_slot_ids(n_pad).tolist(), dtype=torch.long)
         v2_ids = torch.tensor(live + [-1] * n_pad, dtype=torch.long)
         lengths = torch.where(valid, T, 0)
-        a, _ = legacy.decode_streaming_batch(codes, lengths, legacy_ids, valid)
-        b, _ = v2.decode_streaming_batch(codes, lengths, v2_ids, valid)
+        a, _ = decode_batch(legacy, codes, lengths, legacy_ids, valid)
+        b, _ = decode_batch(v2, codes, lengths, v2_ids, valid)
         assert torch.equal(a, b)
         _assert_null_slot_zero(v2)
         for r, s in enumerate(rows):
@@ -385,10 +383,10 @@ def test_int32_slot_ids_and_bad_helper_arguments(ring_decoder):
         pool.initialize(3, 2)
         codes = random_codes(ring_decoder, 2, 2, seed=1)
         ids32 = torch.tensor([0, 1], dtype=torch.int32)
-        a, _ = pool.decode_streaming_batch(codes, torch.tensor([2, 2]), ids32, torch.tensor([True, True]))
+        a, _ = decode_batch(pool, codes, torch.tensor([2, 2]), ids32, torch.tensor([True, True]))
         ref = make_state_pool(ring_decoder, kind)
         ref.initialize(3, 2)
-        b, _ = ref.decode_streaming_batch(codes, torch.tensor([2, 2]), ids32.long(), torch.tensor([True, True]))
+        b, _ = decode_batch(ref, codes, torch.tensor([2, 2]), ids32.long(), torch.tensor([True, True]))
         assert torch.equal(a, b)
         with pytest.raises(ValueError, match="padding row count must be an integer >= 0, got -1"):
             pool.padding_slot_ids(-1)
@@ -420,9 +418,7 @@ def _pool_for(decoder, kind):
 
 def _run(pool, codes, lengths, slots):
     B = codes.shape[1]
-    return pool.decode_streaming_batch(
-        codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool)
-    )
+    return decode_batch(pool, codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
 
 
 def _assert_rel_close(got, ref, what):
@@ -492,8 +488,8 @@ def test_compact_and_legacy_stay_bit_identical_with_padding(ring_decoder):
     for i, lengths in enumerate(([1, 1, 0], [3, 2, 1], [0, 3, 3], [2, 0, 3])):
         codes = random_codes(ring_decoder, 3, 3, seed=20 + i)
         args = (codes, torch.tensor(lengths), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
-        a, _ = legacy.decode_streaming_batch(*args)
-        b, _ = compact.decode_streaming_batch(*args)
+        a, _ = decode_batch(legacy, *args)
+        b, _ = decode_batch(compact, *args)
         assert torch.equal(a, b)
         assert_slot_state_equal(legacy, compact, range(3))
     _assert_null_slot_zero(compact)
@@ -508,7 +504,7 @@ def test_a_valid_rows_length_outside_the_step_is_refused(length, ring_decoder):
         _run(pool, codes, [3, length], [0, 1])
     assert all(torch.equal(x, y) for x, y in zip(before, pool.rings + pool.offset_tensors()))
     # An invalid (padding) row's length is ignored.
-    pool.decode_streaming_batch(codes, torch.tensor([3, 99]), torch.tensor([0, 5]), torch.tensor([True, False]))
+    decode_batch(pool, codes, torch.tensor([3, 99]), torch.tensor([0, 5]), torch.tensor([True, False]))
 
 
 # ----------------------------------------------------------------------------- slot lifecycle
@@ -583,9 +579,7 @@ def _decode(pool, slots, T, seed):
     """One step of ``T`` frames for live ``slots``; returns the audio."""
     codes = random_codes(pool.decoder, len(slots), T, seed=seed)
     B = len(slots)
-    audio, _ = pool.decode_streaming_batch(
-        codes, torch.full((B,), T), torch.tensor(slots), torch.ones(B, dtype=torch.bool)
-    )
+    audio, _ = decode_batch(pool, codes, torch.full((B,), T), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
     return audio
 
 
@@ -782,7 +776,7 @@ def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
         parts = []
         for a in range(0, 60, 15):
             chunk = codes[:, :, a : a + 15]
-            out, _ = pool.decode_streaming_batch(chunk, torch.tensor([15]), torch.tensor([0]), torch.tensor([True]))
+            out, _ = decode_batch(pool, chunk, torch.tensor([15]), torch.tensor([0]), torch.tensor([True]))
             parts.append(out)
         audio.append(torch.cat(parts, dim=-1))
     spf = ring_decoder.config.samples_per_frame

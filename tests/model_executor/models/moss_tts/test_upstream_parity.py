@@ -18,6 +18,7 @@ import torch
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.state import LegacyDecoderStatePool
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 from vllm_omni_moss.testing import upstream as uo
 
 pytestmark = [
@@ -90,7 +91,7 @@ def test_legacy_pool_matches_upstream_pool(preset, version, tmp_path):
         ids = torch.tensor(live + [3, 4])
         valid = torch.tensor([True, True, False, False])
         lengths = torch.where(valid, T, 0)
-        a, a_len = pool.decode_streaming_batch(codes, lengths, ids, valid)
+        a, a_len = decode_batch(pool, codes, lengths, ids, valid)
         b, b_len = theirs.step(codes, lengths, ids, valid)
         _close(a[:2], b[:2])
         assert torch.equal(a_len, b_len.to(a_len.dtype))

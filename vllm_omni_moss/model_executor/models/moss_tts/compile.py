@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``torch.compile`` boundary of a streaming step.
 
-A step is ``pool.decode_streaming_tensors(codes, lengths, state_slot_ids,
+A step is ``step.decode_tensors(pool, codes, lengths, state_slot_ids,
 valid_rows)``: tensor-only, no host syncs, no Python branching on tensor values, so it
 compiles with ``fullgraph=True`` and dynamic batch and frame dimensions.
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .state import CompactDecoderStatePool, DecoderStatePool, LegacyDecoderStatePool
+from .step import decode_tensors
 
 __all__ = [
     "DYNAMIC_ARG_DIMS",
@@ -59,7 +60,7 @@ class _DecodeCompileAdapter(nn.Module):
         self.pool = pool
 
     def _step(self, codes, lengths, state_slot_ids, valid_rows):
-        return self.pool.decode_streaming_tensors(codes, lengths, state_slot_ids, valid_rows)
+        return decode_tensors(self.pool, codes, lengths, state_slot_ids, valid_rows)
 
 
 # Each concrete class defines its own ``forward``: vLLM's AOT cache hashes
@@ -123,7 +124,7 @@ def _mark_dynamic(tensor: torch.Tensor, dims: dict[int, str]) -> None:
 def compile_decode(pool: DecoderStatePool, backend: str = "inductor") -> Callable:
     """``torch.compile(adapter, dynamic=True, fullgraph=True, backend=backend)`` for ``pool``.
 
-    Returns a callable with the signature of ``pool.decode_streaming_tensors`` that
+    Returns a callable with the signature of ``step.decode_tensors`` less the pool that
     marks the batch and frame dimensions dynamic on every call (cheap: it only tags the
     tensors) before calling the compiled module. Compilation happens on the first call;
     a batch or frame size of 1 specialises and compiles once more. ``backend="aot_eager"``

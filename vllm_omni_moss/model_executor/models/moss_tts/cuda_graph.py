@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA graphs of streaming steps, keyed by ``(batch bucket, frame size)``.
 
-One graph per key replays ``pool.decode_streaming_tensors`` (or a compiled callable
+One graph per key replays ``step.decode_tensors`` over the pool (or a compiled callable
 with the same signature) on static input tensors. A batch of ``B`` rows of ``T``
 frames uses the smallest bucket ``>= B`` and the smallest captured frame size
 ``>= T``: rows ``B..bucket-1`` are padding rows (invalid, length 0, zero codes, slot
@@ -31,6 +31,7 @@ This module does not import vLLM.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ import torch
 
 from .graph_ladder import graph_sizes
 from .state import DecoderStatePool
+from .step import decode_tensors
 
-__all__ = ["GraphMemoryError", "StreamingGraphRunner"]
+__all__ = ["CapturedGraph", "GraphMemoryError", "StreamingGraphRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +56,27 @@ class GraphMemoryError(RuntimeError):
 
 
 @dataclass
-class _Graph:
+class CapturedGraph:
+    """One captured key: the graph and the static tensors it reads and writes (a replay reads whatever they hold).
+
+    Attributes:
+        graph: the CUDA graph.
+        codes: ``(n_vq, bucket, T)`` int64 input codes.
+        lengths: ``(bucket,)`` int64 valid frames of each row.
+        slot_ids: ``(bucket,)`` int64 slot of each row.
+        valid: ``(bucket,)`` bool valid rows.
+        padding_ids: ``(bucket,)`` int64 on the device, the ids padding rows carry (``padding_host`` on the host).
+        audio: ``(bucket, channels, T * spf)`` float32, the frame size's output buffer, rewritten by replays.
+    """
+
     graph: torch.cuda.CUDAGraph
-    codes: torch.Tensor  # (n_vq, bucket, T) int64
-    lengths: torch.Tensor  # (bucket,) int64
-    slot_ids: torch.Tensor  # (bucket,) int64
-    valid: torch.Tensor  # (bucket,) bool
-    padding_ids: torch.Tensor  # (bucket,) int64, the ids padding rows carry
-    audio: torch.Tensor  # (bucket, channels, T * spf) float32: the frame size's output buffer, rewritten by replays
+    codes: torch.Tensor
+    lengths: torch.Tensor
+    slot_ids: torch.Tensor
+    valid: torch.Tensor
+    padding_ids: torch.Tensor
+    padding_host: torch.Tensor
+    audio: torch.Tensor
 
 
 class StreamingGraphRunner:
@@ -72,7 +87,7 @@ class StreamingGraphRunner:
         batch_sizes: batch buckets (positive).
         frame_sizes: frame sizes ``T`` to capture (a step of fewer frames pads up to one).
         n_vq: codebooks per frame of the captured codes.
-        callable: step function with the signature of ``pool.decode_streaming_tensors``
+        callable: step function with the signature of ``step.decode_tensors`` less the pool
             (e.g. :func:`~.compile.compile_decode`); default: the eager tensor step.
             If capturing with it fails, the runner switches to the eager step for that
             and every later key.
@@ -118,7 +133,7 @@ class StreamingGraphRunner:
         self.memory_budget_bytes = memory_budget_bytes
         self.memory_bytes = 0
         self._outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.failures: dict[tuple[int, int], str] = {}
         self.compiled_keys: set[tuple[int, int]] = set()
         self._mempool = None
@@ -194,13 +209,13 @@ class StreamingGraphRunner:
                 self._compiled = None
                 self._reset_padding(bucket)
         try:
-            self.graphs[key] = self._capture_with(self.pool.decode_streaming_tensors, bucket, frames)
+            self.graphs[key] = self._capture_with(functools.partial(decode_tensors, self.pool), bucket, frames)
         except Exception as exc:
             self.failures[key] = repr(exc)
             logger.warning("CUDA graph capture failed for %s (%r); eager for this key", key, exc)
             self._reset_padding(bucket)
 
-    def _capture_with(self, step: Callable, bucket: int, frames: int) -> _Graph:
+    def _capture_with(self, step: Callable, bucket: int, frames: int) -> CapturedGraph:
         device = self.pool.device
         padding = self.pool.padding_slot_ids(bucket).to(device=device, dtype=torch.long).clone()
         codes = torch.zeros(self.n_vq, bucket, frames, dtype=torch.long, device=device)
@@ -225,7 +240,7 @@ class StreamingGraphRunner:
             out.copy_(audio)
         del audio  # its block goes back to the graphs' pool: only the output buffer is read after a replay
         torch.cuda.synchronize(device)
-        return _Graph(graph, codes, lengths, slot_ids, valid, padding, out)
+        return CapturedGraph(graph, codes, lengths, slot_ids, valid, padding, padding.cpu(), out)
 
     def _reset_padding(self, bucket: int) -> None:
         dirtied = self.pool.slots_dirtied_by_padding(bucket)
@@ -241,9 +256,24 @@ class StreamingGraphRunner:
             return None
         return next(((bucket, t) for t in self.frame_sizes if t >= num_frames and (bucket, t) in self.graphs), None)
 
+    def buffers(self, key: tuple[int, int]) -> CapturedGraph:
+        """The captured graph of ``key`` (from :meth:`select`), whose input tensors a caller fills before
+        :meth:`replay` (the step runner stages each step's inputs straight into them)."""
+        return self.graphs[key]
+
+    def replay(self, key: tuple[int, int], rows: int) -> torch.Tensor:
+        """Replay the graph of ``key`` on what its input tensors hold (a paged pool's page tables committed
+        first); returns ``(rows, channels, T * spf)`` float32, a view of the frame size's output buffer that the
+        next replay of that frame size rewrites (work queued after this replay on the same stream reads it
+        first)."""
+        g = self.graphs[key]
+        g.graph.replay()
+        return g.audio[:rows]
+
     @torch.no_grad()
     def decode(self, codes: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor | None:
-        """Replay the graph for a batch of valid rows, or return None (the caller runs eager).
+        """Replay the graph for a batch of valid rows held on the device, or return None (the caller runs eager).
+        A paged pool's page tables must be committed first (``pool.commit_page_tables``).
 
         Args:
             codes: ``(n_vq, B, T)`` int64 on the pool's CUDA device.
@@ -262,7 +292,6 @@ class StreamingGraphRunner:
         key = self.select(B, T)
         if key is None:
             return None
-        self.pool.commit_page_tables()  # a paged pool's reservations since the last step
         g = self.graphs[key]
         g.codes.zero_()
         g.codes[:, :B, :T].copy_(codes)
@@ -272,8 +301,7 @@ class StreamingGraphRunner:
         g.slot_ids[:B].copy_(slot_ids)
         g.valid.zero_()
         g.valid[:B].fill_(True)
-        g.graph.replay()
-        return g.audio[:B].clone()
+        return self.replay(key, B).clone()
 
     # ------------------------------------------------------------------ inspection
     def state_data_ptrs(self) -> list[int]:

@@ -105,7 +105,7 @@ class CodecStreamSession:
         graph_frame_sizes: CUDA-graph frame sizes, e.g. the chunk schedule's sizes.
         max_step_frames: longest piece decoded in one step when no graph serves the step.
         compile: ``False`` (eager), ``True`` (:func:`~..compile.compile_decode`), or a factory
-            ``pool -> callable`` with the signature of ``pool.decode_streaming_tensors`` (the stage passes
+            ``pool -> callable`` with the signature of ``step.decode_tensors`` less the pool (the stage passes
             vLLM's compiled adapter). The callable is used for graph capture; eager steps use it only for
             ``True`` (a factory's callable may skip guards; eager steps then take the validated step).
         n_vq: codebooks per frame in every chunk; default: all of the codec's.

@@ -12,14 +12,16 @@ which the scheduler counts. A step that raises fails its own rows' streams and n
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
 import torch
 
 from ..graph_ladder import bucket_for
+from ..step import decode_batch
 from .counters import SessionCounters
-from .streams import ScheduledChunks
+from .streams import ScheduledChunks, StepBatch
 from .tracing import CallTracer
 
 __all__ = ["StepRunner", "padding_slack"]
@@ -73,7 +75,8 @@ class StepRunner:
         self.counters, self.tracer = counters, tracer
         self._graph_memory_bytes = graph_memory_bytes
         self._compiled = self._compiled_step(compile)
-        self._eager_step = self._compiled if compile is True else None
+        #: The step of a batch no graph runs, with :func:`~..step.decode_batch`'s signature less the pool.
+        self.eager_step: Callable = self._compiled if compile is True else functools.partial(decode_batch, pool)
         use_graphs = self.device.type == "cuda" and bool(graph_batch_sizes) and bool(graph_frame_sizes)
         self.graphs = self._capture_graphs() if use_graphs else None
         # A page-locked host buffer of a step's inputs (int64), reused by every step, and page-locked audio rows
@@ -81,6 +84,7 @@ class StepRunner:
         # graph step, so no step pays for pinning memory; without graphs the input buffer grows to the largest
         # step taken (docs/memory.md).
         self._pinned_inputs: torch.Tensor | None = None
+        self._pinned_valid: torch.Tensor | None = None  # a graph step's valid rows (bool), read with the inputs
         # Recorded after each step's input copies from that buffer (CUDA only): it may be overwritten once the
         # device has read it. Audio copies queued and not yet awaited: await_host_copies.
         self._inputs_read = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -116,7 +120,7 @@ class StepRunner:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        self._compiled = self._eager_step = None
+        self._compiled = None
 
     @property
     def max_piece_frames(self) -> int:
@@ -160,44 +164,75 @@ class StepRunner:
         frames_decoded = dict.fromkeys(parts, 0)
         failed: dict[str, str] = {}
         for i in range(max(len(p) for p in pieces.values())):
-            by_frames: dict[int, list[ScheduledChunks]] = {}
-            for s in streams:
-                if len(pieces[s.request_id]) > i and s.request_id not in failed:
-                    by_frames.setdefault(self._group_frames(pieces[s.request_id][i].shape[1]), []).append(s)
-            for frames in sorted(by_frames):
-                rows, first = by_frames[frames], 0
-                longest = max(pieces[s.request_id][i].shape[1] for s in rows)
-                for size in self.split_rows(len(rows), self._step_frames(longest)):
-                    batch, first = rows[first : first + size], first + size
-                    step_pieces = [pieces[s.request_id][i] for s in batch]
-                    try:
-                        wavs = self._step([s.slot for s in batch], step_pieces)
-                    except Exception as exc:  # the step's streams fail, the call goes on (docs/serving.md)
-                        failed.update(self._step_failed(batch, [pieces[s.request_id][i:] for s in batch], exc))
-                        continue
-                    for s, piece, wav in zip(batch, step_pieces, wavs):
-                        parts[s.request_id].append(wav)
-                        frames_decoded[s.request_id] += piece.shape[1]
+            round_pieces = {
+                s.request_id: (s.slot, pieces[s.request_id][i])
+                for s in streams
+                if len(pieces[s.request_id]) > i and s.request_id not in failed
+            }
+            for batch in self.plan_round(round_pieces):
+                try:
+                    wavs = self._step(batch)
+                except Exception as exc:  # the step's streams fail, the call goes on (docs/serving.md)
+                    undecoded = {rid: sum(p.shape[1] for p in pieces[rid][i:]) for rid in batch.request_ids}
+                    failed.update(self._step_failed(batch, undecoded, exc))
+                    continue
+                for rid, n, wav in zip(batch.request_ids, batch.valid_frames, wavs):
+                    parts[rid].append(wav)
+                    frames_decoded[rid] += n
         return {rid: rows for rid, rows in parts.items() if rows}, frames_decoded, failed
 
-    def _step_failed(
-        self, batch: list[ScheduledChunks], undecoded: list[list[torch.Tensor]], exc: Exception
-    ) -> dict[str, str]:
-        """Log the failure ``exc`` of the step of ``batch`` (with its traceback) and return each of its streams'
-        error, naming the step, the exception and the frames of the stream left undecoded in this call."""
-        rows, frames = len(batch), self._step_frames(max(u[0].shape[1] for u in undecoded))
+    def plan_round(self, round_pieces: dict[str, tuple[int, torch.Tensor]]) -> list[StepBatch]:
+        """The steps of one round: ``round_pieces`` maps each stream decoding in it to ``(slot, piece)``.
+
+        Pieces are grouped by the frame size each pads to, shortest first (so that first chunks come out first and
+        a 1-frame chunk never pays for a 15-frame row), each group cut into steps by :meth:`split_rows`. Each
+        step's frame size and CUDA graph are decided here, once.
+        """
+        by_frames: dict[int, list[str]] = {}
+        for rid, (_, piece) in round_pieces.items():
+            by_frames.setdefault(self._group_frames(piece.shape[1]), []).append(rid)
+        steps = []
+        for group in sorted(by_frames):
+            rids, first = by_frames[group], 0
+            frames = self._step_frames(max(round_pieces[r][1].shape[1] for r in rids))
+            for size in self.split_rows(len(rids), frames):
+                chosen, first = rids[first : first + size], first + size
+                step_pieces = tuple(round_pieces[r][1] for r in chosen)
+                steps.append(
+                    StepBatch(
+                        request_ids=tuple(chosen),
+                        slots=tuple(round_pieces[r][0] for r in chosen),
+                        pieces=step_pieces,
+                        valid_frames=tuple(p.shape[1] for p in step_pieces),
+                        frames=frames,
+                        graph_key=self._graph_key(len(chosen), frames, step_pieces),
+                    )
+                )
+        return steps
+
+    def _graph_key(self, rows: int, frames: int, pieces: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
+        # The graph that replays a step, or None (eager): none captured for it, or codes of another codebook count.
+        if self.graphs is None or any(p.shape[0] != self.graphs.n_vq for p in pieces):
+            return None
+        return self.graphs.select(rows, frames)
+
+    def _step_failed(self, batch: StepBatch, undecoded: dict[str, int], exc: Exception) -> dict[str, str]:
+        """Log the failure ``exc`` of the step ``batch`` (with its traceback) and return each of its streams'
+        error, naming the step, the exception and the frames of the stream left undecoded in this call
+        (``undecoded``, by request id)."""
+        rows, frames = batch.rows, batch.frames
         logger.error(
             "MOSS codec: a decoder step of %d rows x %d frames failed; its streams %s end with an error",
-            rows, frames, [s.request_id for s in batch], exc_info=exc,
+            rows, frames, list(batch.request_ids), exc_info=exc,
         )  # fmt: skip
         if self.tracer.trace is not None:
             self.tracer.trace.failed_steps += 1
         return {
-            s.request_id: (
-                f"request {s.request_id!r}: its decoder step ({rows} rows x {frames} frames) failed with "
-                f"{type(exc).__name__}: {exc}; the stream was ended, frames left undecoded: {sum(p.shape[1] for p in u)}"
+            rid: (
+                f"request {rid!r}: its decoder step ({rows} rows x {frames} frames) failed with "
+                f"{type(exc).__name__}: {exc}; the stream was ended, frames left undecoded: {undecoded[rid]}"
             )
-            for s, u in zip(batch, undecoded)
+            for rid in batch.request_ids
         }
 
     def split_rows(self, rows: int, frames: int) -> list[int]:
@@ -231,30 +266,29 @@ class StepRunner:
         # The same padding with or without captured graphs, so CPU runs take the steps a GPU does.
         return next((t for t in self.graph_frame_sizes if t >= longest), longest)
 
-    def _step(self, slots: list[int], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One pool step; returns each row's ``(channels, valid_frames * spf)`` float32 CPU audio (on CUDA still being
-        copied: :meth:`_to_host`)."""
+    def _step(self, batch: StepBatch) -> list[torch.Tensor]:
+        """Stage and run one step; returns each row's ``(channels, valid_frames * spf)`` float32 CPU audio (on CUDA
+        still being copied: :meth:`_to_host`)."""
         self.tracer.lap("plan_ms")
-        valid_frames = [p.shape[1] for p in pieces]
-        B, T = len(pieces), self._step_frames(max(valid_frames))
-        codes, slot_ids, lengths = self._stage_inputs(pieces, valid_frames, slots, T)
-        self.pool.commit_page_tables()  # the pages the scheduler reserved, in one copy for this call's steps
-        self.tracer.lap("stage_ms")
-        out = self.graphs.decode(codes, lengths, slot_ids) if self.graphs is not None else None
+        self.pool.commit_page_tables()  # the pages the scheduler reserved: the one commit, where inputs are staged
         c = self.counters
-        if out is not None:
+        if batch.graph_key is not None:
+            self._stage_into_graph(batch)
+            self.tracer.lap("stage_ms")
+            out = self.graphs.replay(batch.graph_key, batch.rows)
             c.steps_graph += 1
-            c.padding_rows += self.graphs.select(B, T)[0] - B  # the replayed bucket's rows beyond the step's
+            c.padding_rows += batch.padding_rows
         else:
+            codes, slot_ids, lengths = self._stage_inputs(batch)
+            self.tracer.lap("stage_ms")
+            valid = torch.ones(batch.rows, dtype=torch.bool, device=self.device)
+            out, _ = self.eager_step(codes, lengths, slot_ids, valid)
             c.steps_eager += 1
-            valid = torch.ones(B, dtype=torch.bool, device=self.device)
-            step = self._eager_step or self.pool.decode_streaming_batch
-            out, _ = step(codes, lengths, slot_ids, valid)
         self.tracer.lap("run_ms")
-        served = out.shape[-1] // self.samples_per_frame
-        c.decoded_frames += sum(valid_frames)
-        c.padded_frames += B * served - sum(valid_frames)
-        rows = self._to_host(out, valid_frames)
+        served, decoded = out.shape[-1] // self.samples_per_frame, sum(batch.valid_frames)
+        c.decoded_frames += decoded
+        c.padded_frames += batch.rows * served - decoded
+        rows = self._to_host(out, batch.valid_frames)
         self.tracer.lap("to_host_ms")
         if self.tracer.trace is not None:
             self.tracer.trace.steps += 1
@@ -269,28 +303,68 @@ class StepRunner:
         if self._inputs_read is not None:
             self._inputs_read.synchronize()
         if self._pinned_inputs is None or self._pinned_inputs.numel() < numel:
-            self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=True)
+            pinned = self.device.type == "cuda"
+            self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=pinned)
         return self._pinned_inputs[:numel]
 
-    def _stage_inputs(self, pieces: list[torch.Tensor], valid_frames: list[int], slots: list[int], T: int):
-        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))``, int64 tensors of their own on the pool's
-        device, codes clamped into ``[0, codebook_size)`` and zero past each row's length. On CUDA, codes from
-        the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot ids and
-        lengths always travel through it."""
-        B = len(pieces)
+    def _stage_into_graph(self, batch: StepBatch) -> None:
+        """Write ``batch``'s inputs straight into the input buffers of the graph that replays it: the whole
+        bucket's codes (``(n_vq, bucket, T)``, zero past each row's valid frames and in padding rows), slot ids
+        (padding rows: the ids the graph was captured with), valid frames and valid rows, each in one copy from
+        the page-locked input buffer (codes already on the device are gathered there directly)."""
+        bucket, T = batch.graph_key
+        B, n_vq = batch.rows, self.n_vq
+        g = self.graphs.buffers(batch.graph_key)
+        host_codes = all(p.device.type == "cpu" for p in batch.pieces)
+        codes_numel = n_vq * bucket * T if host_codes else 0
+        staged = self._input_buffer(codes_numel + 2 * bucket)
+        meta = staged[codes_numel:].view(2, bucket)
+        meta[0, :B] = torch.tensor(batch.slots, dtype=torch.long)
+        meta[0, B:] = g.padding_host[B:]
+        meta[1, :B] = torch.tensor(batch.valid_frames, dtype=torch.long)
+        meta[1, B:] = 0
+        codes = staged[:codes_numel].view(n_vq, bucket, T) if host_codes else g.codes
+        codes[:, B:].zero_()
+        _gather(codes[:, :B], batch.pieces, batch.valid_frames, T)
+        self._count_clamped(codes[:, :B])
+        codes.clamp_(0, self.codebook_size - 1)
+        pinned = self.device.type == "cuda"
+        if host_codes:
+            g.codes.copy_(codes, non_blocking=pinned)
+        g.slot_ids.copy_(meta[0], non_blocking=pinned)
+        g.lengths.copy_(meta[1], non_blocking=pinned)
+        g.valid.copy_(self._valid_rows(B, bucket), non_blocking=pinned)
+        if pinned:
+            self._inputs_read.record(torch.cuda.current_stream(self.device))
+
+    def _valid_rows(self, rows: int, bucket: int) -> torch.Tensor:
+        # ``(bucket,)`` bool, the first ``rows`` True, in the page-locked buffer beside the input buffer (free once
+        # _input_buffer has waited for the previous step's copies).
+        if self._pinned_valid is None or self._pinned_valid.numel() < bucket:
+            self._pinned_valid = torch.empty(bucket, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        valid = self._pinned_valid[:bucket]
+        valid[:rows], valid[rows:] = True, False
+        return valid
+
+    def _stage_inputs(self, batch: StepBatch):
+        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))`` of an eager step, int64 tensors of their own on the
+        pool's device, codes clamped into ``[0, codebook_size)`` and zero past each row's valid frames. On CUDA,
+        codes from the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot
+        ids and valid frames always travel through it."""
+        B, T = batch.rows, batch.frames
         pinned = self.device.type == "cuda"
         # Codes from the host (as Stage 0 sends them) to a CUDA pool are gathered in the pinned buffer; anything
         # else is gathered on the pool's device directly.
-        stage_codes = pinned and all(p.device.type == "cpu" for p in pieces)
+        stage_codes = pinned and all(p.device.type == "cpu" for p in batch.pieces)
         codes_numel = self.n_vq * B * T if stage_codes else 0
         staged = self._input_buffer(codes_numel + 2 * B) if pinned else torch.empty(2 * B, dtype=torch.long)
         meta = staged[codes_numel:].view(2, B)
-        meta.copy_(torch.tensor([slots, valid_frames], dtype=torch.long))
+        meta.copy_(torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long))
         if stage_codes:
             codes = staged[:codes_numel].view(self.n_vq, B, T)
         else:
             codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        _gather(codes, pieces, valid_frames, T)
+        _gather(codes, batch.pieces, batch.valid_frames, T)
         self._count_clamped(codes)
         codes.clamp_(0, self.codebook_size - 1)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard

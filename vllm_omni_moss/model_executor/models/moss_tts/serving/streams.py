@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A request's stream as the scheduler keeps it, the admission queue of streams waiting for a slot, and the frozen
-work of one stream that the scheduler hands the step runner (:class:`ScheduledChunks`)."""
+"""A request's stream as the scheduler keeps it, the admission queue of streams waiting for a slot, the frozen
+work of one stream that the scheduler hands the step runner (:class:`ScheduledChunks`) and the frozen steps the
+runner cuts it into (:class:`StepBatch`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AdmissionQueue", "ScheduledChunks", "Stream"]
+__all__ = ["AdmissionQueue", "ScheduledChunks", "StepBatch", "Stream"]
 
 
 @dataclass
@@ -61,6 +62,39 @@ class ScheduledChunks:
     request_id: str
     slot: int
     chunks: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step of a decode call, decided once on the host before it is staged: its rows, their slots and codes,
+    its frame size and the CUDA graph that runs it.
+
+    Attributes:
+        request_ids: the stream of each row.
+        slots: the pool slot of each row (distinct, in use).
+        pieces: ``(n_vq, valid_frames[b])`` integer codes of each row, as the scheduler handed them.
+        valid_frames: the valid frames of each row, ``1..frames``.
+        frames: ``T``, the frames of the step: the smallest graph frame size that holds its longest piece (the
+            longest piece when no frame sizes are configured).
+        graph_key: ``(bucket, graph frame size)`` of the CUDA graph replayed for it, or None: an eager step.
+    """
+
+    request_ids: tuple[str, ...]
+    slots: tuple[int, ...]
+    pieces: tuple[torch.Tensor, ...]
+    valid_frames: tuple[int, ...]
+    frames: int
+    graph_key: tuple[int, int] | None
+
+    @property
+    def rows(self) -> int:
+        """``B``, the step's real rows."""
+        return len(self.slots)
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows of the replayed bucket beyond the step's (0 for an eager step)."""
+        return self.graph_key[0] - self.rows if self.graph_key is not None else 0
 
 
 class AdmissionQueue:

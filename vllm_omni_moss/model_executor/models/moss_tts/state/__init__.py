@@ -4,9 +4,10 @@
 * :mod:`.spec` - :class:`StateSpec`: a pool's variant (kind, ring dtype, ring semantics, attention backend,
   paging), resolved and validated once.
 * :mod:`.pools` - the three kinds (``legacy``, ``compact``, ``paged``) and the table that picks them.
-* :mod:`.pool` - what every pool does: slot lifecycle, reservation, steps, save and restore.
+* :mod:`.pool` - what every pool does: slot lifecycle, reservation, save and restore (the
+  step that runs the decoder over a pool is ``..step``).
 * :mod:`.slots`, :mod:`.rings`, :mod:`.paged_rings`, :mod:`.offsets`, :mod:`.page_budget`,
-  :mod:`.snapshot`, :mod:`.step` - the parts a pool is made of.
+  :mod:`.snapshot` - the parts a pool is made of.
 """
 
 from ..pool_kinds import POOL_KINDS

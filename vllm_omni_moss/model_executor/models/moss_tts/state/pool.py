@@ -11,7 +11,8 @@ and each subclass (:mod:`.pools`) holds only its own policy.
 Steps are compact: row ``b`` decodes ``valid_frames[b]`` frames for slot ``slot_ids[b]`` when
 ``valid_rows[b]``; invalid rows are padding rows. Frames at or beyond a row's valid frames are padding
 frames: they write no ring cell, advance no offset and no query sees them (``step_metadata.py``), so a
-step of ``T`` frames leaves every row exactly as a step of its own length would (:mod:`.step`).
+step of ``T`` frames leaves every row exactly as a step of its own length would. The pool is memory only:
+the step that runs the decoder over it is ``step.py``, outside this package.
 
 Every pool clears a slot's rings on :meth:`reset` as well as its offsets. Upstream only zeroes offsets,
 which hides stale keys behind the mask, but SDPA still multiplies masked values by a zero weight, so a
@@ -26,7 +27,6 @@ import torch
 
 from ..attention import plan_builder
 from ..checks import check_count
-from . import step as streaming_step
 from .slots import SlotAllocator
 from .snapshot import SlotState, cells_in_use, check_slot_state, ring_geometry
 from .spec import StateSpec, state_bytes_for
@@ -226,38 +226,16 @@ class DecoderStatePool:
         self.store.clear(ids, host_ids)
         self.offsets.reset(ids)
 
-    def reserve(self, frames_by_slot: dict[int, int]) -> bool:
+    def reserve(self, frames_by_slot: dict[int, int], strict: bool = False) -> bool:
         """The one question a scheduler asks: can every slot of ``frames_by_slot`` (slot in use -> the frames
         it will have decoded) hold that much context? Unpaged pools hold full rings: always. A paged pool
-        allocates the pages it lacks and answers True, or allocates nothing and answers False. Raises as
-        :meth:`.SlotAllocator.check_frames`."""
+        allocates the pages it lacks and answers True, or allocates nothing and answers False (``strict``:
+        raises ``PagesExhausted`` naming the group instead). Raises as :meth:`.SlotAllocator.check_frames`."""
         self._require_initialized()
         return self.slots.check_frames(frames_by_slot, "reserve") is not None
 
     def commit_page_tables(self) -> None:  # noqa: B027 - optional hook
         """Before a step: the device's page tables get what :meth:`reserve` allocated (paged pools only)."""
-
-    def prepare_step(self, slot_ids, lengths, frames=None) -> None:  # noqa: B027 - optional hook
-        """Before a step that bypasses :meth:`decode_streaming_batch` (a graph replay, a direct
-        :meth:`decode_streaming_tensors`): slots ``slot_ids`` in use will decode ``lengths`` frames (ints) after
-        ``frames`` (if the caller tracks them). A paged pool allocates the step's pages and commits its page
-        tables, or raises ``PagesExhausted``; unpaged pools do nothing."""
-
-    def prepare_batch(self, slot_ids: torch.Tensor, lengths: torch.Tensor, valid_rows: torch.Tensor) -> None:  # noqa: B027
-        """Hook of :func:`.step.decode_batch`, after validation: a paged pool allocates the step's pages."""
-
-    # ----------------------------------------------------------------- decode
-    @torch.no_grad()
-    def decode_streaming_batch(self, codes, lengths, state_slot_ids, valid_rows):
-        """Validated streaming step of ``T`` frames (:func:`.step.decode_batch`): ``codes`` ``(n_vq, B, T)``,
-        ``lengths`` ``(B,)`` valid frames per row, ``state_slot_ids`` ``(B,)``, ``valid_rows`` ``(B,)`` bool ->
-        ``(audio (B, channels, T * samples_per_frame) float32, audio_lengths (B,) int64)``."""
-        return streaming_step.decode_batch(self, codes, lengths, state_slot_ids, valid_rows)
-
-    def decode_streaming_tensors(self, codes, lengths, state_slot_ids, valid_rows):
-        """Tensor-only step (the compile and CUDA-graph boundary, :func:`.step.decode_tensors`): no
-        validation, no host syncs."""
-        return streaming_step.decode_tensors(self, codes, lengths, state_slot_ids, valid_rows)
 
     def step_plan(self, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int):
         """The :class:`~..attention.StepPlan` of one step: ``slots`` ``(B,)`` routed slot ids, ``valid_frames``

@@ -265,17 +265,23 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         slots = [int(s) for s in slots]
         return self.frames_decoded[torch.tensor(slots, device=self.device)].tolist() if slots else []
 
-    def reserve(self, frames_by_slot: dict[int, int]) -> bool:
+    def reserve(self, frames_by_slot: dict[int, int], strict: bool = False) -> bool:
         """Give every slot in use of ``frames_by_slot`` the pages for that many frames of context: True when
         done, False (nothing allocated) when a group lacks free pages. The pages are in the host's page tables
-        at once and in the device's after :meth:`commit_page_tables` (the session's steps, graph replays,
-        :meth:`prepare_step` and :meth:`decode_streaming_batch` commit first); a caller that steps with
-        :meth:`decode_streaming_tensors` itself must commit before it, or the step writes the null page.
+        at once and in the device's after :meth:`commit_page_tables`, which the step runner calls once where it
+        stages a step's inputs and ``step.decode_batch`` calls before its step; a caller that runs
+        ``step.decode_tensors`` itself must commit before it, or the step writes the null page.
 
-        Raises as :meth:`.SlotAllocator.check_frames`.
+        Raises:
+            PagesExhausted: ``strict`` and a group lacks free pages (naming the group, the pages it needs and
+                the slots); nothing is allocated then.
+            TypeError, ValueError: as :meth:`.SlotAllocator.check_frames`.
         """
         self._require_initialized()
         self.slots.check_frames(frames_by_slot, "reserve")
+        if strict:
+            self._reserve_or_raise(frames_by_slot)
+            return True
         plan = self.store.extra_by_slot(frames_by_slot)
         if self.store.short(plan) is not None:
             return False
@@ -291,32 +297,6 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
                 f"{sorted(plan[g])}; {len(self.store.free[g])} are free"
             )
         self.store.allocate_pages(plan)
-
-    def prepare_step(self, slot_ids, lengths, frames=None) -> None:
-        """Allocate the pages a step writes: each slot in ``slot_ids`` (slots in use) decoding ``lengths``
-        frames (ints) gets pages for the context it will have. Without ``frames`` (the frames each slot has
-        decoded so far) it reads the slots' frame counters (one small device-to-host copy). Idempotent for
-        one step.
-
-        Raises:
-            ValueError: a slot that is not in use.
-            PagesExhausted: too few free pages in a group; nothing changes then.
-        """
-        self._require_initialized()
-        slot_ids = self.slots.in_use_ids([int(s) for s in slot_ids], "prepare_step")
-        lengths = [int(n) for n in lengths]
-        if not slot_ids:
-            self.store.commit()  # a step of padding rows alone still reads the tables
-            return
-        frames = self.frames_of(slot_ids) if frames is None else [int(f) for f in frames]
-        self._reserve_or_raise({s: f + n for s, f, n in zip(slot_ids, frames, lengths) if n > 0})
-        self.store.commit()
-
-    def prepare_batch(self, slot_ids, lengths, valid_rows) -> None:
-        live = valid_rows.bool().tolist()
-        self.prepare_step(
-            [s for s, ok in zip(slot_ids.tolist(), live) if ok], [n for n, ok in zip(lengths.tolist(), live) if ok]
-        )
 
     def _restore(self, slot: int, state) -> None:
         # The slot keeps the pages it holds (a scheduler reserves them before it restores a stream): they are

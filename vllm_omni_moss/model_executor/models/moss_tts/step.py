@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """One streaming step over a pool: ``(n_vq, B, T)`` codes of ``B`` rows -> ``(B, channels, T * spf)`` audio.
 
+The pool is memory (slots, rings, offsets, pages); this module runs the decoder over it.
 :func:`decode_tensors` is the tensor-only step (the ``torch.compile`` and CUDA-graph boundary: no validation,
 no host syncs, no Python branching on tensor values); :func:`decode_batch` validates its arguments first.
 Row ``b`` decodes ``lengths[b]`` valid frames of slot ``slot_ids[b]`` when ``valid_rows[b]``; padding rows
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decoder import decode_autocast, run_decoder
+from .decoder import decode_autocast, run_decoder
+from .pool_kinds import pool_kind_record
 
 __all__ = ["decode_batch", "decode_tensors", "validate_step"]
 
@@ -38,7 +40,8 @@ def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[tor
 
 @torch.no_grad()
 def decode_batch(pool, codes, lengths, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_tensors` after :func:`validate_step`, with the pages of a paged pool reserved first.
+    """:func:`decode_tensors` after :func:`validate_step`, with the pages of a paged pool reserved (and its page
+    tables committed) first.
 
     Args:
         codes: ``(n_vq, B, T)`` integer codes in ``[0, codebook_size)``, on the pool's device.
@@ -47,14 +50,27 @@ def decode_batch(pool, codes, lengths, slot_ids, valid_rows) -> tuple[torch.Tens
         slot_ids: ``(B,)`` int64 slot of each row.
         valid_rows: ``(B,)`` bool; False marks padding rows (their valid frames are ignored).
     Raises:
-        ValueError: as :func:`validate_step`. Nothing is modified when it raises.
+        ValueError: as :func:`validate_step`, or (paged pools) a valid row's slot that is not in use. Nothing is
+            modified when it raises.
         PagesExhausted: a paged pool lacks the pages of the step (before anything changes).
         RuntimeError: the pool is not initialised.
     """
     pool._require_initialized()
     validate_step(pool, codes, lengths, slot_ids, valid_rows)
-    pool.prepare_batch(slot_ids, lengths, valid_rows)
+    if pool_kind_record(pool.kind).paged:
+        _reserve_pages(pool, slot_ids, lengths, valid_rows)
     return decode_tensors(pool, codes.long(), lengths.long(), slot_ids.long(), valid_rows)
+
+
+def _reserve_pages(pool, slot_ids, lengths, valid_rows) -> None:
+    """Reserve each valid row's context after the step (frames decoded + its valid frames) in the paged ``pool``,
+    then commit its page tables (a step of padding rows alone still reads them)."""
+    live = [(s, n) for s, n, ok in zip(slot_ids.tolist(), lengths.tolist(), valid_rows.tolist()) if ok]
+    if live:
+        pool.slots.in_use_ids([s for s, _ in live], "decode_batch")
+        frames = pool.frames_of([s for s, _ in live])
+        pool.reserve({s: f + n for (s, n), f in zip(live, frames)}, strict=True)
+    pool.commit_page_tables()
 
 
 def _check_row_tensors(B: int, lengths, slot_ids, valid_rows) -> None:
