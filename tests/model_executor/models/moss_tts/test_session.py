@@ -8,13 +8,19 @@ Every request's audio is compared with its solo fixed-width reference decode
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
 import torch
 from moss_codecs import random_codes
 
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, ChunkResult, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (
+    ChunkRequest,
+    ChunkResult,
+    CodecStreamSession,
+    SessionOptions,
+)
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
@@ -546,6 +552,35 @@ def test_bad_batches_raise(ring_decoder):
 def test_bad_configuration_is_refused(kwargs, message, ring_decoder):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         CodecStreamSession(ring_decoder, 2, **kwargs)
+
+
+def test_session_options_are_one_frozen_record_the_keywords_build_too(ring_decoder):
+    """The keyword arguments and an options record give the session the same record (graph sizes normalised once:
+    distinct, ascending, buckets within the slot count); the record is frozen; a record with loose options
+    beside it, or no slot count at all, is refused."""
+    loose = CodecStreamSession(
+        ring_decoder, 3, graph_batch_sizes=[4, 2, 2, 1], graph_frame_sizes=[3, 1, 3], max_step_frames=5, n_vq=1
+    )
+    want = SessionOptions(3, n_vq=1, graph_batch_sizes=(1, 2), graph_frame_sizes=(1, 3), max_step_frames=5)
+    assert loose.options == want and loose.graph_batch_sizes == [1, 2] and loose.graph_frame_sizes == [1, 3]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        want.max_step_frames = 6
+    recorded = CodecStreamSession(ring_decoder, options=want)
+    assert recorded.options is want and recorded.state_capacity == 3 and recorded.n_vq == 1
+    assert recorded.max_piece_frames == 3 and recorded.pool.state_capacity == 3
+    both = "give the session an options record or the options it is made of, not both"
+    for kwargs in ({"max_step_frames": 4}, {"graph_frame_sizes": (2,)}, {"n_vq": 2}):
+        with pytest.raises(ValueError, match=both):
+            CodecStreamSession(ring_decoder, options=want, **kwargs)
+    with pytest.raises(ValueError, match=both):
+        CodecStreamSession(ring_decoder, 4, options=want)
+    assert CodecStreamSession(ring_decoder, 3, options=want).options is want
+    with pytest.raises(ValueError, match="state_capacity must be an integer >= 1, got None"):
+        CodecStreamSession(ring_decoder)
+    with pytest.raises(ValueError, match="max_waiting_frames must be an integer >= 0, got -2"):
+        SessionOptions(2, max_waiting_frames=-2)
+    with pytest.raises(ValueError, match="n_vq must be in 1..2 for this codec, got 3"):
+        CodecStreamSession(ring_decoder, options=SessionOptions(2, n_vq=3))
 
 
 # ----------------------------------------------------------------------------- exact padded tails and clamping

@@ -415,7 +415,13 @@ def test_ramp_sets_graph_frame_sizes_and_longest_step(tmp_path, session_kwargs):
     stage = build_stage(tmp_path, extra=extra)
     assert stage.graph_frame_sizes == [1, 4, 15] and stage.max_step_frames == 15
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
-    assert session_kwargs["graph_frame_sizes"] == [1, 4, 15] and session_kwargs["max_step_frames"] == 15
+    options = session_kwargs["options"]  # one record, built once from the stage's options
+    assert options == stage.options.session_options() and stage._session.options is options
+    assert options.graph_frame_sizes == (1, 4, 15) and options.max_step_frames == 15
+    assert (options.max_waiting_streams, options.max_waiting_frames) == (
+        stage.state_capacity,
+        stage.state_capacity * 1024,
+    )
     bare = build_stage(tmp_path, extra={})  # the talker's default: 15-frame chunks
     assert bare.graph_frame_sizes == [15] and bare.max_step_frames == 15
 

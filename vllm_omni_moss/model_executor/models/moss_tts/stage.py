@@ -61,9 +61,6 @@ __all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_
 
 logger = init_logger(__name__)
 
-#: Code frames a waiting stream may buffer on average before the admission queue refuses chunks (82 s of codes;
-#: 96 bytes a frame of 12 int64 codes).
-WAITING_FRAMES_PER_SLOT = 1024
 #: Seed of the random codec served under vLLM's dummy load format: the weights ``vllm-omni-moss make-checkpoint``
 #: writes by default for the same preset.
 DUMMY_SEED = 0
@@ -184,13 +181,11 @@ class MossTTSCodecDecoder(nn.Module):
         if self._session is None:
             graphs = self._graph_rows() > 0
             self._session = CodecStreamSession(
-                self._codec, self.state_capacity, graph_batch_sizes=self.graph_batch_sizes,
-                graph_frame_sizes=self.graph_frame_sizes, max_step_frames=self.max_step_frames, n_vq=self.n_vq,
-                compile=vllm_compile_factory(self.vllm_config) if graphs else False, state_spec=self._state_spec,
-                # The engine sends at most max_num_seqs streams: none is ever refused for the queue's size.
-                max_waiting_streams=self.state_capacity, max_waiting_frames=self.state_capacity * WAITING_FRAMES_PER_SLOT,
-                graph_memory_bytes=self.options.graph_memory_bytes,
-            )  # fmt: skip
+                self._codec,
+                state_spec=self._state_spec,
+                options=self.options.session_options(),
+                compile=vllm_compile_factory(self.vllm_config) if graphs else False,
+            )
             _log_graphs(self._session.runner, self.options.graph_memory_bytes)
         return self._session
 

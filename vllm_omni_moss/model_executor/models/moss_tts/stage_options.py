@@ -25,6 +25,7 @@ from .attention import ATTENTION_BACKENDS
 from .config import CODEC_ABILITIES, PRESETS
 from .decoder import chunk_frames_at
 from .graph_ladder import batch_buckets
+from .serving.options import SessionOptions
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
 
@@ -338,6 +339,11 @@ def _connector_extra(model_config) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
+#: Code frames a waiting stream may buffer on average before the admission queue refuses chunks (82 s of codes;
+#: 96 bytes a frame of 12 int64 codes).
+WAITING_FRAMES_PER_SLOT = 1024
+
+
 @dataclass(frozen=True)
 class StageOptions:
     """Everything the stage reads from its config, checked (:meth:`from_vllm_config`).
@@ -430,4 +436,15 @@ class StageOptions:
             [] if enforce_eager else batch_buckets(capacity),
             int((_hf_positive(hf, "codec_graph_memory_gib", "GiB") or DEFAULT_GRAPH_MEMORY_GIB) * 2**30),
             dummy_preset if dummy else None,
+        )  # fmt: skip
+
+    def session_options(self) -> SessionOptions:
+        """The stage's session options, built once: its slots, codebooks, graph sizes, longest step and graph
+        memory; the admission queue takes every slot's stream (the engine sends at most ``max_num_seqs``, so
+        none is ever refused for the queue's size) and :data:`WAITING_FRAMES_PER_SLOT` frames a slot."""
+        return SessionOptions(
+            state_capacity=self.state_capacity, n_vq=self.n_vq, graph_batch_sizes=tuple(self.graph_batch_sizes),
+            graph_frame_sizes=tuple(self.graph_frame_sizes), max_step_frames=self.max_step_frames,
+            max_waiting_streams=self.state_capacity, max_waiting_frames=self.state_capacity * WAITING_FRAMES_PER_SLOT,
+            graph_memory_bytes=self.graph_memory_bytes,
         )  # fmt: skip

@@ -4,11 +4,13 @@
 * :mod:`.session` - :class:`CodecStreamSession`, the facade the stage and the benchmarks use.
 * :mod:`.scheduler` - streams, admission, waiting, preemption (one question to the pool: ``reserve``).
 * :mod:`.step_runner` - cut chunks into steps, stage inputs, dispatch (graph or eager), copy audio back.
+* :mod:`.options` - :class:`SessionOptions`, a session's options in one frozen record.
 * :mod:`.requests`, :mod:`.streams`, :mod:`.counters`, :mod:`.tracing` - what those parts exchange.
 """
 
+from .options import SessionOptions
 from .requests import ChunkRequest, ChunkResult
 from .session import CodecStreamSession
 from .tracing import CallTrace
 
-__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]
+__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession", "SessionOptions"]

@@ -53,11 +53,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..checks import check_count
-from ..graph_ladder import graph_sizes
 from ..state import DecoderStatePool, build_pool
 from ..state.spec import StateSpec
 from .counters import SessionCounters
+from .options import SessionOptions
 from .requests import ChunkRequest, ChunkResult, chunk_error, result_key
 from .scheduler import Scheduler
 from .step_runner import StepRunner
@@ -122,13 +121,17 @@ class CodecStreamSession:
         state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
         graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
             (``cuda_graph.StreamingGraphRunner``).
+        options: instead of ``state_capacity`` and the session options above (graph sizes, ``max_step_frames``,
+            ``n_vq``, queue bounds, ``graph_memory_bytes``), a :class:`~.options.SessionOptions` record (the stage
+            builds one from its ``StageOptions``). Those keyword arguments build the same record.
 
     Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty. A session
     takes one caller at a time (it is not thread-safe): a mutating method called while another runs raises
     ``RuntimeError`` naming both.
 
     Raises:
-        ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, or an
+        ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, both an
+            options record and the options it is made of (or a state spec and pool options), or an
             unknown ``pool_kind``, ``attention_backend`` or ``ring_semantics`` (or ``"triton"`` for the legacy
             pool); a ``page_fraction`` or ``state_budget_bytes`` refused by the paged pool, e.g. a budget too
             small for one stream (the message names the minimum).
@@ -139,7 +142,7 @@ class CodecStreamSession:
     def __init__(
         self,
         decoder,
-        state_capacity: int,
+        state_capacity: int | None = None,
         *,
         pool_kind: str | None = None,
         state_dtype: torch.dtype | None = None,
@@ -157,35 +160,48 @@ class CodecStreamSession:
         expected_stream_frames: int | None = None,
         state_spec: StateSpec | None = None,
         graph_memory_bytes: int | None = None,
+        options: SessionOptions | None = None,
     ):
-        _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq)
+        loose = SessionOptions(
+            state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_batch_sizes),
+            tuple(graph_frame_sizes), max_step_frames, max_waiting_streams, max_waiting_frames, graph_memory_bytes,
+        )  # fmt: skip
+        if options is not None and (state_capacity not in (None, options.state_capacity) or loose != _defaults(loose)):
+            raise ValueError("give the session an options record or the options it is made of, not both")
+        options = loose if options is None else options
+        quantizers = decoder.config.num_quantizers
+        if options.n_vq is not None and not 1 <= int(options.n_vq) <= quantizers:
+            raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {options.n_vq!r}")
         cfg = decoder.config
-        self.decoder, self.state_capacity, self.device = decoder, state_capacity, decoder.device
-        self.n_vq = cfg.num_quantizers if n_vq is None else int(n_vq)
+        self.options = options
+        self.decoder, self.state_capacity, self.device = decoder, options.state_capacity, decoder.device
+        self.n_vq = cfg.num_quantizers if options.n_vq is None else int(options.n_vq)
         self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
-        self.graph_batch_sizes = graph_sizes(graph_batch_sizes, state_capacity)
-        self.graph_frame_sizes = graph_sizes(graph_frame_sizes)
-        options = dict(
+        self.graph_batch_sizes = list(options.graph_batch_sizes)
+        self.graph_frame_sizes = list(options.graph_frame_sizes)
+        pool_options = dict(
             kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics, attention_backend=attention_backend,
             page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
             expected_stream_frames=expected_stream_frames,
         )  # fmt: skip
-        if state_spec is not None and any(v is not None for v in options.values()):
+        if state_spec is not None and any(v is not None for v in pool_options.values()):
             raise ValueError("give the session a state_spec or the pool options it is made of, not both")
-        spec = state_spec or StateSpec.from_options(decoder, **options)
+        spec = state_spec or StateSpec.from_options(decoder, **pool_options)
         self.pool = build_pool(decoder, spec)
-        use_graphs = self.device.type == "cuda" and bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
+        use_graphs = self.device.type == "cuda" and options.uses_graphs
         self.pool.initialize(
-            state_capacity, self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
+            self.state_capacity, self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
         )
         self._counters = SessionCounters()
         self._tracer = CallTracer()
         self._steps = StepRunner(
-            self.pool, self.n_vq, self.graph_batch_sizes, self.graph_frame_sizes, max_step_frames, compile,
-            self._counters, self._tracer, graph_memory_bytes,
+            self.pool, self.n_vq, self.graph_batch_sizes, self.graph_frame_sizes, options.max_step_frames, compile,
+            self._counters, self._tracer, options.graph_memory_bytes,
         )  # fmt: skip
-        self._scheduler = Scheduler(self.pool, state_capacity, max_waiting_streams, max_waiting_frames, self._counters)
+        self._scheduler = Scheduler(
+            self.pool, self.state_capacity, options.max_waiting_streams, options.max_waiting_frames, self._counters
+        )
         self._closed = False
         self._caller, self._running = threading.Lock(), None  # _one_caller's lock, and the method holding it
 
@@ -427,11 +443,6 @@ def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
     return requests, ids
 
 
-def _check_options(decoder, state_capacity, max_step_frames, max_waiting_streams, max_waiting_frames, n_vq):
-    check_count(state_capacity, "state_capacity", 1)
-    check_count(max_step_frames, "max_step_frames", 1)
-    check_count(max_waiting_streams, "max_waiting_streams", 0)
-    check_count(max_waiting_frames, "max_waiting_frames", 0)
-    quantizers = decoder.config.num_quantizers
-    if n_vq is not None and not 1 <= int(n_vq) <= quantizers:
-        raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {n_vq!r}")
+def _defaults(options: SessionOptions) -> SessionOptions:
+    # The record the keyword arguments give when none but the slot count is passed.
+    return SessionOptions(options.state_capacity)

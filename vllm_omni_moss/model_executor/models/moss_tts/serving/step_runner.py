@@ -79,10 +79,10 @@ class StepRunner:
         self.eager_step: Callable = self._compiled if compile is True else functools.partial(decode_batch, pool)
         use_graphs = self.device.type == "cuda" and bool(graph_batch_sizes) and bool(graph_frame_sizes)
         self.graphs = self._capture_graphs() if use_graphs else None
-        # A page-locked host buffer of a step's inputs (int64), reused by every step, and page-locked audio rows
-        # from torch's caching host allocator (_to_host). With graphs both are prepared here for the largest
-        # graph step, so no step pays for pinning memory; without graphs the input buffer grows to the largest
-        # step taken (docs/memory.md).
+        # A page-locked host buffer of a step's inputs (int64, and a bool one of a graph step's valid rows), reused
+        # by every step, and page-locked audio rows from torch's caching host allocator (_to_host). With graphs
+        # all are prepared here for the largest graph step, so no step pays for pinning memory; without graphs
+        # the input buffer grows to the largest step taken (docs/memory.md).
         self._pinned_inputs: torch.Tensor | None = None
         self._pinned_valid: torch.Tensor | None = None  # a graph step's valid rows (bool), read with the inputs
         # Recorded after each step's input copies from that buffer (CUDA only): it may be overwritten once the
@@ -92,6 +92,7 @@ class StepRunner:
         if self.graphs is not None:
             rows = graph_batch_sizes[-1]
             self._input_buffer((n_vq * graph_frame_sizes[-1] + 2) * rows)
+            self._valid_rows(0, rows)
             # Pin one burst of audio rows of every graph frame size and free it: the caching host allocator keeps
             # the blocks, in power-of-two size classes, and serves a row only from its own class. A burst of the
             # largest size alone left each smaller size's first large step to pin its rows (docs/memory.md).
