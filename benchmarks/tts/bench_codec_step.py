@@ -319,7 +319,7 @@ def _peak_transient_bytes(arm: Arm, inputs: dict[str, Any], device: torch.device
 KERNEL_CATEGORIES = (
     ("rope pass (ours)", ("_rope_kernel",)),
     ("ring attention (ours)", ("_ring_attention_kernel",)),
-    ("ring write / commit (ours)", ("_ring_write_kernel", "_commit_cache_kernel", "_commit_offsets_kernel")),
+    ("ring write / commit (ours)", ("_ring_write_kernel", "_commit_ring_kernel", "_commit_offsets_kernel")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
     ("sdpa / upstream attention", ("flash", "fmha", "attention", "attn")),
     ("norm", ("layer_norm", "layernorm")),

@@ -97,11 +97,11 @@ CHUNKS = (1, 3, 5, 7, 12)
 @pytest.mark.parametrize("impl", ["reference", "public_op"])
 @pytest.mark.parametrize("num_tokens", CHUNKS)
 @pytest.mark.parametrize("capacity", CAPACITIES)
-def test_commit_cache_matches_independent_construction(capacity, num_tokens, impl):
+def test_commit_ring_matches_independent_construction(capacity, num_tokens, impl):
     pool, rows, slot_ids, valid_rows, offsets, null_slot = make_case(capacity, num_tokens)
     expected = expected_pool(pool, rows, slot_ids, valid_rows, offsets, num_tokens)
     cache = pool.clone()
-    commit = kernels.commit_cache_reference if impl == "reference" else kernels.commit_cache
+    commit = kernels.commit_ring_reference if impl == "reference" else kernels.commit_ring
     commit(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(cache, expected)
     assert not cache[:, null_slot].any(), "invalid rows wrote into the null slot"
@@ -125,11 +125,11 @@ def expected_mixed(pool, rows, slot_ids, offsets, counts):
 @cpu
 @pytest.mark.parametrize("impl", ["reference", "public_op"])
 @pytest.mark.parametrize("capacity", CAPACITIES)
-def test_commit_cache_writes_each_rows_own_count(capacity, impl):
+def test_commit_ring_writes_each_rows_own_count(capacity, impl):
     pool, rows, slot_ids, _, offsets, null_slot = make_case(capacity, 12, seed=5)
     counts = torch.tensor(MIXED_COUNTS)
     cache = pool.clone()
-    commit = kernels.commit_cache_reference if impl == "reference" else kernels.commit_cache
+    commit = kernels.commit_ring_reference if impl == "reference" else kernels.commit_ring
     commit(rows, cache, slot_ids, offsets, counts, 12)
     assert torch.equal(cache, expected_mixed(pool, rows, slot_ids, offsets, MIXED_COUNTS))
     assert not cache[:, null_slot].any()
@@ -137,10 +137,10 @@ def test_commit_cache_writes_each_rows_own_count(capacity, impl):
 
 @cpu
 @pytest.mark.parametrize("capacity,num_tokens", [(5, 5), (5, 7), (5, 12), (10, 12)])
-def test_commit_cache_replaces_whole_ring_when_chunk_covers_capacity(capacity, num_tokens):
+def test_commit_ring_replaces_whole_ring_when_chunk_covers_capacity(capacity, num_tokens):
     pool, rows, slot_ids, valid_rows, offsets, null_slot = make_case(capacity, num_tokens, seed=1)
     cache = pool.clone()
-    kernels.commit_cache_reference(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring_reference(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     untouched = torch.ones(pool.shape[1], dtype=torch.bool)
     for b in valid_rows.nonzero().flatten().tolist():
         slot = int(slot_ids[b])
@@ -178,7 +178,7 @@ def test_commit_offsets_writes_valid_rows_only(impl):
 
 
 def _decode_step(rows, cache, slot_ids, valid_rows, offsets, bank, num_tokens: int):
-    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     next_offsets = torch.where(valid_rows, offsets + num_tokens, offsets)
     kernels.commit_offsets(next_offsets, bank, slot_ids, valid_rows)
     return cache.sum(dim=(0, 2, 3, 4))
@@ -203,15 +203,15 @@ def test_compile_fullgraph_matches_eager():
         assert not compiled_cache[:, null_slot].any() and compiled_bank[null_slot] == bank[null_slot]
 
 
-def _good_cache_args():
+def _good_ring_args():
     rows = torch.zeros(2, 3, 2, 5, 16)
     cache = torch.zeros(2, 4, 2, 5, 16)
     return dict(
         rows=rows,
-        cache=cache,
+        ring=cache,
         slot_ids=torch.zeros(3, dtype=torch.long),
         offsets=torch.zeros(3, dtype=torch.long),
-        num_written=torch.full((3,), 2, dtype=torch.long),
+        valid_tokens=torch.full((3,), 2, dtype=torch.long),
         max_written=2,
     )
 
@@ -233,21 +233,21 @@ def _good_offset_args():
         ("rows", torch.zeros(3, 3, 2, 5, 16)),  # planes
         ("rows", torch.zeros(2, 3, 2, 6, 16)),  # capacity differs from cache
         ("rows", torch.zeros(2, 3, 2, 5, 16, dtype=torch.bfloat16)),  # dtype differs from cache
-        ("cache", torch.zeros(2, 4, 2, 5)),  # rank
+        ("ring", torch.zeros(2, 4, 2, 5)),  # rank
         ("slot_ids", torch.zeros(3, dtype=torch.int32)),
         ("slot_ids", torch.zeros(4, dtype=torch.long)),
-        ("num_written", torch.ones(3, dtype=torch.int32)),
-        ("num_written", torch.ones(2, dtype=torch.long)),
+        ("valid_tokens", torch.ones(3, dtype=torch.int32)),
+        ("valid_tokens", torch.ones(2, dtype=torch.long)),
         ("offsets", torch.zeros(3, 1, dtype=torch.long)),
         ("max_written", -1),
     ],
 )
-def test_commit_cache_rejects_bad_inputs(name, bad):
-    args = _good_cache_args()
-    kernels.commit_cache(**args)  # the unmodified arguments are accepted
+def test_commit_ring_rejects_bad_inputs(name, bad):
+    args = _good_ring_args()
+    kernels.commit_ring(**args)  # the unmodified arguments are accepted
     args[name] = bad
     with pytest.raises(ValueError, match=f"`{name}`"):
-        kernels.commit_cache(**args)
+        kernels.commit_ring(**args)
 
 
 @cpu
@@ -280,10 +280,10 @@ test_triton_interpreter_subprocess = interpreter_subprocess_test(__file__, timeo
 @cpu
 @needs_interpreter
 @pytest.mark.parametrize("capacity", CAPACITIES)
-def test_commit_cache_interpreted_writes_each_rows_own_count(capacity):
+def test_commit_ring_interpreted_writes_each_rows_own_count(capacity):
     pool, rows, slot_ids, _, offsets, null_slot = make_case(capacity, 12, seed=6)
     cache = pool.clone()
-    kernels._launch_commit_cache_triton(rows, cache, slot_ids, offsets, torch.tensor(MIXED_COUNTS), 12)
+    kernels._launch_commit_ring_triton(rows, cache, slot_ids, offsets, torch.tensor(MIXED_COUNTS), 12)
     assert torch.equal(cache, expected_mixed(pool, rows, slot_ids, offsets, MIXED_COUNTS))
 
 
@@ -291,34 +291,34 @@ def test_commit_cache_interpreted_writes_each_rows_own_count(capacity):
 @needs_interpreter
 @pytest.mark.parametrize("num_tokens", CHUNKS)
 @pytest.mark.parametrize("capacity,head_dim", [(5, 16), (10, 32)])
-def test_commit_cache_interpreted_matches_reference(capacity, head_dim, num_tokens):
+def test_commit_ring_interpreted_matches_reference(capacity, head_dim, num_tokens):
     pool, rows, slot_ids, valid_rows, offsets, null_slot = make_case(capacity, num_tokens, head_dim=head_dim)
     reference = pool.clone()
-    kernels.commit_cache_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     triton_cache = pool.clone()
-    kernels._launch_commit_cache_triton(
+    kernels._launch_commit_ring_triton(
         rows, triton_cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens
     )
     assert torch.equal(triton_cache, reference)
     assert not triton_cache[:, null_slot].any()
     # The public op routes CPU tensors to the interpreted kernel in this process.
     op_cache = pool.clone()
-    kernels.commit_cache(rows, op_cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring(rows, op_cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(op_cache, reference)
 
 
 @cpu
 @needs_interpreter
-def test_commit_cache_interpreted_follows_strides():
+def test_commit_ring_interpreted_follows_strides():
     capacity, num_tokens = 10, 7
     pool, rows, slot_ids, valid_rows, offsets, _ = make_case(capacity, num_tokens, head_dim=16)
     reference = pool.clone()
-    kernels.commit_cache_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     # Same logical tensors, stored with heads innermost but one and planes last.
     rows_view = rows.permute(1, 3, 2, 4, 0).contiguous().permute(4, 0, 2, 1, 3)
     cache_view = pool.permute(1, 3, 2, 4, 0).contiguous().permute(4, 0, 2, 1, 3)
     assert not rows_view.is_contiguous() and not cache_view.is_contiguous()
-    kernels._launch_commit_cache_triton(
+    kernels._launch_commit_ring_triton(
         rows_view, cache_view, slot_ids[::1], offsets, written(valid_rows, num_tokens), num_tokens
     )
     assert torch.equal(cache_view, reference)
@@ -372,7 +372,7 @@ def test_masked_commit_preserves_reference_scatter(num_tokens):
     if num_tokens >= capacity:
         assert torch.equal(expected[:, 2], rows[:, 0]) and torch.equal(expected[:, 0], rows[:, 1])
     cache = pool.clone()
-    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(cache, expected)
     assert torch.equal(cache[:, 4], pool[:, 4]), "invalid rows wrote into the null slot"
 
@@ -390,9 +390,9 @@ def test_cuda_kernels_match_reference(capacity, head_dim, num_tokens):
     pool, rows, slot_ids, valid_rows, offsets = (t.to(device) for t in case[:5])
     null_slot = case[5]
     reference = pool.clone()
-    kernels.commit_cache_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring_reference(rows, reference, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     cache = pool.clone()
-    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
+    kernels.commit_ring(rows, cache, slot_ids, offsets, written(valid_rows, num_tokens), num_tokens)
     assert torch.equal(cache, reference)
     assert not cache[:, null_slot].any()
 
@@ -413,12 +413,12 @@ def test_ops_capture_in_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        kernels.commit_cache(s_rows, cache.clone(), s_slots, s_offsets, written(s_valid, num_tokens), num_tokens)
+        kernels.commit_ring(s_rows, cache.clone(), s_slots, s_offsets, written(s_valid, num_tokens), num_tokens)
         kernels.commit_offsets(s_next, bank.clone(), s_slots, s_valid)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.commit_cache(s_rows, cache, s_slots, s_offsets, written(s_valid, num_tokens), num_tokens)
+        kernels.commit_ring(s_rows, cache, s_slots, s_offsets, written(s_valid, num_tokens), num_tokens)
         kernels.commit_offsets(s_next, bank, s_slots, s_valid)
     for seed in range(3):
         new_pool, new_rows, new_slots, new_valid, new_offsets, _ = make_case(
@@ -460,7 +460,7 @@ def test_ops_under_inductor_dynamic():
 
 
 @cuda
-def test_commit_cache_addresses_beyond_int32():
+def test_commit_ring_addresses_beyond_int32():
     device = torch.device("cuda")
     num_slots, num_heads, capacity, head_dim = 1100, 16, 1024, 64
     assert 2 * num_slots * num_heads * capacity * head_dim > 2**31  # 2.3e9 elements, 4.6 GB in bf16
@@ -469,7 +469,7 @@ def test_commit_cache_addresses_beyond_int32():
     slot_ids = torch.tensor([num_slots - 1, num_slots - 2], device=device)
     valid_rows = torch.tensor([True, False], device=device)
     offsets = torch.tensor([17, 0], device=device)
-    kernels.commit_cache(rows, cache, slot_ids, offsets, written(valid_rows, capacity), capacity)
+    kernels.commit_ring(rows, cache, slot_ids, offsets, written(valid_rows, capacity), capacity)
     assert torch.equal(cache[:, num_slots - 1], rows[:, 0])
     assert not cache[:, num_slots - 2].any()
     assert not cache[:, : num_slots - 1].any()

@@ -142,7 +142,7 @@ def test_graph_replays_count_the_padding_rows_of_their_buckets(ring_decoder):
             bucket, t = key
             zeros = torch.zeros(bucket, dtype=torch.long)
             return types.SimpleNamespace(
-                codes=torch.zeros(s.n_vq, bucket, t, dtype=torch.long), lengths=zeros.clone(),
+                codes=torch.zeros(s.n_vq, bucket, t, dtype=torch.long), valid_frames=zeros.clone(),
                 slot_ids=zeros.clone(), valid=torch.zeros(bucket, dtype=torch.bool), padding_host=zeros,
             )  # fmt: skip
 

@@ -238,8 +238,8 @@ def _snapshot(pool):
             lambda c, l, s, v: (c, l, torch.tensor([-1, 1]), v),
             r"slot id -1 of a valid row is outside the live slots 0..2",
         ),
-        (lambda c, l, s, v: (c, l[:1], s, v), r"lengths must be a tensor of shape \(2,\), got \(1,\)"),
-        (lambda c, l, s, v: (c, torch.tensor([4, 0]), s, v), r"lengths\[0\] = 4 is outside 0..3"),
+        (lambda c, l, s, v: (c, l[:1], s, v), r"valid_frames must be a tensor of shape \(2,\), got \(1,\)"),
+        (lambda c, l, s, v: (c, torch.tensor([4, 0]), s, v), r"valid_frames\[0\] = 4 is outside 0..3"),
         (lambda c, l, s, v: (c, l, s.float(), v), "state_slot_ids must be int32/int64, got torch.float32"),
         (lambda c, l, s, v: (c, l, s, v.long()), "valid_rows must be bool, got torch.int64"),
         (lambda c, l, s, v: (torch.cat([c, c[:1]]), l, s, v), "codes have n_vq=3 codebooks; this codec has 1..2"),
@@ -500,7 +500,7 @@ def test_a_valid_rows_length_outside_the_step_is_refused(length, ring_decoder):
     pool = _pool_for(ring_decoder, "compact")
     before = [t.clone() for t in pool.rings + pool.offset_tensors()]
     codes = random_codes(ring_decoder, 2, 3, seed=1)
-    with pytest.raises(ValueError, match=rf"lengths\[1\] = {length} is outside 0..3 \(T = frames in this step\)"):
+    with pytest.raises(ValueError, match=rf"valid_frames\[1\] = {length} is outside 0..3 \(T = frames in this step\)"):
         _run(pool, codes, [3, length], [0, 1])
     assert all(torch.equal(x, y) for x, y in zip(before, pool.rings + pool.offset_tensors()))
     # An invalid (padding) row's length is ignored.

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
-from .ops.commit import commit_cache, commit_offsets
+from .ops.commit import commit_offsets, commit_ring
 from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
 from .pool_kinds import pool_kind_record
@@ -83,7 +83,7 @@ class GroupStep:
         spec: the group.
         first_layer: index of the group's first attention layer in the whole decoder.
         num_tokens: ``T`` tokens per row in this step (frames x ``spec.tokens_per_frame``).
-        num_written: ``(B,)`` int64 valid tokens per row (0 for padding rows); ``None`` offline.
+        valid_tokens: ``(B,)`` int64 valid tokens per row (0 for padding rows); ``None`` offline.
         meta: ring metadata shared by the group's layers, or ``None`` when the backend
             builds its own (offline, legacy, fixed width).
     """
@@ -91,7 +91,7 @@ class GroupStep:
     spec: GroupSpec
     first_layer: int
     num_tokens: int
-    num_written: torch.Tensor | None = None
+    valid_tokens: torch.Tensor | None = None
     meta: RingMetadata | None = None
 
 
@@ -115,7 +115,7 @@ def group_steps(
     config: CodecConfig,
     num_frames: int,
     valid_frames: torch.Tensor | None,
-    semantics: str | None = None,
+    ring_semantics: str | None = None,
     frames_decoded: torch.Tensor | None = None,
 ) -> list[GroupStep]:
     """The :class:`GroupStep` of every resolution group for a step of ``num_frames`` frames.
@@ -124,7 +124,7 @@ def group_steps(
         config: the codec.
         num_frames: ``T`` frames per row.
         valid_frames: ``(B,)`` int64 valid frames per row, or ``None`` (offline decode).
-        semantics, frames_decoded: when ``frames_decoded`` (``(B,)`` int64 frames decoded before
+        ring_semantics, frames_decoded: when ``frames_decoded`` (``(B,)`` int64 frames decoded before
             this step) is given, each group's :class:`~.step_metadata.RingMetadata` is built
             here, once, with these ring semantics; otherwise ``meta`` stays ``None``.
     """
@@ -135,7 +135,7 @@ def group_steps(
         meta = None
         if frames_decoded is not None:
             meta = step_metadata.build_ring_metadata(
-                spec, semantics, frames_decoded * spec.tokens_per_frame, written, num_tokens
+                spec, ring_semantics, frames_decoded * spec.tokens_per_frame, written, num_tokens
             )
         steps.append(GroupStep(spec, config.group_first_layers[g], num_tokens, written, meta))
     return steps
@@ -172,18 +172,18 @@ def check_attention_backend(name: str) -> str:
 
 
 def gathered_ring_attention(
-    semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor, keep_empty_rows: bool = False
+    ring_semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor, keep_empty_rows: bool = False
 ) -> torch.Tensor:
     """One layer's streaming attention over gathered rings (the parity oracle).
 
     Args:
-        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
+        ring_semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
             (attend over ``[pre-write ring || chunk]``, then write); docs/ring_semantics.md.
         rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
             place with this step's valid tokens (the caller persists them). Cells no valid
             token reaches keep their values; a cell several valid tokens reach holds the
             latest of them, whatever order the device scatters in. Rows that write nothing
-            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
+            (``valid_tokens == 0``) are left undefined unless ``keep_empty_rows``.
         meta: the group's :class:`~.step_metadata.RingMetadata`.
         qkv: ``(3, B, H, T, Dh)`` projections before RoPE.
         keep_empty_rows: leave rows that write nothing unchanged.
@@ -192,7 +192,7 @@ def gathered_ring_attention(
         :func:`~.ops.ring_attention.attend_gathered_rows` after RoPE.
     """
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    return attend_gathered_rows(semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
+    return attend_gathered_rows(ring_semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
 
 
 # --------------------------------------------------------------------------- backends
@@ -228,18 +228,18 @@ class CompactRingAttention:
 
     Args:
         rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
-        semantics: the pool's ring semantics.
+        ring_semantics: the pool's ring semantics.
         slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
     """
 
-    def __init__(self, rings: list[torch.Tensor], semantics: str, slots: torch.Tensor):
-        self.rings, self.semantics, self.slots = rings, semantics, slots
+    def __init__(self, rings: list[torch.Tensor], ring_semantics: str, slots: torch.Tensor):
+        self.rings, self.ring_semantics, self.slots = rings, ring_semantics, slots
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         ring, meta = self.rings[layer], group.meta
         rows = ring.index_select(1, self.slots)
-        out = gathered_ring_attention(self.semantics, rows, meta, qkv)
-        commit_cache(rows, ring, self.slots, meta.offsets, meta.num_written, group.num_tokens)
+        out = gathered_ring_attention(self.ring_semantics, rows, meta, qkv)
+        commit_ring(rows, ring, self.slots, meta.offsets, meta.valid_tokens, group.num_tokens)
         return out
 
 
@@ -258,7 +258,7 @@ class CompactTritonRingAttention:
     Args:
         config: the codec.
         rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
-        semantics: the pool's ring semantics.
+        ring_semantics: the pool's ring semantics.
         slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
         frames_decoded: ``(B,)`` int64 frames each row decoded before this step.
         num_frames: ``T`` frames per row in this step.
@@ -270,13 +270,13 @@ class CompactTritonRingAttention:
         self,
         config: CodecConfig,
         rings: list[torch.Tensor],
-        semantics: str,
+        ring_semantics: str,
         slots: torch.Tensor,
         frames_decoded: torch.Tensor,
         num_frames: int,
         page_tables: dict[int, torch.Tensor] | None = None,
     ):
-        self.rings, self.semantics, self.slots = rings, semantics, slots
+        self.rings, self.ring_semantics, self.slots = rings, ring_semantics, slots
         self.page_tables = page_tables or {}
         self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for spec, first_layer in zip(config.groups, config.group_first_layers):
@@ -286,14 +286,14 @@ class CompactTritonRingAttention:
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         offsets, cos, sin = self.tables[group.first_layer]
-        ring, written = self.rings[layer], group.num_written
+        ring, written = self.rings[layer], group.valid_tokens
         # Rotation rounds to the projection dtype first, then keys and values go to the ring dtype (a
         # no-op when they match): as the reference path.
         qk = rope_op(qkv[:2], cos, sin)
         q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
         table = self.page_tables.get(group.first_layer)
         out = ring_ops.ring_attention_write(
-            q, keys, values, ring, self.slots, offsets, written, self.semantics, page_table=table
+            q, keys, values, ring, self.slots, offsets, written, self.ring_semantics, page_table=table
         )
         return out.transpose(1, 2)
 
@@ -306,31 +306,31 @@ class LegacyRingAttention:
         offset_table: ``(R, S)`` int64 offsets (rows per :class:`~.state.LegacyDecoderStatePool`).
         layer_rows: per layer, its (attention offset, ring end offset) rows of ``offset_table``.
         group_rows: last layer of a group -> that group's own offset row (v2 codecs only).
-        semantics: the pool's ring semantics.
+        ring_semantics: the pool's ring semantics.
         slots: ``(B,)`` int64 slot of each execution row (padding rows on scratch slots).
     """
 
-    def __init__(self, rings, offset_table, layer_rows, group_rows, semantics: str, slots: torch.Tensor):
+    def __init__(self, rings, offset_table, layer_rows, group_rows, ring_semantics: str, slots: torch.Tensor):
         self.rings, self.offset_table = rings, offset_table
         self.layer_rows, self.group_rows = layer_rows, group_rows
-        self.semantics, self.slots = semantics, slots
+        self.ring_semantics, self.slots = ring_semantics, slots
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         attn_row, ring_row = self.layer_rows[layer]
         offsets = self.offset_table[attn_row].index_select(0, self.slots)
         meta = step_metadata.build_ring_metadata(
-            group.spec, self.semantics, offsets, group.num_written, group.num_tokens
+            group.spec, self.ring_semantics, offsets, group.valid_tokens, group.num_tokens
         )
         ring = self.rings[layer]
         rows = ring.index_select(1, self.slots)
         # The whole rows are written back: rows that write nothing must come back as they were.
-        out = gathered_ring_attention(self.semantics, rows, meta, qkv, keep_empty_rows=True)
+        out = gathered_ring_attention(self.ring_semantics, rows, meta, qkv, keep_empty_rows=True)
         ring.index_copy_(1, self.slots, rows)
         for row in {attn_row, ring_row}:
             self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
         group_row = self.group_rows.get(layer)
         if group_row is not None:
-            advanced = self.offset_table[group_row].index_select(0, self.slots) + group.num_written
+            advanced = self.offset_table[group_row].index_select(0, self.slots) + group.valid_tokens
             self.offset_table[group_row].index_copy_(0, self.slots, advanced)
         return out
 
@@ -338,15 +338,15 @@ class LegacyRingAttention:
 class FixedWidthAttention:
     """Reference streaming: per layer its own ring ``(2, B, H, C, Dh)`` and offsets ``(B,)``, all rows valid."""
 
-    def __init__(self, rings: list[torch.Tensor], offsets: list[torch.Tensor], semantics: str):
-        self.rings, self.offsets, self.semantics = rings, offsets, semantics
+    def __init__(self, rings: list[torch.Tensor], offsets: list[torch.Tensor], ring_semantics: str):
+        self.rings, self.offsets, self.ring_semantics = rings, offsets, ring_semantics
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         offsets = self.offsets[layer]
         meta = step_metadata.build_ring_metadata(
-            group.spec, self.semantics, offsets, group.num_written, group.num_tokens
+            group.spec, self.ring_semantics, offsets, group.valid_tokens, group.num_tokens
         )
-        out = gathered_ring_attention(self.semantics, self.rings[layer], meta, qkv)
+        out = gathered_ring_attention(self.ring_semantics, self.rings[layer], meta, qkv)
         offsets.copy_(meta.next_offsets)
         return out
 

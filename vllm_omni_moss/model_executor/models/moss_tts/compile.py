@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """``torch.compile`` boundary of a streaming step.
 
-A step is ``step.decode_tensors(pool, codes, lengths, state_slot_ids,
+A step is ``step.decode_tensors(pool, codes, valid_frames, state_slot_ids,
 valid_rows)``: tensor-only, no host syncs, no Python branching on tensor values, so it
 compiles with ``fullgraph=True`` and dynamic batch and frame dimensions.
 
 The adapters are ``nn.Module`` s because vLLM's ``support_torch_compile`` decorates
 module classes, and its compile cache keys artifacts on the decorated class. The
 legacy and compact pools mutate state differently (whole-ring ``index_copy_`` versus
-the masked ``commit_cache`` / ``commit_offsets`` ops), so each pool class has its own
+the masked ``commit_ring`` / ``commit_offsets`` ops), so each pool class has its own
 adapter class: an artifact compiled for one can never be reused for the other. The
 stage subclasses these classes under vLLM's decorator; this module never imports vLLM.
 """
@@ -34,7 +34,7 @@ __all__ = [
 #: Dynamic dimensions of the adapter's forward arguments (``support_torch_compile`` format).
 DYNAMIC_ARG_DIMS: dict[str, dict[int, str]] = {
     "codes": {1: "batch", 2: "frames"},
-    "lengths": {0: "batch"},
+    "valid_frames": {0: "batch"},
     "state_slot_ids": {0: "batch"},
     "valid_rows": {0: "batch"},
 }
@@ -59,8 +59,8 @@ class _DecodeCompileAdapter(nn.Module):
         self.decoder = pool.decoder
         self.pool = pool
 
-    def _step(self, codes, lengths, state_slot_ids, valid_rows):
-        return decode_tensors(self.pool, codes, lengths, state_slot_ids, valid_rows)
+    def _step(self, codes, valid_frames, state_slot_ids, valid_rows):
+        return decode_tensors(self.pool, codes, valid_frames, state_slot_ids, valid_rows)
 
 
 # Each concrete class defines its own ``forward``: vLLM's AOT cache hashes
@@ -76,13 +76,13 @@ class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
     def forward(
         self,
         codes: torch.Tensor,
-        lengths: torch.Tensor,
+        valid_frames: torch.Tensor,
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``codes (n_vq, B, T)`` int64, ``lengths (B,)`` int64, ``state_slot_ids (B,)`` int64,
+        """``codes (n_vq, B, T)`` int64, ``valid_frames (B,)`` int64, ``state_slot_ids (B,)`` int64,
         ``valid_rows (B,)`` bool -> ``audio (B, channels, T * spf)`` float32, ``audio_lengths (B,)`` int64."""
-        return self._step(codes, lengths, state_slot_ids, valid_rows)
+        return self._step(codes, valid_frames, state_slot_ids, valid_rows)
 
 
 class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
@@ -93,13 +93,13 @@ class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
     def forward(
         self,
         codes: torch.Tensor,
-        lengths: torch.Tensor,
+        valid_frames: torch.Tensor,
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``codes (n_vq, B, T)`` int64, ``lengths (B,)`` int64, ``state_slot_ids (B,)`` int64,
+        """``codes (n_vq, B, T)`` int64, ``valid_frames (B,)`` int64, ``state_slot_ids (B,)`` int64,
         ``valid_rows (B,)`` bool -> ``audio (B, channels, T * spf)`` float32, ``audio_lengths (B,)`` int64."""
-        return self._step(codes, lengths, state_slot_ids, valid_rows)
+        return self._step(codes, valid_frames, state_slot_ids, valid_rows)
 
 
 def adapter_class_for(pool: DecoderStatePool) -> type[_DecodeCompileAdapter]:
@@ -135,10 +135,10 @@ def compile_decode(pool: DecoderStatePool, backend: str = "inductor") -> Callabl
     compiled = torch.compile(adapter, dynamic=True, fullgraph=True, backend=backend)
     names = tuple(DYNAMIC_ARG_DIMS)
 
-    def decode(codes, lengths, state_slot_ids, valid_rows):
-        for name, tensor in zip(names, (codes, lengths, state_slot_ids, valid_rows)):
+    def decode(codes, valid_frames, state_slot_ids, valid_rows):
+        for name, tensor in zip(names, (codes, valid_frames, state_slot_ids, valid_rows)):
             _mark_dynamic(tensor, DYNAMIC_ARG_DIMS[name])
-        return compiled(codes, lengths, state_slot_ids, valid_rows)
+        return compiled(codes, valid_frames, state_slot_ids, valid_rows)
 
     decode.adapter = adapter  # type: ignore[attr-defined]
     return decode

@@ -62,7 +62,7 @@ class CapturedGraph:
     Attributes:
         graph: the CUDA graph.
         codes: ``(n_vq, bucket, T)`` int64 input codes.
-        lengths: ``(bucket,)`` int64 valid frames of each row.
+        valid_frames: ``(bucket,)`` int64 valid frames of each row.
         slot_ids: ``(bucket,)`` int64 slot of each row.
         valid: ``(bucket,)`` bool valid rows.
         padding_ids: ``(bucket,)`` int64 on the device, the ids padding rows carry (``padding_host`` on the host).
@@ -71,7 +71,7 @@ class CapturedGraph:
 
     graph: torch.cuda.CUDAGraph
     codes: torch.Tensor
-    lengths: torch.Tensor
+    valid_frames: torch.Tensor
     slot_ids: torch.Tensor
     valid: torch.Tensor
     padding_ids: torch.Tensor
@@ -219,7 +219,7 @@ class StreamingGraphRunner:
         device = self.pool.device
         padding = self.pool.padding_slot_ids(bucket).to(device=device, dtype=torch.long).clone()
         codes = torch.zeros(self.n_vq, bucket, frames, dtype=torch.long, device=device)
-        lengths = torch.zeros(bucket, dtype=torch.long, device=device)
+        valid_frames = torch.zeros(bucket, dtype=torch.long, device=device)
         slot_ids = padding.clone()
         valid = torch.zeros(bucket, dtype=torch.bool, device=device)
 
@@ -228,7 +228,7 @@ class StreamingGraphRunner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                step(codes, lengths, slot_ids, valid)
+                step(codes, valid_frames, slot_ids, valid)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self._reset_padding(bucket)
@@ -236,11 +236,11 @@ class StreamingGraphRunner:
         graph = torch.cuda.CUDAGraph()
         out = self._outputs[frames][:bucket]
         with torch.cuda.graph(graph, pool=self._mempool, stream=self._stream, capture_error_mode="thread_local"):
-            audio, _ = step(codes, lengths, slot_ids, valid)
+            audio, _ = step(codes, valid_frames, slot_ids, valid)
             out.copy_(audio)
         del audio  # its block goes back to the graphs' pool: only the output buffer is read after a replay
         torch.cuda.synchronize(device)
-        return CapturedGraph(graph, codes, lengths, slot_ids, valid, padding, padding.cpu(), out)
+        return CapturedGraph(graph, codes, valid_frames, slot_ids, valid, padding, padding.cpu(), out)
 
     def _reset_padding(self, bucket: int) -> None:
         dirtied = self.pool.slots_dirtied_by_padding(bucket)
@@ -271,13 +271,13 @@ class StreamingGraphRunner:
         return g.audio[:rows]
 
     @torch.no_grad()
-    def decode(self, codes: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor | None:
+    def decode(self, codes: torch.Tensor, valid_frames: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor | None:
         """Replay the graph for a batch of valid rows held on the device, or return None (the caller runs eager).
         A paged pool's page tables must be committed first (``pool.commit_page_tables``).
 
         Args:
             codes: ``(n_vq, B, T)`` int64 on the pool's CUDA device.
-            lengths: ``(B,)`` int64 valid frames per row, ``0..T``.
+            valid_frames: ``(B,)`` int64 valid frames per row, ``0..T``.
             slot_ids: ``(B,)`` int64 distinct slots in use.
         Returns:
             ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``;
@@ -295,8 +295,8 @@ class StreamingGraphRunner:
         g = self.graphs[key]
         g.codes.zero_()
         g.codes[:, :B, :T].copy_(codes)
-        g.lengths.zero_()
-        g.lengths[:B].copy_(lengths)
+        g.valid_frames.zero_()
+        g.valid_frames[:B].copy_(valid_frames)
         g.slot_ids.copy_(g.padding_ids)
         g.slot_ids[:B].copy_(slot_ids)
         g.valid.zero_()

@@ -416,10 +416,10 @@ class FixedWidthStream:
             raise ValueError("chunk has T=0 frames; each chunk needs at least one frame")
         codes = codes.to(self.decoder.device, torch.long)
         num_frames = codes.shape[-1]
-        lengths = torch.full((self.batch_size,), num_frames, dtype=torch.long, device=codes.device)
+        valid_frames = torch.full((self.batch_size,), num_frames, dtype=torch.long, device=codes.device)
         config = self.decoder.config
         attention = FixedWidthAttention(self.state.rings, self.state.offsets, self.ring_semantics)
-        plan = StepPlan(group_steps(config, num_frames, lengths), attention)
+        plan = StepPlan(group_steps(config, num_frames, valid_frames), attention)
         with decode_autocast(self.decoder):
             return run_decoder(self.decoder, codes, plan)
 

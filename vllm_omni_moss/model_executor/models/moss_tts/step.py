@@ -4,7 +4,7 @@
 The pool is memory (slots, rings, offsets, pages); this module runs the decoder over it.
 :func:`decode_tensors` is the tensor-only step (the ``torch.compile`` and CUDA-graph boundary: no validation,
 no host syncs, no Python branching on tensor values); :func:`decode_batch` validates its arguments first.
-Row ``b`` decodes ``lengths[b]`` valid frames of slot ``slot_ids[b]`` when ``valid_rows[b]``; padding rows
+Row ``b`` decodes ``valid_frames[b]`` valid frames of slot ``slot_ids[b]`` when ``valid_rows[b]``; padding rows
 (``valid_rows[b]`` False) read the slot the pool routes them to and change nothing it keeps.
 """
 
@@ -39,13 +39,13 @@ def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[tor
 
 
 @torch.no_grad()
-def decode_batch(pool, codes, lengths, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_batch(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_tensors` after :func:`validate_step`, with the pages of a paged pool reserved (and its page
     tables committed) first.
 
     Args:
         codes: ``(n_vq, B, T)`` integer codes in ``[0, codebook_size)``, on the pool's device.
-        lengths: ``(B,)`` integer valid frames per row, ``0..T``: frames at or beyond a row's valid frames
+        valid_frames: ``(B,)`` integer valid frames per row, ``0..T``: frames at or beyond a row's valid frames
             are padding (they change no state); 0 decodes nothing.
         slot_ids: ``(B,)`` int64 slot of each row.
         valid_rows: ``(B,)`` bool; False marks padding rows (their valid frames are ignored).
@@ -56,16 +56,16 @@ def decode_batch(pool, codes, lengths, slot_ids, valid_rows) -> tuple[torch.Tens
         RuntimeError: the pool is not initialised.
     """
     pool._require_initialized()
-    validate_step(pool, codes, lengths, slot_ids, valid_rows)
+    validate_step(pool, codes, valid_frames, slot_ids, valid_rows)
     if pool_kind_record(pool.kind).paged:
-        _reserve_pages(pool, slot_ids, lengths, valid_rows)
-    return decode_tensors(pool, codes.long(), lengths.long(), slot_ids.long(), valid_rows)
+        _reserve_pages(pool, slot_ids, valid_frames, valid_rows)
+    return decode_tensors(pool, codes.long(), valid_frames.long(), slot_ids.long(), valid_rows)
 
 
-def _reserve_pages(pool, slot_ids, lengths, valid_rows) -> None:
+def _reserve_pages(pool, slot_ids, valid_frames, valid_rows) -> None:
     """Reserve each valid row's context after the step (frames decoded + its valid frames) in the paged ``pool``,
     then commit its page tables (a step of padding rows alone still reads them)."""
-    live = [(s, n) for s, n, ok in zip(slot_ids.tolist(), lengths.tolist(), valid_rows.tolist()) if ok]
+    live = [(s, n) for s, n, ok in zip(slot_ids.tolist(), valid_frames.tolist(), valid_rows.tolist()) if ok]
     if live:
         pool.slots.in_use_ids([s for s, _ in live], "decode_batch")
         frames = pool.frames_of([s for s, _ in live])
@@ -73,9 +73,9 @@ def _reserve_pages(pool, slot_ids, lengths, valid_rows) -> None:
     pool.commit_page_tables()
 
 
-def _check_row_tensors(B: int, lengths, slot_ids, valid_rows) -> None:
+def _check_row_tensors(B: int, valid_frames, slot_ids, valid_rows) -> None:
     for name, t, kind in (
-        ("lengths", lengths, "int"),
+        ("valid_frames", valid_frames, "int"),
         ("state_slot_ids", slot_ids, "int"),
         ("valid_rows", valid_rows, "bool"),
     ):
@@ -87,7 +87,7 @@ def _check_row_tensors(B: int, lengths, slot_ids, valid_rows) -> None:
             raise ValueError(f"{name} must be {'bool' if kind == 'bool' else 'int32/int64'}, got {t.dtype}")
 
 
-def validate_step(pool, codes, lengths, slot_ids, valid_rows) -> None:
+def validate_step(pool, codes, valid_frames, slot_ids, valid_rows) -> None:
     """Check one step's arguments against ``pool`` (one host sync for the row values).
 
     Raises:
@@ -99,14 +99,19 @@ def validate_step(pool, codes, lengths, slot_ids, valid_rows) -> None:
     _, B, T = codes.shape
     if B < 1 or T < 1:
         raise ValueError(f"codes must have B >= 1 rows and T >= 1 frames, got shape {tuple(codes.shape)}")
-    _check_row_tensors(B, lengths, slot_ids, valid_rows)
-    for name, t in (("codes", codes), ("lengths", lengths), ("state_slot_ids", slot_ids), ("valid_rows", valid_rows)):
+    _check_row_tensors(B, valid_frames, slot_ids, valid_rows)
+    for name, t in (
+        ("codes", codes),
+        ("valid_frames", valid_frames),
+        ("state_slot_ids", slot_ids),
+        ("valid_rows", valid_rows),
+    ):
         if t.device != pool.device:
             raise ValueError(f"{name} is on {t.device}, the pool is on {pool.device}")
     ids, valid = slot_ids.tolist(), valid_rows.tolist()
-    for b, n in enumerate(lengths.tolist()):
+    for b, n in enumerate(valid_frames.tolist()):
         if valid[b] and not 0 <= n <= T:
-            raise ValueError(f"lengths[{b}] = {n} is outside 0..{T} (T = frames in this step)")
+            raise ValueError(f"valid_frames[{b}] = {n} is outside 0..{T} (T = frames in this step)")
     live = [i for i, v in zip(ids, valid) if v]
     for i in live:
         if not 0 <= i < pool.state_capacity:

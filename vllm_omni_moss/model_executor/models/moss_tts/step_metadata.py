@@ -14,9 +14,9 @@ Two ring semantics exist, chosen once per pool (:data:`RING_SEMANTICS`):
 * ``"exact"`` (the v1 codec, ``audio_tokenizer.py``): attend over
   ``[pre-write ring || chunk]`` (``C + T`` keys), then write the chunk.
 
-Per-frame validity: row ``b`` writes only its first ``num_written[b]`` tokens (its
+Per-frame validity: row ``b`` writes only its first ``valid_tokens[b]`` tokens (its
 real frames). Tokens at or beyond that count are padding: they write no ring cell,
-advance no offset and are visible to no query. Rows with ``num_written == 0``
+advance no offset and are visible to no query. Rows with ``valid_tokens == 0``
 (graph padding rows, empty rows) change nothing.
 
 Within a resolution group every layer has the same offsets, so the same metadata
@@ -48,15 +48,15 @@ __all__ = [
 RING_SEMANTICS = ("upstream", "exact")
 
 
-def check_ring_semantics(semantics) -> str:
-    """``semantics`` if it is one of :data:`RING_SEMANTICS`.
+def check_ring_semantics(ring_semantics) -> str:
+    """``ring_semantics`` if it is one of :data:`RING_SEMANTICS`.
 
     Raises:
         ValueError: the message lists the choices.
     """
-    if semantics not in RING_SEMANTICS:
-        raise ValueError(f"unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
-    return semantics
+    if ring_semantics not in RING_SEMANTICS:
+        raise ValueError(f"unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
+    return ring_semantics
 
 
 def default_ring_semantics(codec_version: str) -> str:
@@ -78,10 +78,10 @@ class RingMetadata:
 
     Attributes:
         offsets: ``(B,)`` int64 pre-step token offsets (RoPE start, query positions).
-        num_written: ``(B,)`` int64 valid tokens each row writes (0 for padding rows).
-        next_offsets: ``(B,)`` int64 ``offsets + num_written``.
+        valid_tokens: ``(B,)`` int64 valid tokens each row writes (0 for padding rows).
+        next_offsets: ``(B,)`` int64 ``offsets + valid_tokens``.
         write_source: ``(B, W)`` int64, ``W = min(T, C)``: the chunk tokens a row writes,
-            its last ``min(num_written, C)`` valid tokens (the later token owns a shared
+            its last ``min(valid_tokens, C)`` valid tokens (the later token owns a shared
             cell), then the last of them repeated; rows that write nothing name token 0.
         write_cell: ``(B, W)`` int64 ring cell of each ``write_source`` token,
             ``(offset + token) mod C``. Within a row the cells of distinct tokens are
@@ -94,7 +94,7 @@ class RingMetadata:
     """
 
     offsets: torch.Tensor
-    num_written: torch.Tensor
+    valid_tokens: torch.Tensor
     next_offsets: torch.Tensor
     write_source: torch.Tensor
     write_cell: torch.Tensor
@@ -150,9 +150,9 @@ def _latest_position(last: torch.Tensor, capacity: int) -> torch.Tensor:
 
 def build_ring_metadata(
     spec: GroupSpec,
-    semantics: str,
+    ring_semantics: str,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     num_tokens: int,
 ) -> RingMetadata:
     """Build the step metadata of one group (or one layer, for the legacy pool).
@@ -162,25 +162,25 @@ def build_ring_metadata(
             ``head_dim``, ``max_period``).
         semantics: ``"upstream"`` or ``"exact"`` (module docstring).
         offsets: ``(B,)`` int64 pre-step token offsets of the execution rows.
-        num_written: ``(B,)`` int64 valid tokens per row, each in ``[0, num_tokens]``.
+        valid_tokens: ``(B,)`` int64 valid tokens per row, each in ``[0, num_tokens]``.
         num_tokens: ``T`` tokens per row in this step (frames x tokens per frame).
     Raises:
-        ValueError: unknown ``semantics``.
+        ValueError: unknown ``ring_semantics``.
 
     Pure tensor code with no data-dependent Python branching (compile/graph safe).
     """
-    check_ring_semantics(semantics)
+    check_ring_semantics(ring_semantics)
     device = offsets.device
     T, C = num_tokens, spec.ring_capacity
     start = offsets.view(-1, 1)
-    next_offsets = offsets + num_written
-    # The later position owns a cell: a row writes its last min(num_written, C) valid tokens.
-    kept = num_written.clamp(max=C).view(-1, 1)
+    next_offsets = offsets + valid_tokens
+    # The later position owns a cell: a row writes its last min(valid_tokens, C) valid tokens.
+    kept = valid_tokens.clamp(max=C).view(-1, 1)
     entry = torch.arange(min(T, C), device=device, dtype=torch.long)
-    write_source = (num_written.view(-1, 1) - kept) + torch.minimum(entry, (kept - 1).clamp(min=0))
+    write_source = (valid_tokens.view(-1, 1) - kept) + torch.minimum(entry, (kept - 1).clamp(min=0))
     write_cell = torch.remainder(start + write_source, C)
     query = start + torch.arange(T, device=device, dtype=torch.long)  # (B, T)
-    if semantics == "upstream":
+    if ring_semantics == "upstream":
         # Keys are the post-write ring; negative = never written.
         positions = _latest_position(next_offsets.view(-1, 1) - 1, C)
     else:
@@ -192,7 +192,7 @@ def build_ring_metadata(
     cos, sin = rope_tables(offsets, T, spec.head_dim, spec.max_period)
     return RingMetadata(
         offsets=offsets,
-        num_written=num_written,
+        valid_tokens=valid_tokens,
         next_offsets=next_offsets,
         write_source=write_source,
         write_cell=write_cell,

@@ -3,7 +3,7 @@
 launch, the ``torch.library.custom_op`` with ``register_fake``, and the PyTorch reference it is tested
 against. No module imports another's private name.
 
-* :mod:`.commit` - ``commit_cache`` / ``commit_offsets``: masked write-back of a step's ring cells
+* :mod:`.commit` - ``commit_ring`` / ``commit_offsets``: masked write-back of a step's ring cells
   and offsets into the state pool.
 * :mod:`.ring_write` - ``ring_write``: the write of each row's last ``min(tokens, C)`` chunk tokens
   into its ring; and what both ring ops build on: the jit helpers of the ring kernels, their RoPE and
@@ -15,7 +15,7 @@ against. No module imports another's private name.
   stages, fused write per step shape).
 * :mod:`.ring_reference` - ``attend_gathered_rows``, the SDPA computation over gathered ring rows
   that the ``"sdpa"`` backend runs and the ring ops' references build on, and the logical view of a
-  paged cache those references read and write.
+  paged ring those references read and write.
 * :mod:`.rope` - ``rope``: RoPE of a layer's queries and keys as one pass, bitwise
   ``step_metadata.apply_rope``; the triton backend runs it before the attention kernel, which then
   reads ready keys.

@@ -3,7 +3,7 @@
 
 Two operations commit one decoder step into the persistent state pool:
 
-* ``commit_cache`` copies, per row, the ring cells that row's valid tokens wrote from the step's rings
+* ``commit_ring`` copies, per row, the ring cells that row's valid tokens wrote from the step's rings
   ``(2, B, H, C, Dh)`` back into the pool ``(2, S, H, C, Dh)``; rows that wrote no token copy nothing.
 * ``commit_offsets`` stores the advanced offsets of valid rows into a per-slot table ``(S,)``.
 
@@ -27,7 +27,7 @@ import torch
 
 from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
 
-# Elements per (time x head_dim) tile of commit_cache; 1024 keeps a bf16 tile at 2 KiB per plane.
+# Elements per (time x head_dim) tile of commit_ring; 1024 keeps a bf16 tile at 2 KiB per plane.
 _COMMIT_CACHE_TILE_ELEMENTS = 1024
 # Rows handled by one program of commit_offsets.
 _COMMIT_OFFSETS_BLOCK = 128
@@ -46,17 +46,17 @@ def _check_max_written(op: str, max_written) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# commit_cache
+# commit_ring
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
 
     @triton.jit
-    def _commit_cache_kernel(
+    def _commit_ring_kernel(
         rows_ptr,
-        cache_ptr,
+        ring_ptr,
         slot_ids_ptr,
-        num_written_ptr,
+        valid_tokens_ptr,
         offsets_ptr,
         capacity,  # C
         head_dim,  # Dh
@@ -65,13 +65,13 @@ if HAS_TRITON:
         rows_stride_h,
         rows_stride_c,
         rows_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
+        ring_stride_p,
+        ring_stride_s,
+        ring_stride_h,
+        ring_stride_c,
+        ring_stride_d,
         slot_ids_stride,
-        num_written_stride,
+        valid_tokens_stride,
         offsets_stride,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -82,7 +82,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         tile = tl.program_id(2)
-        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int64)
+        written = tl.load(valid_tokens_ptr + row * valid_tokens_stride).to(tl.int64)
         # Rows that wrote no token (padding rows, empty rows) write nothing, not even to their
         # (typically null) slot; their slot ids may be anything, so they are not even read.
         if written > 0:
@@ -98,44 +98,44 @@ if HAS_TRITON:
             # {r : (r - offset) mod C < n}, so enumerating them writes every touched cell once and
             # nothing else. For n >= C that is the whole ring, holding the latest token of each cell.
             num_touched = tl.minimum(written, capacity)
-            ring = start + t
-            ring = tl.where(ring >= capacity, ring - capacity, ring)
+            cell = start + t
+            cell = tl.where(cell >= capacity, cell - capacity, cell)
             mask = (t < num_touched)[:, None] & (d < head_dim)[None, :]
             src = (
                 rows_ptr
                 + row * rows_stride_b
                 + head * rows_stride_h
-                + ring[:, None] * rows_stride_c
+                + cell[:, None] * rows_stride_c
                 + d[None, :] * rows_stride_d
             )
             dst = (
-                cache_ptr
-                + slot * cache_stride_s
-                + head * cache_stride_h
-                + ring[:, None] * cache_stride_c
-                + d[None, :] * cache_stride_d
+                ring_ptr
+                + slot * ring_stride_s
+                + head * ring_stride_h
+                + cell[:, None] * ring_stride_c
+                + d[None, :] * ring_stride_d
             )
             keys = tl.load(src, mask=mask)
             tl.store(dst, keys, mask=mask)
             values = tl.load(src + rows_stride_p, mask=mask)
-            tl.store(dst + cache_stride_p, values, mask=mask)
+            tl.store(dst + ring_stride_p, values, mask=mask)
 
 
-def _launch_commit_cache_triton(
+def _launch_commit_ring_triton(
     rows: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     max_written: int,
 ) -> None:
-    """Launch the commit_cache Triton kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+    """Launch the commit_ring Triton kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
-    Arguments as in :func:`commit_cache`; not validated here. Uses the tensors' strides, so views work.
+    Arguments as in :func:`commit_ring`; not validated here. Uses the tensors' strides, so views work.
     Grid ``(B, H, ceil(min(max_written, C) / BLOCK_T))``. Raises RuntimeError when Triton is not installed.
     """
     if not HAS_TRITON:
-        raise RuntimeError("commit_cache: the Triton kernel needs the `triton` package")
+        raise RuntimeError("commit_ring: the Triton kernel needs the `triton` package")
     _, num_rows, num_heads, capacity, head_dim = rows.shape
     num_touched = min(int(max_written), capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or num_touched == 0:
@@ -143,99 +143,99 @@ def _launch_commit_cache_triton(
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(triton.next_power_of_2(num_touched), _COMMIT_CACHE_TILE_ELEMENTS // block_d))
     grid = (num_rows, num_heads, triton.cdiv(num_touched, block_t))
-    with device_guard(cache):
-        _commit_cache_kernel[grid](
+    with device_guard(ring):
+        _commit_ring_kernel[grid](
             rows,
-            cache,
+            ring,
             slot_ids,
-            num_written,
+            valid_tokens,
             offsets,
             capacity,
             head_dim,
             *rows.stride(),
-            *cache.stride(),
+            *ring.stride(),
             slot_ids.stride(0),
-            num_written.stride(0),
+            valid_tokens.stride(0),
             offsets.stride(0),
             BLOCK_T=block_t,
             BLOCK_D=block_d,
         )
 
 
-def touched_ring_mask(offsets: torch.Tensor, num_written: torch.Tensor, capacity: int) -> torch.Tensor:
+def touched_ring_mask(offsets: torch.Tensor, valid_tokens: torch.Tensor, capacity: int) -> torch.Tensor:
     """Ring cells each row's valid tokens write.
 
-    offsets: ``(B,)`` int64 pre-step token offsets; num_written: ``(B,)`` int64 valid tokens per row.
-    Returns ``(B, C)`` bool, True at ring index r iff ``(r - offsets[b]) mod C < num_written[b]``; all
-    True when ``num_written[b] >= C``, none when it is 0.
+    offsets: ``(B,)`` int64 pre-step token offsets; valid_tokens: ``(B,)`` int64 valid tokens per row.
+    Returns ``(B, C)`` bool, True at ring index r iff ``(r - offsets[b]) mod C < valid_tokens[b]``; all
+    True when ``valid_tokens[b] >= C``, none when it is 0.
     """
-    ring = torch.arange(capacity, device=offsets.device, dtype=offsets.dtype)
-    distance = torch.remainder(ring[None, :] - offsets[:, None], capacity)  # in [0, C)
-    return distance < num_written[:, None]
+    cell = torch.arange(capacity, device=offsets.device, dtype=offsets.dtype)
+    distance = torch.remainder(cell[None, :] - offsets[:, None], capacity)  # in [0, C)
+    return distance < valid_tokens[:, None]
 
 
-def commit_cache_reference(
+def commit_ring_reference(
     rows: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     max_written: int,
 ) -> None:
-    """PyTorch oracle for :func:`commit_cache`; same arguments and effect.
+    """PyTorch oracle for :func:`commit_ring`; same arguments and effect.
 
     Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
     """
-    touched = touched_ring_mask(offsets, num_written.clamp(max=max_written), rows.shape[3])  # (B, C)
+    touched = touched_ring_mask(offsets, valid_tokens.clamp(max=max_written), rows.shape[3])  # (B, C)
     row_idx, ring_idx = touched.nonzero(as_tuple=True)  # (N,), (N,)
     # Only writing rows' slot ids are looked up: padding rows may carry out-of-range ids.
     slot_idx = slot_ids[row_idx]
     # Advanced indices split by a slice move to the front: both sides are (N, 2, H, Dh).
-    cache[:, slot_idx, :, ring_idx] = rows[:, row_idx, :, ring_idx]
+    ring[:, slot_idx, :, ring_idx] = rows[:, row_idx, :, ring_idx]
 
 
-@torch.library.custom_op("vllm_omni_moss::commit_cache", mutates_args=("cache",))
-def _commit_cache_op(
+@torch.library.custom_op("vllm_omni_moss::commit_ring", mutates_args=("ring",))
+def _commit_ring_op(
     rows: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     max_written: int,
 ) -> None:
-    if runs_triton_kernel(cache):
-        _launch_commit_cache_triton(rows, cache, slot_ids, offsets, num_written, max_written)
+    if runs_triton_kernel(ring):
+        _launch_commit_ring_triton(rows, ring, slot_ids, offsets, valid_tokens, max_written)
     else:
-        commit_cache_reference(rows, cache, slot_ids, offsets, num_written, max_written)
+        commit_ring_reference(rows, ring, slot_ids, offsets, valid_tokens, max_written)
 
 
-@_commit_cache_op.register_fake
-def _commit_cache_fake(rows, cache, slot_ids, offsets, num_written, max_written) -> None:
+@_commit_ring_op.register_fake
+def _commit_ring_fake(rows, ring, slot_ids, offsets, valid_tokens, max_written) -> None:
     return None
 
 
-def commit_cache(
+def commit_ring(
     rows: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     max_written: int,
 ) -> None:
-    """Write the ring cells each row's valid tokens wrote from ``rows`` into ``cache``.
+    """Write the ring cells each row's valid tokens wrote from ``rows`` into ``ring``.
 
     Args:
         rows: ``(2, B, H, C, Dh)`` the step's rings after its write (plane 0 keys, plane 1 values).
-        cache: ``(2, S, H, C, Dh)`` persistent pool, same dtype and device as ``rows``; mutated.
+        ring: ``(2, S, H, C, Dh)`` persistent pool, same dtype and device as ``rows``; mutated.
         slot_ids: ``(B,)`` int64 pool slot of each row. Among rows that wrote tokens they must be
             distinct and in ``[0, S)``; other rows' ids are never read.
         offsets: ``(B,)`` int64 pre-step token offsets (tokens written before this chunk, not mod C).
-        num_written: ``(B,)`` int64 valid tokens each row wrote this step, in ``[0, max_written]``;
+        valid_tokens: ``(B,)`` int64 valid tokens each row wrote this step, in ``[0, max_written]``;
             rows with 0 (padding rows) write nothing, so the null slot stays untouched.
-        max_written: the step's tokens per row ``T`` (an upper bound of ``num_written``, >= 0).
+        max_written: the step's tokens per row ``T`` (an upper bound of ``valid_tokens``, >= 0).
 
-    For a row b, ring index r is touched iff ``(r - offsets[b]) mod C < num_written[b]`` (every r when
-    ``num_written[b] >= C``); ``rows[p, b, h, r, :]`` is copied to ``cache[p, slot_ids[b], h, r, :]`` for
+    For a row b, ring index r is touched iff ``(r - offsets[b]) mod C < valid_tokens[b]`` (every r when
+    ``valid_tokens[b] >= C``); ``rows[p, b, h, r, :]`` is copied to ``ring[p, slot_ids[b], h, r, :]`` for
     both planes and all heads.
 
     Raises:
@@ -245,20 +245,20 @@ def commit_cache(
             need a sync.
         RuntimeError: CUDA tensors without Triton installed.
     """
-    op = "commit_cache"
-    check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
-    _, _, num_heads, capacity, head_dim = cache.shape
+    op = "commit_ring"
+    check_tensor(op, "ring", ring, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+    _, _, num_heads, capacity, head_dim = ring.shape
     check_tensor(op, "rows", rows, "(2, B, H, C, Dh)", (2, None, num_heads, capacity, head_dim), None, None)
-    if rows.dtype != cache.dtype:
-        raise ValueError(f"{op}: `rows` must have the dtype of `cache` ({cache.dtype}), got {rows.dtype}")
-    if rows.device != cache.device:
-        raise ValueError(f"{op}: `rows` must be on the device of `cache` ({cache.device}), got {rows.device}")
+    if rows.dtype != ring.dtype:
+        raise ValueError(f"{op}: `rows` must have the dtype of `ring` ({ring.dtype}), got {rows.dtype}")
+    if rows.device != ring.device:
+        raise ValueError(f"{op}: `rows` must be on the device of `ring` ({ring.device}), got {rows.device}")
     num_rows = rows.shape[1]
-    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
-    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
-    check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, ring.device)
+    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, ring.device)
+    check_tensor(op, "valid_tokens", valid_tokens, "(B,)", (num_rows,), torch.int64, ring.device)
     _check_max_written(op, max_written)
-    torch.ops.vllm_omni_moss.commit_cache(rows, cache, slot_ids, offsets, num_written, max_written)
+    torch.ops.vllm_omni_moss.commit_ring(rows, ring, slot_ids, offsets, valid_tokens, max_written)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,8 +381,8 @@ def commit_offsets(
 
 
 __all__ = [
-    "commit_cache",
-    "commit_cache_reference",
+    "commit_ring",
+    "commit_ring_reference",
     "commit_offsets",
     "commit_offsets_reference",
     "touched_ring_mask",

@@ -172,20 +172,20 @@ def _next_power_of_2(n: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_semantics(op: str, semantics) -> None:
-    if semantics not in RING_SEMANTICS:
-        raise ValueError(f"{op}: unknown ring semantics {semantics!r}; expected one of {RING_SEMANTICS}")
+def _check_semantics(op: str, ring_semantics) -> None:
+    if ring_semantics not in RING_SEMANTICS:
+        raise ValueError(f"{op}: unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
 
 
-def _check_attention(op, q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table) -> None:
+def _check_attention(op, q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table) -> None:
     """The argument checks of both attention ops (:func:`ring_attention`, :func:`ring_attention_write`)."""
-    _check_semantics(op, semantics)
-    shape = check_step(op, k, v, cache, slot_ids, offsets, num_written)
-    check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, cache.device)
+    _check_semantics(op, ring_semantics)
+    shape = check_step(op, k, v, ring, slot_ids, offsets, valid_tokens)
+    check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, ring.device)
     if not q.dtype.is_floating_point:
         raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
-    check_rope(op, cos, sin, shape, cache.device)
-    check_page_table(op, page_table, cache)
+    check_rope(op, cos, sin, shape, ring.device)
+    check_page_table(op, page_table, ring)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ if HAS_TRITON:
         v_ptr,
         cos_ptr,
         sin_ptr,
-        cache_ptr,
+        ring_ptr,
         out_ptr,
         num_tokens,
         capacity,
@@ -262,11 +262,11 @@ if HAS_TRITON:
         v_stride_h,
         v_stride_t,
         v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
+        ring_stride_p,
+        ring_stride_s,
+        ring_stride_h,
+        ring_stride_c,
+        ring_stride_d,
         out_stride_b,
         out_stride_t,
         out_stride_h,
@@ -307,7 +307,7 @@ if HAS_TRITON:
                 BLOCK_Q,
                 BLOCK_D,
                 ROPE,
-            ).to(cache_ptr.dtype.element_ty)
+            ).to(ring_ptr.dtype.element_ty)
             # Oldest position any query of the block may see: the window of its first query, and under
             # "upstream" the oldest position the post-write ring still holds.
             lowest = offset + first - capacity + 1
@@ -324,7 +324,7 @@ if HAS_TRITON:
                 key_ok = j < num_old
                 cell = (first_cell + j) % capacity
                 cells = cell_pointers(
-                    cache_ptr,
+                    ring_ptr,
                     slot,
                     head,
                     cell,
@@ -332,16 +332,16 @@ if HAS_TRITON:
                     page_table_ptr,
                     page_table_stride_s,
                     page_table_stride_p,
-                    cache_stride_s,
-                    cache_stride_h,
-                    cache_stride_c,
+                    ring_stride_s,
+                    ring_stride_h,
+                    ring_stride_c,
                     PAGED,
                     PAGE_SIZE,
                 )
-                address = cells[:, None] + d[None, :] * cache_stride_d
+                address = cells[:, None] + d[None, :] * ring_stride_d
                 load_ok = key_ok[:, None] & d_ok[None, :]
                 keys = tl.load(address, mask=load_ok, other=0.0)
-                values = tl.load(address + cache_stride_p, mask=load_ok, other=0.0)
+                values = tl.load(address + ring_stride_p, mask=load_ok, other=0.0)
                 # Query t sees key j when j >= num_old + t - C + 1 (q - p < C); keys past the ring never.
                 # One compare per (query, key): cheaper than forming q - p (benchmarks/RESULTS.md).
                 visible = tl.where(key_ok, j, -capacity)[None, :] >= ring_lo[:, None]
@@ -395,11 +395,11 @@ if HAS_TRITON:
         v_ptr,
         cos_ptr,
         sin_ptr,
-        cache_ptr,
+        ring_ptr,
         out_ptr,
         slot_ids_ptr,
         offsets_ptr,
-        num_written_ptr,
+        valid_tokens_ptr,
         num_tokens,  # T
         capacity,  # C, also the attention window
         head_dim,  # Dh
@@ -419,18 +419,18 @@ if HAS_TRITON:
         v_stride_h,
         v_stride_t,
         v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
+        ring_stride_p,
+        ring_stride_s,
+        ring_stride_h,
+        ring_stride_c,
+        ring_stride_d,
         out_stride_b,
         out_stride_t,
         out_stride_h,
         out_stride_d,
         slot_ids_stride,
         offsets_stride,
-        num_written_stride,
+        valid_tokens_stride,
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
@@ -455,7 +455,7 @@ if HAS_TRITON:
         # Row, head and slot are widened to int64 before they meet a stride (pools exceed 2**31 elements).
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
-        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int32)
+        written = tl.load(valid_tokens_ptr + row * valid_tokens_stride).to(tl.int32)
         # Padding rows (written == 0) never read their slot id: it may be out of range.
         has_work = written > 0
         slot = tl.load(slot_ids_ptr + row * slot_ids_stride, mask=has_work, other=0).to(tl.int64)
@@ -465,13 +465,13 @@ if HAS_TRITON:
             for first in range(0, num_tokens, BLOCK_Q):
                 _attend_query_block(
                     first, row, head, written, slot, offset,
-                    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, out_ptr,
+                    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, out_ptr,
                     num_tokens, capacity, head_dim, scale_log2,
                     rope_stride_b, rope_stride_t, rope_stride_d,
                     q_stride_b, q_stride_h, q_stride_t, q_stride_d,
                     k_stride_b, k_stride_h, k_stride_t, k_stride_d,
                     v_stride_b, v_stride_h, v_stride_t, v_stride_d,
-                    cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                    ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                     out_stride_b, out_stride_t, out_stride_h, out_stride_d,
                     page_table_ptr, page_table_stride_s, page_table_stride_p,
                     UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
@@ -480,24 +480,24 @@ if HAS_TRITON:
                 if first + BLOCK_Q > kept_lo and first < written:
                     store_tokens(
                         token, (token >= kept_lo) & (token < written), row, head, slot, offset,
-                        k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
+                        k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
                         rope_stride_b, rope_stride_t, rope_stride_d,
                         k_stride_b, k_stride_h, k_stride_t, k_stride_d,
                         v_stride_b, v_stride_h, v_stride_t, v_stride_d,
-                        cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                        ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                         page_table_ptr, page_table_stride_s, page_table_stride_p,
                         ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_D,
                     )  # fmt: skip
         else:
             _attend_query_block(
                 tl.program_id(2) * BLOCK_Q, row, head, written, slot, offset,
-                q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, out_ptr,
+                q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, out_ptr,
                 num_tokens, capacity, head_dim, scale_log2,
                 rope_stride_b, rope_stride_t, rope_stride_d,
                 q_stride_b, q_stride_h, q_stride_t, q_stride_d,
                 k_stride_b, k_stride_h, k_stride_t, k_stride_d,
                 v_stride_b, v_stride_h, v_stride_t, v_stride_d,
-                cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                 out_stride_b, out_stride_t, out_stride_h, out_stride_d,
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
                 UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
@@ -508,11 +508,11 @@ def _launch_ring_attention_triton(
     q,
     k,
     v,
-    cache,
+    ring,
     slot_ids,
     offsets,
-    num_written,
-    semantics,
+    valid_tokens,
+    ring_semantics,
     cos=None,
     sin=None,
     page_table=None,
@@ -526,48 +526,48 @@ def _launch_ring_attention_triton(
     stored into the rings as :func:`ring_write` stores it (:func:`ring_attention_write`): fused into
     the attention kernel when the launch configuration's ``fused_write`` says so, else by the write
     kernel after it. ``tuning`` overrides entries of :func:`attention_launch_config` (benchmarks
-    sweep it). Returns ``(B, T, H, Dh)`` in the cache dtype. Raises RuntimeError without Triton.
+    sweep it). Returns ``(B, T, H, Dh)`` in the ring dtype. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype, device=q.device)
+    out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=ring.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    config = _launch_config(num_tokens, cache.dtype, tuning, num_rows * num_heads)
+    config = _launch_config(num_tokens, ring.dtype, tuning, num_rows * num_heads)
     fused = write and config["fused_write"]
     _run_attention_kernel(
-        q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
+        q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused
     )
     if write and not fused:
-        launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+        launch_ring_write_triton(k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
     return out
 
 
 def _run_attention_kernel(
-    q, k, v, cache, out, slot_ids, offsets, num_written, semantics, cos, sin, page_table, config, fused
+    q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused
 ) -> None:
     """One launch of the attention kernel, into ``out`` ``(B, T, H, Dh)``, with ``config`` (an
     :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk. Grid
     ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one program walks a row's blocks)."""
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    capacity, paging, paged, page_size = paging_arguments(cache, page_table, slot_ids)
+    capacity, paging, paged, page_size = paging_arguments(ring, page_table, slot_ids)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_q = config["block_q"]
     grid = (num_rows, num_heads, 1 if fused else triton.cdiv(num_tokens, block_q))
     (cos_arg, sin_arg, *rope_strides), rope = rope_arguments(cos, sin, q)
-    with device_guard(cache):
+    with device_guard(ring):
         _ring_attention_kernel[grid](
             q,
             k,
             v,
             cos_arg,
             sin_arg,
-            cache,
+            ring,
             out,
             slot_ids,
             offsets,
-            num_written,
+            valid_tokens,
             num_tokens,
             capacity,
             head_dim,
@@ -576,13 +576,13 @@ def _run_attention_kernel(
             *q.stride(),
             *k.stride(),
             *v.stride(),
-            *cache.stride(),
+            *ring.stride(),
             *out.stride(),
             slot_ids.stride(0),
             offsets.stride(0),
-            num_written.stride(0),
+            valid_tokens.stride(0),
             *paging,
-            UPSTREAM=semantics == "upstream",
+            UPSTREAM=ring_semantics == "upstream",
             ROPE=rope,
             PAGED=paged,
             PAGE_SIZE=page_size,
@@ -612,7 +612,7 @@ class _Window:
 
 
 def ring_attention_reference(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
+    q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
     """PyTorch oracle for :func:`ring_attention`; same arguments and result.
 
@@ -625,13 +625,13 @@ def ring_attention_reference(
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     num_rows, num_heads, num_tokens, head_dim = q.shape
     # Rows that write nothing are never looked up (their ids may be out of range).
-    slots = torch.where(num_written > 0, slot_ids, 0)
+    slots = torch.where(valid_tokens > 0, slot_ids, 0)
     if page_table is not None:
-        cache = logical_rings(cache, page_table)
-    rows = cache.index_select(1, slots)
-    meta = build_ring_metadata(_Window(cache.shape[3], head_dim), semantics, offsets, num_written, num_tokens)
-    out = attend_gathered_rows(semantics, rows, meta, q, k, v)  # (B, H, T, Dh)
-    valid = torch.arange(num_tokens, device=q.device) < num_written.view(num_rows, 1)  # (B, T)
+        ring = logical_rings(ring, page_table)
+    rows = ring.index_select(1, slots)
+    meta = build_ring_metadata(_Window(ring.shape[3], head_dim), ring_semantics, offsets, valid_tokens, num_tokens)
+    out = attend_gathered_rows(ring_semantics, rows, meta, q, k, v)  # (B, H, T, Dh)
+    valid = torch.arange(num_tokens, device=q.device) < valid_tokens.view(num_rows, 1)  # (B, T)
     out = torch.where(valid.view(num_rows, 1, num_tokens, 1), out, torch.zeros((), dtype=out.dtype))
     return out.transpose(1, 2).contiguous()
 
@@ -641,27 +641,27 @@ def _ring_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
-    semantics: str,
+    valid_tokens: torch.Tensor,
+    ring_semantics: str,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    args = (q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
-    if runs_triton_kernel(cache):
+    args = (q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
+    if runs_triton_kernel(ring):
         return _launch_ring_attention_triton(*args)
     return ring_attention_reference(*args)
 
 
 def _attention_fake(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
+    q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
-    # The fake impl of both attention ops: an empty (B, T, H, Dh) output in the cache dtype.
+    # The fake impl of both attention ops: an empty (B, T, H, Dh) output in the ring dtype.
     num_rows, num_heads, num_tokens, head_dim = q.shape
-    return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=cache.dtype)
+    return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=ring.dtype)
 
 
 _ring_attention_op.register_fake(_attention_fake)
@@ -671,11 +671,11 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
-    semantics: str,
+    valid_tokens: torch.Tensor,
+    ring_semantics: str,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
@@ -683,65 +683,67 @@ def ring_attention(
     """One layer's streaming attention for ``B`` rows, reading the rings in place (module docstring).
 
     Args:
-        q: ``(B, H, T, Dh)`` floating queries (any float dtype; cast to the cache dtype), after
+        q: ``(B, H, T, Dh)`` floating queries (any float dtype; cast to the ring dtype), after
             RoPE, or before it when ``cos``/``sin`` are given.
         k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
-            are given) and values, in the cache dtype.
-        cache: ``(2, S, H, C, Dh)`` the layer's rings (plane 0 keys, plane 1 values), read only. ``C``
+            are given) and values, in the ring dtype.
+        ring: ``(2, S, H, C, Dh)`` the layer's rings (plane 0 keys, plane 1 values), read only. ``C``
             is both the ring capacity and the attention window (``GroupSpec.ring_capacity``).
-        slot_ids: ``(B,)`` int64 slot of each row; read only for rows with ``num_written > 0``.
+        slot_ids: ``(B,)`` int64 slot of each row; read only for rows with ``valid_tokens > 0``.
         offsets: ``(B,)`` int64 tokens each row wrote before this chunk (not reduced mod ``C``).
-        num_written: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it
+        valid_tokens: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it
             are padding.
-        semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
+        ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
         cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions
             (``step_metadata.rope_tables``): the kernel then rotates ``q`` and ``k`` as it loads
             them, bitwise ``step_metadata.apply_rope``, saving one pass over them.
-        page_table: optional ``(S, n)`` int32/int64 table of a paged cache: ``cache`` is then
+        page_table: optional ``(S, n)`` int32/int64 table of a paged ring: ``ring`` is then
             ``(2, P, H, page_size, Dh)``, pages rather than slots on its second axis, each slot's ring
             has ``C = n x page_size`` cells and cell ``c`` of slot ``s`` is row ``c mod page_size`` of
             page ``page_table[s, c // page_size]``. Entries a step reads must be in ``[0, P)``.
     Returns:
-        ``(B, T, H, Dh)`` in the cache dtype; zeros for padding queries, padding rows and queries
+        ``(B, T, H, Dh)`` in the ring dtype; zeros for padding queries, padding rows and queries
         that see no key. Call :func:`ring_write` (with the same tables) afterwards to store the chunk.
     Raises:
         TypeError: an argument is not a tensor.
         ValueError: a shape, dtype or device is inconsistent (the message names the argument), or
-            unknown ``semantics``. Data (slot ranges, counts) is not checked: that would need a sync.
+            unknown ``ring_semantics``. Data (slot ranges, counts) is not checked: that would need a sync.
         RuntimeError: CUDA tensors without Triton installed.
     """
-    _check_attention("ring_attention", q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
+    _check_attention(
+        "ring_attention", q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
+    )
     return torch.ops.vllm_omni_moss.ring_attention(
-        q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
+        q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
     )
 
 
 def ring_attention_write_reference(
-    q, k, v, cache, slot_ids, offsets, num_written, semantics, cos=None, sin=None, page_table=None
+    q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
     """PyTorch oracle for :func:`ring_attention_write`: :func:`ring_attention_reference`, then
     :func:`ring_write_reference`; same arguments, result and effect."""
-    out = ring_attention_reference(q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
-    ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+    out = ring_attention_reference(q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
+    ring_write_reference(k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
     return out
 
 
-@torch.library.custom_op("vllm_omni_moss::ring_attention_write", mutates_args=("cache",))
+@torch.library.custom_op("vllm_omni_moss::ring_attention_write", mutates_args=("ring",))
 def _ring_attention_write_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
-    semantics: str,
+    valid_tokens: torch.Tensor,
+    ring_semantics: str,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    args = (q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table)
-    if runs_triton_kernel(cache):
+    args = (q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
+    if runs_triton_kernel(ring):
         return _launch_ring_attention_triton(*args, write=True)
     return ring_attention_write_reference(*args)
 
@@ -753,18 +755,18 @@ def ring_attention_write(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
-    semantics: str,
+    valid_tokens: torch.Tensor,
+    ring_semantics: str,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's streaming attention and ring write: :func:`ring_attention` then :func:`ring_write`.
 
-    Arguments and result as in :func:`ring_attention`; ``cache`` is mutated as :func:`ring_write`
+    Arguments and result as in :func:`ring_attention`; ``ring`` is mutated as :func:`ring_write`
     mutates it (same arguments), so the output and the ring contents are bitwise those of the two
     calls in order. On CUDA, for rows of at most ``FUSED_WRITE_MAX_TOKENS`` tokens, the write runs
     inside the attention kernel (``attention_launch_config``'s ``fused_write``), which saves reading
@@ -775,8 +777,8 @@ def ring_attention_write(
         TypeError, ValueError, RuntimeError: as :func:`ring_attention` and :func:`ring_write`.
     """
     _check_attention(
-        "ring_attention_write", q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
+        "ring_attention_write", q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
     )
     return torch.ops.vllm_omni_moss.ring_attention_write(
-        q, k, v, cache, slot_ids, offsets, num_written, semantics, cos, sin, page_table
+        q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
     )

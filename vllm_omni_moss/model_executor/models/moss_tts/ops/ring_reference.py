@@ -5,7 +5,7 @@
 pool: scatter the chunk's valid tokens into the rows, then SDPA with the step's dense mask
 (``step_metadata.build_ring_metadata``). The ``"sdpa"`` attention backend runs it on every step, and
 ``ring_attention.py``'s references run it on the rows they gather. Those references and
-``ring_write.py``'s read and write a paged cache through a copy of its rings in logical order
+``ring_write.py``'s read and write a paged ring through a copy of its rings in logical order
 (:func:`logical_rings`, stored back by :func:`store_logical_rings`, whose boolean row selection is a
 host sync on CUDA): a reference path for CPU execution and tests, not for graph capture. Nothing here
 runs Triton.
@@ -22,7 +22,7 @@ __all__ = ["attend_gathered_rows", "logical_rings", "store_logical_rings"]
 
 
 def attend_gathered_rows(
-    semantics: str,
+    ring_semantics: str,
     rows: torch.Tensor,
     meta: RingMetadata,
     q: torch.Tensor,
@@ -38,7 +38,7 @@ def attend_gathered_rows(
         rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
             place with this step's valid tokens. A cell several valid tokens reach holds the
             latest of them, whatever order the device scatters in. Rows that write nothing
-            (``num_written == 0``) are left undefined unless ``keep_empty_rows``.
+            (``valid_tokens == 0``) are left undefined unless ``keep_empty_rows``.
         meta: the group's :class:`~..step_metadata.RingMetadata` (write cells, sources, mask).
         q, k: ``(B, H, T, Dh)`` rotated queries and keys; v: ``(B, H, T, Dh)`` values.
         keep_empty_rows: leave rows that write nothing unchanged (for callers that persist
@@ -48,10 +48,10 @@ def attend_gathered_rows(
     """
     k, v = k.to(rows.dtype), v.to(rows.dtype)
     B, H, T, Dh = k.shape
-    if semantics == "exact":
+    if ring_semantics == "exact":
         # Padding tokens may carry non-finite values (queries that saw no key); a masked key
         # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
-        valid = (torch.arange(T, device=k.device) < meta.num_written.view(B, 1)).view(B, 1, T, 1)
+        valid = (torch.arange(T, device=k.device) < meta.valid_tokens.view(B, 1)).view(B, 1, T, 1)
         keys = torch.cat((rows[0], torch.where(valid, k, 0)), dim=2)
         values = torch.cat((rows[1], torch.where(valid, v, 0)), dim=2)
     W = meta.write_cell.shape[1]
@@ -61,29 +61,29 @@ def attend_gathered_rows(
         written = x.gather(2, source)
         if keep_empty_rows:
             # All entries of an empty row name one cell: write back that cell's own value.
-            empty = (meta.num_written == 0).view(B, 1, 1, 1)
+            empty = (meta.valid_tokens == 0).view(B, 1, 1, 1)
             written = torch.where(empty, plane.gather(2, cell[:, :, :1]), written)
         plane.scatter_(2, cell, written)
-    if semantics == "upstream":
+    if ring_semantics == "upstream":
         keys, values = rows[0], rows[1]
     return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
 
 
-def logical_rings(cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
-    """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``cache`` itself when unpaged, else a
+def logical_rings(ring: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
+    """``(2, S, H, C, Dh)`` rings of every slot of ``page_table``: ``ring`` itself when unpaged, else a
     gathered copy of each slot's pages in logical order (``C = pages per ring x page size``)."""
     if page_table is None:
-        return cache
-    pages = cache[:, page_table]  # (2, S, n, H, page, Dh)
+        return ring
+    pages = ring[:, page_table]  # (2, S, n, H, page, Dh)
     planes, num_slots, num_pages, heads, page_size, head_dim = pages.shape
     return pages.permute(0, 1, 3, 2, 4, 5).reshape(planes, num_slots, heads, num_pages * page_size, head_dim)
 
 
-def store_logical_rings(cache, page_table, rings, slots) -> None:
+def store_logical_rings(ring, page_table, rings, slots) -> None:
     """Write the logical rings ``(2, S, H, C, Dh)`` of ``slots`` (a ``(N,)`` int64 tensor) back into their
-    pages of ``cache`` ``(2, P, H, page_size, Dh)`` through ``page_table`` ``(S, C / page_size)``: the
+    pages of ``ring`` ``(2, P, H, page_size, Dh)`` through ``page_table`` ``(S, C / page_size)``: the
     inverse of :func:`logical_rings` for those slots."""
     planes, _, heads, capacity, head_dim = rings.shape
     num_pages = page_table.shape[1]
     pages = rings[:, slots].view(planes, len(slots), heads, num_pages, capacity // num_pages, head_dim)
-    cache[:, page_table[slots]] = pages.permute(0, 1, 3, 2, 4, 5)
+    ring[:, page_table[slots]] = pages.permute(0, 1, 3, 2, 4, 5)

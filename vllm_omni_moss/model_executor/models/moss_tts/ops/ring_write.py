@@ -72,13 +72,13 @@ def check_rope(op: str, cos, sin, shape, device) -> None:
         raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
 
 
-def check_page_table(op: str, page_table, cache) -> None:
+def check_page_table(op: str, page_table, ring) -> None:
     """Check the optional ``(S, n)`` int32/int64 page table against the ``(2, P, H, page_size, Dh)`` paged
-    ``cache``; ``op`` names the op in the message.
+    ``ring``; ``op`` names the op in the message.
 
     Raises:
         TypeError: not a tensor or None. ValueError: not 2-D with at least one page per ring, another
-            dtype, or another device than the cache's.
+            dtype, or another device than the ring's.
     """
     if page_table is None:
         return
@@ -90,29 +90,29 @@ def check_page_table(op: str, page_table, cache) -> None:
         )
     if page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{op}: `page_table` must be int32 or int64, got {page_table.dtype}")
-    if page_table.device != cache.device:
-        raise ValueError(f"{op}: `page_table` is on {page_table.device}, the cache on {cache.device}")
+    if page_table.device != ring.device:
+        raise ValueError(f"{op}: `page_table` is on {page_table.device}, the ring on {ring.device}")
 
 
-def check_step(op: str, k, v, cache, slot_ids, offsets, num_written):
-    """Check the arguments every ring op shares and return the step's ``(B, H, T, Dh)``: ``cache``
+def check_step(op: str, k, v, ring, slot_ids, offsets, valid_tokens):
+    """Check the arguments every ring op shares and return the step's ``(B, H, T, Dh)``: ``ring``
     ``(2, S, H, C, Dh)`` of a :data:`RING_DTYPES` dtype; ``k``, ``v`` ``(B, H, T, Dh)`` in its dtype and on
-    its device; ``slot_ids``, ``offsets``, ``num_written`` ``(B,)`` int64. ``op`` names the op in the message.
+    its device; ``slot_ids``, ``offsets``, ``valid_tokens`` ``(B,)`` int64. ``op`` names the op in the message.
 
     Raises:
         TypeError: an argument is not a tensor. ValueError: a shape, dtype or device mismatch.
     """
-    check_tensor(op, "cache", cache, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
-    if cache.dtype not in RING_DTYPES:
-        raise ValueError(f"{op}: `cache` must have one of the dtypes {RING_DTYPES}, got {cache.dtype}")
-    _, _, num_heads, _, head_dim = cache.shape
-    check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), cache.dtype, cache.device)
+    check_tensor(op, "ring", ring, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
+    if ring.dtype not in RING_DTYPES:
+        raise ValueError(f"{op}: `ring` must have one of the dtypes {RING_DTYPES}, got {ring.dtype}")
+    _, _, num_heads, _, head_dim = ring.shape
+    check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), ring.dtype, ring.device)
     num_rows, _, num_tokens, _ = k.shape
     shape = (num_rows, num_heads, num_tokens, head_dim)
-    check_tensor(op, "v", v, "(B, H, T, Dh)", shape, cache.dtype, cache.device)
-    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, cache.device)
-    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, cache.device)
-    check_tensor(op, "num_written", num_written, "(B,)", (num_rows,), torch.int64, cache.device)
+    check_tensor(op, "v", v, "(B, H, T, Dh)", shape, ring.dtype, ring.device)
+    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, ring.device)
+    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, ring.device)
+    check_tensor(op, "valid_tokens", valid_tokens, "(B,)", (num_rows,), torch.int64, ring.device)
     return shape
 
 
@@ -149,7 +149,7 @@ if HAS_TRITON:
 
     @triton.jit
     def cell_pointers(
-        cache_ptr,
+        ring_ptr,
         slot,
         head,
         cell,
@@ -157,14 +157,14 @@ if HAS_TRITON:
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
+        ring_stride_s,
+        ring_stride_h,
+        ring_stride_c,
         PAGED: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
     ):
         # Pointers to ring cells `cell` (a vector) of one (slot, head). Unpaged, the slot indexes the
-        # cache's second axis; paged, that axis holds pages and cell c of the slot lives at row
+        # the ring's second axis; paged, that axis holds pages and cell c of the slot lives at row
         # c mod PAGE_SIZE of page page_table[slot, c // PAGE_SIZE]. Masked-off cells read no page id.
         # PAGE_SIZE is a compile-time constant, so both become multiplies and shifts.
         if PAGED:
@@ -173,9 +173,9 @@ if HAS_TRITON:
                 mask=ok,
                 other=0,
             ).to(tl.int64)
-            return cache_ptr + page * cache_stride_s + head * cache_stride_h + (cell % PAGE_SIZE) * cache_stride_c
+            return ring_ptr + page * ring_stride_s + head * ring_stride_h + (cell % PAGE_SIZE) * ring_stride_c
         else:
-            return cache_ptr + slot * cache_stride_s + head * cache_stride_h + cell * cache_stride_c
+            return ring_ptr + slot * ring_stride_s + head * ring_stride_h + cell * ring_stride_c
 
     @triton.jit
     def store_tokens(
@@ -189,7 +189,7 @@ if HAS_TRITON:
         v_ptr,
         cos_ptr,
         sin_ptr,
-        cache_ptr,
+        ring_ptr,
         capacity,
         head_dim,
         rope_stride_b,
@@ -203,11 +203,11 @@ if HAS_TRITON:
         v_stride_h,
         v_stride_t,
         v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
+        ring_stride_p,
+        ring_stride_s,
+        ring_stride_h,
+        ring_stride_c,
+        ring_stride_d,
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
@@ -238,7 +238,7 @@ if HAS_TRITON:
             mask=load_ok,
         )
         cells = cell_pointers(
-            cache_ptr,
+            ring_ptr,
             slot,
             head,
             (offset + token) % capacity,
@@ -246,27 +246,27 @@ if HAS_TRITON:
             page_table_ptr,
             page_table_stride_s,
             page_table_stride_p,
-            cache_stride_s,
-            cache_stride_h,
-            cache_stride_c,
+            ring_stride_s,
+            ring_stride_h,
+            ring_stride_c,
             PAGED,
             PAGE_SIZE,
         )
-        dst = cells[:, None] + d[None, :] * cache_stride_d
+        dst = cells[:, None] + d[None, :] * ring_stride_d
         tl.store(dst, keys, mask=load_ok)
-        tl.store(dst + cache_stride_p, values, mask=load_ok)
+        tl.store(dst + ring_stride_p, values, mask=load_ok)
 
 
-def paging_arguments(cache, page_table, fallback):
-    """The ring kernels' view of a cache: ``(capacity, page-table arguments, PAGED, PAGE_SIZE)``.
+def paging_arguments(ring, page_table, fallback):
+    """The ring kernels' view of a ring: ``(capacity, page-table arguments, PAGED, PAGE_SIZE)``.
 
-    ``cache`` is ``(2, S, H, C, Dh)``, or ``(2, P, H, page_size, Dh)`` with ``page_table`` ``(S, n)``;
+    ``ring`` is ``(2, S, H, C, Dh)``, or ``(2, P, H, page_size, Dh)`` with ``page_table`` ``(S, n)``;
     the page-table arguments are the table and its two strides, or ``(fallback, 0, 0)`` unpaged (a
     tensor the kernel never reads). Capacity is ``C``, or ``n x page_size``.
     """
     if page_table is None:
-        return cache.shape[3], (fallback, 0, 0), False, 1
-    page_size = cache.shape[3]
+        return ring.shape[3], (fallback, 0, 0), False, 1
+    page_size = ring.shape[3]
     return page_table.shape[1] * page_size, (page_table, *page_table.stride()), True, page_size
 
 
@@ -291,10 +291,10 @@ if HAS_TRITON:
         v_ptr,
         cos_ptr,
         sin_ptr,
-        cache_ptr,
+        ring_ptr,
         slot_ids_ptr,
         offsets_ptr,
-        num_written_ptr,
+        valid_tokens_ptr,
         capacity,
         head_dim,
         rope_stride_b,
@@ -308,14 +308,14 @@ if HAS_TRITON:
         v_stride_h,
         v_stride_t,
         v_stride_d,
-        cache_stride_p,
-        cache_stride_s,
-        cache_stride_h,
-        cache_stride_c,
-        cache_stride_d,
+        ring_stride_p,
+        ring_stride_s,
+        ring_stride_h,
+        ring_stride_c,
+        ring_stride_d,
         slot_ids_stride,
         offsets_stride,
-        num_written_stride,
+        valid_tokens_stride,
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
@@ -329,7 +329,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         tile = tl.program_id(2)
-        written = tl.load(num_written_ptr + row * num_written_stride).to(tl.int64)
+        written = tl.load(valid_tokens_ptr + row * valid_tokens_stride).to(tl.int64)
         # Rows that wrote nothing do not even read their slot id (padding rows share the null slot).
         if written > 0:
             slot = tl.load(slot_ids_ptr + row * slot_ids_stride).to(tl.int64)
@@ -340,17 +340,17 @@ if HAS_TRITON:
             i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
             store_tokens(
                 written - kept + i, i < kept, row, head, slot, offset,
-                k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, capacity, head_dim,
+                k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
                 rope_stride_b, rope_stride_t, rope_stride_d,
                 k_stride_b, k_stride_h, k_stride_t, k_stride_d,
                 v_stride_b, v_stride_h, v_stride_t, v_stride_d,
-                cache_stride_p, cache_stride_s, cache_stride_h, cache_stride_c, cache_stride_d,
+                ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
                 ROPE, PAGED, PAGE_SIZE, BLOCK_T, BLOCK_D,
             )  # fmt: skip
 
 
-def launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+def launch_ring_write_triton(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None) -> None:
     """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
     Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
@@ -359,7 +359,7 @@ def launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=No
     if not HAS_TRITON:
         raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
     num_rows, num_heads, num_tokens, head_dim = k.shape
-    capacity, paging, paged, page_size = paging_arguments(cache, page_table, slot_ids)
+    capacity, paging, paged, page_size = paging_arguments(ring, page_table, slot_ids)
     kept = min(num_tokens, capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
         return
@@ -367,25 +367,25 @@ def launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=No
     block_t = max(1, min(triton.next_power_of_2(kept), _WRITE_TILE_ELEMENTS // block_d))
     grid = (num_rows, num_heads, triton.cdiv(kept, block_t))
     (cos, sin, *rope_strides), rope = rope_arguments(cos, sin, k)
-    with device_guard(cache):
+    with device_guard(ring):
         _ring_write_kernel[grid](
             k,
             v,
             cos,
             sin,
-            cache,
+            ring,
             slot_ids,
             offsets,
-            num_written,
+            valid_tokens,
             capacity,
             head_dim,
             *rope_strides,
             *k.stride(),
             *v.stride(),
-            *cache.stride(),
+            *ring.stride(),
             slot_ids.stride(0),
             offsets.stride(0),
-            num_written.stride(0),
+            valid_tokens.stride(0),
             *paging,
             ROPE=rope,
             PAGED=paged,
@@ -396,83 +396,83 @@ def launch_ring_write_triton(k, v, cache, slot_ids, offsets, num_written, cos=No
         )
 
 
-def ring_write_reference(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+def ring_write_reference(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None) -> None:
     """PyTorch oracle for :func:`ring_write`; same arguments and effect.
 
     Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
-    A paged cache is written through a gathered copy of the rows' rings, stored back page by page.
+    A paged ring is written through a gathered copy of the rows' rings, stored back page by page.
     """
     if page_table is not None:
-        rings = logical_rings(cache, page_table)
-        ring_write_reference(k, v, rings, slot_ids, offsets, num_written, cos, sin)
-        store_logical_rings(cache, page_table, rings, slot_ids[num_written > 0])
+        rings = logical_rings(ring, page_table)
+        ring_write_reference(k, v, rings, slot_ids, offsets, valid_tokens, cos, sin)
+        store_logical_rings(ring, page_table, rings, slot_ids[valid_tokens > 0])
         return
     if cos is not None:
         k = apply_rope(k, cos, sin)
     num_rows, _, num_tokens, _ = k.shape
-    capacity = cache.shape[3]
+    capacity = ring.shape[3]
     token = torch.arange(num_tokens, device=k.device)
-    kept = (token < num_written.view(-1, 1)) & (token >= num_written.view(-1, 1) - capacity)  # (B, T)
+    kept = (token < valid_tokens.view(-1, 1)) & (token >= valid_tokens.view(-1, 1) - capacity)  # (B, T)
     row_idx, token_idx = kept.nonzero(as_tuple=True)  # (N,), (N,)
     cell = torch.remainder(offsets[row_idx] + token_idx, capacity)
     slot = slot_ids[row_idx]
     # Advanced indices split by a slice move to the front: both sides are (N, H, Dh).
-    cache[0, slot, :, cell] = k[row_idx, :, token_idx]
-    cache[1, slot, :, cell] = v[row_idx, :, token_idx]
+    ring[0, slot, :, cell] = k[row_idx, :, token_idx]
+    ring[1, slot, :, cell] = v[row_idx, :, token_idx]
 
 
-@torch.library.custom_op("vllm_omni_moss::ring_write", mutates_args=("cache",))
+@torch.library.custom_op("vllm_omni_moss::ring_write", mutates_args=("ring",))
 def _ring_write_op(
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
 ) -> None:
-    args = (k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
-    if runs_triton_kernel(cache):
+    args = (k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
+    if runs_triton_kernel(ring):
         launch_ring_write_triton(*args)
     else:
         ring_write_reference(*args)
 
 
 @_ring_write_op.register_fake
-def _ring_write_fake(k, v, cache, slot_ids, offsets, num_written, cos=None, sin=None, page_table=None) -> None:
+def _ring_write_fake(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None) -> None:
     return None
 
 
 def ring_write(
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    ring: torch.Tensor,
     slot_ids: torch.Tensor,
     offsets: torch.Tensor,
-    num_written: torch.Tensor,
+    valid_tokens: torch.Tensor,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
 ) -> None:
-    """Store each row's last ``min(num_written, C)`` chunk tokens into its slot's ring.
+    """Store each row's last ``min(valid_tokens, C)`` chunk tokens into its slot's ring.
 
     Args:
         k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
-            are given) and values, in the cache dtype.
-        cache: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
-        slot_ids: ``(B,)`` int64; among rows with ``num_written > 0`` distinct and in ``[0, S)``;
+            are given) and values, in the ring dtype.
+        ring: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
+        slot_ids: ``(B,)`` int64; among rows with ``valid_tokens > 0`` distinct and in ``[0, S)``;
             other rows' ids are never read.
         offsets: ``(B,)`` int64 tokens each row wrote before this chunk.
-        num_written: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
+        valid_tokens: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
         cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables: keys are rotated as they are
             stored, bitwise ``step_metadata.apply_rope``.
-        page_table: optional ``(S, n)`` table of a paged cache, as in :func:`ring_attention`; the
+        page_table: optional ``(S, n)`` table of a paged ring, as in :func:`ring_attention`; the
             pages a row writes must be in ``[0, P)`` and distinct within the row's slot.
 
     Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
-    ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``num_written[b] - C <= t < num_written[b]``:
+    ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``valid_tokens[b] - C <= t < valid_tokens[b]``:
     every destination once, the later position owning a cell (docs/ring_semantics.md). Offsets are
     not advanced here (``ops/commit.py``'s ``commit_offsets`` does that once per step).
 
@@ -481,7 +481,7 @@ def ring_write(
         ValueError: a shape, dtype or device is inconsistent (the message names the argument).
         RuntimeError: CUDA tensors without Triton installed.
     """
-    shape = check_step("ring_write", k, v, cache, slot_ids, offsets, num_written)
-    check_rope("ring_write", cos, sin, shape, cache.device)
-    check_page_table("ring_write", page_table, cache)
-    torch.ops.vllm_omni_moss.ring_write(k, v, cache, slot_ids, offsets, num_written, cos, sin, page_table)
+    shape = check_step("ring_write", k, v, ring, slot_ids, offsets, valid_tokens)
+    check_rope("ring_write", cos, sin, shape, ring.device)
+    check_page_table("ring_write", page_table, ring)
+    torch.ops.vllm_omni_moss.ring_write(k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)

@@ -166,12 +166,7 @@ class CodecStreamSession:
             state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_batch_sizes),
             tuple(graph_frame_sizes), max_step_frames, max_waiting_streams, max_waiting_frames, graph_memory_bytes,
         )  # fmt: skip
-        if options is not None and (state_capacity not in (None, options.state_capacity) or loose != _defaults(loose)):
-            raise ValueError("give the session an options record or the options it is made of, not both")
-        options = loose if options is None else options
-        quantizers = decoder.config.num_quantizers
-        if options.n_vq is not None and not 1 <= int(options.n_vq) <= quantizers:
-            raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {options.n_vq!r}")
+        options = _one_options_record(decoder, state_capacity, options, loose)
         cfg = decoder.config
         self.options = options
         self.decoder, self.state_capacity, self.device = decoder, options.state_capacity, decoder.device
@@ -443,6 +438,14 @@ def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
     return requests, ids
 
 
-def _defaults(options: SessionOptions) -> SessionOptions:
-    # The record the keyword arguments give when none but the slot count is passed.
-    return SessionOptions(options.state_capacity)
+def _one_options_record(decoder, state_capacity, options: SessionOptions | None, loose: SessionOptions):
+    """``options``, or the record the keyword arguments built (``loose``) when it is None; n_vq checked against
+    the codec. Raises ValueError for both at once (keyword options other than the defaults beside a record)."""
+    if options is not None:
+        if state_capacity not in (None, options.state_capacity) or loose != SessionOptions(options.state_capacity):
+            raise ValueError("give the session an options record or the options it is made of, not both")
+        loose = options
+    quantizers = decoder.config.num_quantizers
+    if loose.n_vq is not None and not 1 <= int(loose.n_vq) <= quantizers:
+        raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {loose.n_vq!r}")
+    return loose

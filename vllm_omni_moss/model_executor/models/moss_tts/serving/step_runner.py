@@ -280,10 +280,10 @@ class StepRunner:
             c.steps_graph += 1
             c.padding_rows += batch.padding_rows
         else:
-            codes, slot_ids, lengths = self._stage_inputs(batch)
+            codes, slot_ids, valid_frames = self._stage_inputs(batch)
             self.tracer.lap("stage_ms")
             valid = torch.ones(batch.rows, dtype=torch.bool, device=self.device)
-            out, _ = self.eager_step(codes, lengths, slot_ids, valid)
+            out, _ = self.eager_step(codes, valid_frames, slot_ids, valid)
             c.steps_eager += 1
         self.tracer.lap("run_ms")
         served, decoded = out.shape[-1] // self.samples_per_frame, sum(batch.valid_frames)
@@ -333,7 +333,7 @@ class StepRunner:
         if host_codes:
             g.codes.copy_(codes, non_blocking=pinned)
         g.slot_ids.copy_(meta[0], non_blocking=pinned)
-        g.lengths.copy_(meta[1], non_blocking=pinned)
+        g.valid_frames.copy_(meta[1], non_blocking=pinned)
         g.valid.copy_(self._valid_rows(B, bucket), non_blocking=pinned)
         if pinned:
             self._inputs_read.record(torch.cuda.current_stream(self.device))
@@ -348,7 +348,7 @@ class StepRunner:
         return valid
 
     def _stage_inputs(self, batch: StepBatch):
-        """``(codes (n_vq, B, T), slot_ids (B,), lengths (B,))`` of an eager step, int64 tensors of their own on the
+        """``(codes (n_vq, B, T), slot_ids (B,), valid_frames (B,))`` of an eager step, int64 tensors of their own on the
         pool's device, codes clamped into ``[0, codebook_size)`` and zero past each row's valid frames. On CUDA,
         codes from the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot
         ids and valid frames always travel through it."""
@@ -371,11 +371,11 @@ class StepRunner:
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
         # on): the copies below always make new tensors.
         slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
-        lengths = meta[1].to(self.device, non_blocking=pinned, copy=True)
+        valid_frames = meta[1].to(self.device, non_blocking=pinned, copy=True)
         codes = codes.to(self.device, non_blocking=pinned)
         if pinned:
             self._inputs_read.record(torch.cuda.current_stream(self.device))
-        return codes, slot_ids, lengths
+        return codes, slot_ids, valid_frames
 
     def _count_clamped(self, codes: torch.Tensor) -> None:
         """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
