@@ -128,6 +128,21 @@ def random_codes(decoder, batch: int, frames: int, seed: int, n_vq: int | None =
     return torch.randint(0, cfg.codebook_size, (n_vq, batch, frames), generator=gen)
 
 
+def stream_codes(decoder, frames: int, seed: int) -> torch.Tensor:
+    """Random codes of one stream, ``(n_vq, frames)`` int64: row 0 of :func:`random_codes`."""
+    return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)
+
+
+def step_valid_rows(pool, codes: torch.Tensor, lengths: list[int], slots: list[int]):
+    """One validated pool step in which every row is valid: ``codes`` ``(n_vq, B, T)``, ``lengths`` the valid
+    frames of each row, ``slots`` the slot of each row (``B`` ints each). Returns the pool's
+    ``(audio (B, channels, T * samples_per_frame), audio_lengths (B,))``."""
+    B = codes.shape[1]
+    return pool.decode_streaming_batch(
+        codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool)
+    )
+
+
 def assert_slot_state_equal(a, b, slots) -> None:
     """Offsets and every ring of each slot in ``slots`` are bit-identical between pools ``a`` and ``b``."""
     for s in slots:
