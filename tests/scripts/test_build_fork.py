@@ -12,8 +12,9 @@
   - the patches apply with ``git am`` onto a fresh unpack of the same wheel and give the same tree;
   - the patched wheel, installed into a scratch venv that sees every package of this one except
     vllm-omni and this plugin, resolves ``MossTTSCodecDecoder`` to the fork's stage class, never reads
-    ``VLLM_OMNI_MOSS_CODEC_SHARED_KV``, and passes the fork's codec tests (every test module but those in
-    ``FORK_TESTS_NOT_RUN``, less the tests that read files of this repository the fork lacks).
+    ``VLLM_OMNI_MOSS_CODEC_SHARED_KV``, and passes the fork's codec tests (every test module, those of
+    its subfolders included, but those in ``FORK_TESTS_NOT_RUN``, less the tests that read files of this
+    repository the fork lacks).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ SUBJECTS = (
     "[PATCH 3/3] moss_tts: add the codec tests and benchmarks",
 )
 FORK_TESTS = "tests/model_executor/models/moss_tts"
-# Fork test files not run here, with why; every other test file of the fork runs.
+# Fork test files not run here (paths relative to FORK_TESTS, subfolders included), with why; every other test
+# file of the fork runs.
 FORK_TESTS_NOT_RUN = {
     "test_cuda_graph.py": "CUDA graphs: its few CPU tests repeat the session tests",
     "test_fidelity.py": "CUDA tests only; the fork's child run is -m 'not cuda and not slow'",
@@ -594,8 +596,10 @@ def test_fork_registry_resolves_our_stage_without_the_plugin(scratch_python, man
 
 def test_fork_codec_tests_pass_against_the_patched_wheel(scratch_python, applied_tree, tmp_path):
     tests_dir = applied_tree / FORK_TESTS
-    files = sorted(p.name for p in tests_dir.glob("test_*.py") if p.name not in FORK_TESTS_NOT_RUN)
-    assert len(files) >= 4, files
+    every_file = sorted(p.relative_to(tests_dir).as_posix() for p in tests_dir.rglob("test_*.py"))
+    assert set(FORK_TESTS_NOT_RUN) <= set(every_file), sorted(set(FORK_TESTS_NOT_RUN) - set(every_file))
+    files = [f for f in every_file if f not in FORK_TESTS_NOT_RUN]
+    assert len(files) >= 4 and any("/" in f for f in files), files
     junit = tmp_path / "junit.xml"
     code = (
         "import sys, pytest\n"
@@ -626,9 +630,12 @@ def test_fork_codec_tests_pass_against_the_patched_wheel(scratch_python, applied
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    # A case's classname is its file's path relative to the rootdir, dotted, then its class if any.
+    modules = {f.removesuffix(".py").replace("/", "."): f for f in files}
     per_file: dict[str, dict[str, int]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("classname", "").split(".")[0] + ".py"
+        classname = case.get("classname", "")
+        name = next((f for m, f in modules.items() if classname == m or classname.startswith(m + ".")), classname)
         status = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
         per_file.setdefault(name, {}).setdefault(status, 0)
         per_file[name][status] += 1

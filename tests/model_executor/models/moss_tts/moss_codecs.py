@@ -20,6 +20,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     TRITON_INTERPRET_AT_IMPORT,
     cpu_uses_triton_interpreter,
 )
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 
 def _transformer(i: int, o: int) -> dict:
@@ -126,6 +127,19 @@ def random_codes(decoder, batch: int, frames: int, seed: int, n_vq: int | None =
     cfg = decoder.config
     n_vq = n_vq or cfg.num_quantizers
     return torch.randint(0, cfg.codebook_size, (n_vq, batch, frames), generator=gen)
+
+
+def stream_codes(decoder, frames: int, seed: int) -> torch.Tensor:
+    """Random codes of one stream, ``(n_vq, frames)`` int64: row 0 of :func:`random_codes`."""
+    return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)
+
+
+def step_valid_rows(pool, codes: torch.Tensor, valid_frames: list[int], slots: list[int]):
+    """One validated step over ``pool`` in which every row is valid (``step.decode_batch``): ``codes``
+    ``(n_vq, B, T)``, ``valid_frames`` the valid frames of each row, ``slots`` the slot of each row (``B`` ints
+    each). Returns ``(audio (B, channels, T * samples_per_frame), audio_lengths (B,))``."""
+    B = codes.shape[1]
+    return decode_batch(pool, codes, torch.tensor(valid_frames), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
 
 
 def assert_slot_state_equal(a, b, slots) -> None:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stage_helpers import build_stage, raw_info, run, vllm_config
+from stage_helpers import raw_info, run, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
@@ -114,11 +114,6 @@ def test_generation_runner_passes_request_ids_for_our_flag():
 
 
 # ----------------------------------------------------------------------------- stage
-
-
-@pytest.fixture
-def stage(tmp_path):
-    return build_stage(tmp_path)
 
 
 def test_stage_loads_only_the_codec_decoder(tmp_path):

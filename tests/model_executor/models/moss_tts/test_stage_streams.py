@@ -29,11 +29,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 STAGE_LOGGER = "vllm_omni_moss.model_executor.models.moss_tts.stage"
 
 
-@pytest.fixture
-def stage(tmp_path):
-    return build_stage(tmp_path)
-
-
 def _codes(stage, frames: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, stage._codec.config.codebook_size, (stage.n_vq, frames), generator=gen)

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 from moss_codecs import random_codes
+from moss_codecs import stream_codes as _codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.serving import (
     ChunkRequest,
@@ -24,10 +25,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.serving import (
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
-
-
-def _codes(decoder, frames: int, seed: int) -> torch.Tensor:
-    return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)
 
 
 def _solo(decoder, codes: torch.Tensor, schedule: list[int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 from moss_codecs import random_codes
+from moss_codecs import stream_codes as _codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 
@@ -26,10 +27,6 @@ SECOND = {"a": 1, "b": 1, "c": 3, "d": 4, "e": 6, "f": 2}
 STEPS = [["a", "b"], ["c", "d"], ["e", "f"], ["e"]]
 STEP_SHAPES = [(2, 1), (2, 4), (2, 4), (1, 4)]
 THIRD = 2  # frames per surviving stream in the third call
-
-
-def _codes(decoder, frames: int, seed: int) -> torch.Tensor:
-    return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:

@@ -11,7 +11,7 @@ interpreted is fixed when the module is imported, so ``test_triton_interpreter_s
 file in a child with ``TRITON_INTERPRET=1`` selecting the ``*interpreted*`` tests, which the parent skips.
 To run them directly:
 
-    TRITON_INTERPRET=1 python -m pytest tests/model_executor/models/moss_tts/test_ops_ring_attention.py -k interpreted
+    TRITON_INTERPRET=1 python -m pytest tests/model_executor/models/moss_tts/ops/test_ops_ring_attention.py -k interpreted
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from moss_codecs import build_decoder, random_codes, ring_codec_raw
+from moss_codecs import step_valid_rows as _step
 
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
@@ -40,11 +41,6 @@ def _pools(decoder, **paged):
     for p in (compact, pool):
         assert [p.acquire() for _ in range(CAPACITY)] == [0, 1, 2]
     return compact, pool
-
-
-def _step(pool, codes, lengths, slots):
-    B = codes.shape[1]
-    return decode_batch(pool, codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
 
 
 def _assert_same_state(compact, pool, slot, paged_slot=None):

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moss_codecs import assert_slot_state_equal, random_codes
+from moss_codecs import step_valid_rows as _run
 
 from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
@@ -414,11 +415,6 @@ def _pool_for(decoder, kind):
     pool = make_state_pool(decoder, kind)
     pool.initialize(3, 2)
     return pool
-
-
-def _run(pool, codes, lengths, slots):
-    B = codes.shape[1]
-    return decode_batch(pool, codes, torch.tensor(lengths), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
 
 
 def _assert_rel_close(got, ref, what):

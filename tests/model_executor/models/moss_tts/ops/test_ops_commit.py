@@ -7,7 +7,7 @@ inside this process would also turn the CUDA tests' kernels into interpreted one
 ``test_triton_interpreter_subprocess`` re-runs this file in a child with ``TRITON_INTERPRET=1``, selecting
 the ``*interpreted*`` tests; those are skipped in the parent. To run them directly:
 
-    TRITON_INTERPRET=1 python -m pytest tests/model_executor/models/moss_tts/test_kernels.py -k interpreted
+    TRITON_INTERPRET=1 python -m pytest tests/model_executor/models/moss_tts/ops/test_ops_commit.py -k interpreted
 
 With triton 3.9 the interpreter runs the kernels on CPU tensors as they are (no CUDA needed).
 """
