@@ -23,7 +23,8 @@ Backends here:
 * :class:`CompactTritonRingAttention` - the compact pool with attention backend
   ``"triton"``: rings read in place by ``ops/ring_attention.py``, no gather, no mask.
 
-The ``"sdpa"`` backends compute attention with :func:`gathered_ring_attention` (native
+The ``"sdpa"`` backends compute attention with the reference attention,
+:func:`~.ops.ring_reference.attend_gathered_rows` (native
 SDPA over the gathered ring, physical key order), so pools that share a ring semantics
 produce bit-identical audio; the ``"triton"`` backend sees exactly the same keys and
 writes bitwise the same ring contents, with its own (float32 online softmax) arithmetic.
@@ -64,7 +65,6 @@ __all__ = [
     "check_attention_backend",
     "default_attention_backend",
     "plan_builder",
-    "gathered_ring_attention",
 ]
 
 #: Attention backends a compact pool can be built with: ``"sdpa"`` gathers rings and runs
@@ -171,28 +171,11 @@ def check_attention_backend(name: str) -> str:
 # --------------------------------------------------------------------------- reference
 
 
-def gathered_ring_attention(
-    ring_semantics: str, rows: torch.Tensor, meta: RingMetadata, qkv: torch.Tensor, keep_empty_rows: bool = False
-) -> torch.Tensor:
-    """One layer's streaming attention over gathered rings (the parity oracle).
-
-    Args:
-        ring_semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
-            (attend over ``[pre-write ring || chunk]``, then write); docs/ring_semantics.md.
-        rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
-            place with this step's valid tokens (the caller persists them). Cells no valid
-            token reaches keep their values; a cell several valid tokens reach holds the
-            latest of them, whatever order the device scatters in. Rows that write nothing
-            (``valid_tokens == 0``) are left undefined unless ``keep_empty_rows``.
-        meta: the group's :class:`~.step_metadata.RingMetadata`.
-        qkv: ``(3, B, H, T, Dh)`` projections before RoPE.
-        keep_empty_rows: leave rows that write nothing unchanged.
-    Returns:
-        ``(B, H, T, Dh)`` attention output (native SDPA, boolean mask), computed by
-        :func:`~.ops.ring_attention.attend_gathered_rows` after RoPE.
-    """
+def _rotated(qkv: torch.Tensor, meta: RingMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` of ``(3, B, H, T, Dh)`` projections, queries and keys rotated with the group's RoPE tables
+    (the inputs of the reference attention, :func:`~.ops.ring_reference.attend_gathered_rows`)."""
     qk = apply_rope(qkv[:2], meta.cos, meta.sin)
-    return attend_gathered_rows(ring_semantics, rows, meta, qk[0], qk[1], qkv[2], keep_empty_rows)
+    return qk[0], qk[1], qkv[2]
 
 
 # --------------------------------------------------------------------------- backends
@@ -238,7 +221,7 @@ class CompactRingAttention:
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         ring, meta = self.rings[layer], group.meta
         rows = ring.index_select(1, self.slots)
-        out = gathered_ring_attention(self.ring_semantics, rows, meta, qkv)
+        out = attend_gathered_rows(self.ring_semantics, rows, meta, *_rotated(qkv, meta))
         commit_ring(rows, ring, self.slots, meta.offsets, meta.valid_tokens, group.num_tokens)
         return out
 
@@ -324,7 +307,7 @@ class LegacyRingAttention:
         ring = self.rings[layer]
         rows = ring.index_select(1, self.slots)
         # The whole rows are written back: rows that write nothing must come back as they were.
-        out = gathered_ring_attention(self.ring_semantics, rows, meta, qkv, keep_empty_rows=True)
+        out = attend_gathered_rows(self.ring_semantics, rows, meta, *_rotated(qkv, meta), keep_empty_rows=True)
         ring.index_copy_(1, self.slots, rows)
         for row in {attn_row, ring_row}:
             self.offset_table[row].index_copy_(0, self.slots, meta.next_offsets)
@@ -346,7 +329,7 @@ class FixedWidthAttention:
         meta = step_metadata.build_ring_metadata(
             group.spec, self.ring_semantics, offsets, group.valid_tokens, group.num_tokens
         )
-        out = gathered_ring_attention(self.ring_semantics, self.rings[layer], meta, qkv)
+        out = attend_gathered_rows(self.ring_semantics, self.rings[layer], meta, *_rotated(qkv, meta))
         offsets.copy_(meta.next_offsets)
         return out
 

@@ -160,7 +160,7 @@ def build_ring_metadata(
     Args:
         spec: the resolution group (``ring_capacity`` ``C``, equal to the attention ``window``,
             ``head_dim``, ``max_period``).
-        semantics: ``"upstream"`` or ``"exact"`` (module docstring).
+        ring_semantics: ``"upstream"`` or ``"exact"`` (module docstring).
         offsets: ``(B,)`` int64 pre-step token offsets of the execution rows.
         valid_tokens: ``(B,)`` int64 valid tokens per row, each in ``[0, num_tokens]``.
         num_tokens: ``T`` tokens per row in this step (frames x tokens per frame).

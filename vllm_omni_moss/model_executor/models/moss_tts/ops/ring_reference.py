@@ -33,7 +33,7 @@ def attend_gathered_rows(
     """Streaming attention over gathered ring rows with native SDPA (the reference computation).
 
     Args:
-        semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
+        ring_semantics: ``"upstream"`` (write, then attend over the ``C`` cells) or ``"exact"``
             (attend over ``[pre-write ring || chunk]``, then write).
         rows: ``(2, B, H, C, Dh)`` ring rows of the execution batch (ring dtype); updated in
             place with this step's valid tokens. A cell several valid tokens reach holds the
