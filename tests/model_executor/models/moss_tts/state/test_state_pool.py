@@ -14,8 +14,12 @@ from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
+    POOL_CLASSES,
     CompactDecoderStatePool,
     LegacyDecoderStatePool,
+    PagedDecoderStatePool,
+    StateSpec,
+    build_pool,
     make_state_pool,
     state_bytes_for,
 )
@@ -778,3 +782,21 @@ def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
     spf = ring_decoder.config.samples_per_frame
     young, old = audio[0][..., 40 * spf :], audio[1][..., 40 * spf :]
     assert (old - young).abs().max().item() <= 1e-5 * young.abs().max().item()
+
+
+def test_build_pool_constructs_each_kind_from_its_spec_and_refuses_mixed_options(ring_decoder):
+    """build_pool makes the class of the spec's kind through its constructor (``spec=``), holding that very spec;
+    a spec of another kind, or a spec beside loose options, is refused with the class named."""
+    for kind, cls in POOL_CLASSES.items():
+        spec = StateSpec.from_options(ring_decoder, kind, torch.float32)
+        pool = build_pool(ring_decoder, spec)
+        assert type(pool) is cls and pool.spec is spec and cls(ring_decoder, spec=spec).spec is spec
+    compact = StateSpec.from_options(ring_decoder, "compact")
+    with pytest.raises(ValueError, match=r"LegacyDecoderStatePool holds 'legacy' pools, the spec is for 'compact'"):
+        LegacyDecoderStatePool(ring_decoder, spec=compact)
+    with pytest.raises(ValueError, match=r"give CompactDecoderStatePool a spec or the options it is made of, not both"):
+        CompactDecoderStatePool(ring_decoder, torch.float32, spec=compact)
+    paged = StateSpec.from_options(ring_decoder, "paged", page_fraction=0.5)
+    with pytest.raises(ValueError, match=r"give PagedDecoderStatePool a spec or the options it is made of, not both"):
+        PagedDecoderStatePool(ring_decoder, page_fraction=0.5, spec=paged)
+    assert PagedDecoderStatePool(ring_decoder, spec=paged).spec.paging.page_fraction == 0.5

@@ -72,22 +72,29 @@ class DecoderStatePool:
             for the codec version (``"upstream"`` for v2, ``"exact"`` for v1).
         attention_backend: ``"sdpa"`` or ``"triton"`` (``attention.ATTENTION_BACKENDS``); default: the
             kind's (:meth:`~.spec.StateSpec.resolve`).
+        spec: instead of the options above, a resolved :class:`~.spec.StateSpec` of this class's kind
+            (:func:`~.pools.build_pool` builds every pool this way).
 
     Raises:
-        ValueError / RuntimeError: as :meth:`~.spec.StateSpec.resolve`.
+        ValueError / RuntimeError: as :meth:`~.spec.StateSpec.resolve`; a ``spec`` of another kind, or a
+            ``spec`` beside the options it is made of.
     """
 
     kind: ClassVar[str] = ""
 
-    def __init__(self, decoder, dtype=None, ring_semantics=None, attention_backend=None):
-        self._setup(decoder, StateSpec.resolve(decoder, self.kind, dtype, ring_semantics, attention_backend))
+    def __init__(self, decoder, dtype=None, ring_semantics=None, attention_backend=None, *, spec=None):
+        options = {"dtype": dtype, "ring_semantics": ring_semantics, "attention_backend": attention_backend}
+        self._setup(decoder, self._spec(decoder, spec, options))
 
-    @classmethod
-    def from_spec(cls, decoder, spec: StateSpec) -> DecoderStatePool:
-        """The pool of a resolved ``spec`` (whose kind is this class's)."""
-        pool = cls.__new__(cls)
-        pool._setup(decoder, spec)
-        return pool
+    def _spec(self, decoder, spec: StateSpec | None, options: dict) -> StateSpec:
+        # The resolved ``spec`` as given (one of this class's kind, without loose options), or the options resolved.
+        if spec is None:
+            return StateSpec.resolve(decoder, self.kind, *options.values())
+        if any(v is not None for v in options.values()):
+            raise ValueError(f"give {type(self).__name__} a spec or the options it is made of, not both")
+        if spec.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} holds {self.kind!r} pools, the spec is for {spec.kind!r}")
+        return spec
 
     def _setup(self, decoder, spec: StateSpec) -> None:
         self.decoder, self.config, self.device, self.spec = decoder, decoder.config, decoder.device, spec

@@ -197,6 +197,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
         page_fraction=None,
         state_budget_bytes=None,
         expected_stream_frames=None,
+        spec=None,
     ):
         paging = {
             "page_size": page_size,
@@ -204,7 +205,12 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             "state_budget_bytes": state_budget_bytes,
             "expected_stream_frames": expected_stream_frames,
         }
-        self._setup(decoder, StateSpec.resolve(decoder, self.kind, dtype, ring_semantics, attention_backend, paging))
+        options = {"dtype": dtype, "ring_semantics": ring_semantics, "attention_backend": attention_backend}
+        if spec is None:
+            spec = StateSpec.resolve(decoder, self.kind, *options.values(), paging)
+        else:
+            spec = self._spec(decoder, spec, {**options, **paging})
+        self._setup(decoder, spec)
 
     def _setup(self, decoder, spec: StateSpec) -> None:
         paging = spec.paging
@@ -346,7 +352,7 @@ POOL_CLASSES: dict[str, type[DecoderStatePool]] = {
 
 def build_pool(decoder, spec: StateSpec) -> DecoderStatePool:
     """The pool of ``spec`` for ``decoder`` (not yet initialised)."""
-    return POOL_CLASSES[spec.kind].from_spec(decoder, spec)
+    return POOL_CLASSES[spec.kind](decoder, spec=spec)
 
 
 def make_state_pool(
