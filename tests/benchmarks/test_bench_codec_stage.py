@@ -543,10 +543,26 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     assert trace["chunks"] == slowest["chunks"] and trace["steps"] >= 1 and trace["failed"] is False
     assert sum(trace[p] for p in phases[:6]) == pytest.approx(trace["total_ms"], abs=0.01)
     assert 0 < trace["run_ms"] < trace["total_ms"] <= details["step_ms"]["max"]
+    cost = details["step_cost"]  # the calls' split into a fixed cost per step and a cost per frame
+    assert cost["calls"] == details["steps"] and cost["basis"] == "wall" and cost["steps_per_call"] >= 1
     # Without the flag, nothing is traced.
     plain = bench.main(_cpu("--arms v2 --concurrency 2 --requests-per-stream 1", out=tmp_path / "p"))
     details = plain["details"]["v2"]["2"]
-    assert "call_trace_ms" not in details and "trace" not in details["slowest_step"]
+    assert "call_trace_ms" not in details and "trace" not in details["slowest_step"] and "step_cost" not in details
+
+
+def test_step_cost_recovers_the_fixed_cost_per_step_and_the_cost_per_frame():
+    """Calls built from 4.3 ms a step and 0.05 ms a frame give those two back; calls whose steps and frames are
+    proportional (or fewer than 3 calls) cannot separate them and give None."""
+    step_cost = codec_stage.metrics.step_cost
+    steps, frames = [1, 3, 2, 4, 1, 2], [10, 12, 40, 30, 25, 6]
+    seconds = [(4.3 * s + 0.05 * f) / 1e3 for s, f in zip(steps, frames)]
+    cost = step_cost(seconds, steps, frames, "replay")
+    assert cost["calls"] == 6 and cost["steps_per_call"] == pytest.approx(13 / 6, abs=1e-4)
+    assert (cost["fixed_ms_per_step"], cost["ms_per_frame"]) == (4.3, 0.05) and cost["basis"] == "replay"
+    flat = step_cost([0.01, 0.02, 0.03], [1, 2, 3], [5, 10, 15], "wall")
+    assert flat["fixed_ms_per_step"] is None and flat["ms_per_frame"] is None and flat["calls"] == 3
+    assert step_cost([0.01, 0.02], [1, 2], [5, 3], "wall")["fixed_ms_per_step"] is None
 
 
 # ------------------------------------------------------------------------------------------ --append

@@ -154,6 +154,37 @@ def _slowest_step(run: Run, details: dict[str, Any]) -> None:
         details["slowest_step"]["trace"] = {
             k: round(v, 3) if k.endswith("_ms") else v for k, v in traces[slowest].items()
         }
+        timed = run.step_replay if run.step_replay and len(run.step_replay) == len(walls) else walls
+        basis = "replay" if timed is run.step_replay else "wall"
+        details["step_cost"] = step_cost(timed, [t["steps"] for t in traces], run.step_decoded, basis)
+
+
+def step_cost(seconds: list[float], steps: list[int], frames: list[int], basis: str) -> dict[str, Any]:
+    """Each decode call's time split into a fixed cost per pool step and a cost per decoded frame, by least
+    squares over the calls: ``ms of call i = fixed_ms_per_step x steps[i] + ms_per_frame x frames[i]``.
+
+    Args:
+        seconds: time of each call (``basis``: ``"replay"``, the graph replays' device time, or ``"wall"``).
+        steps: pool steps each call ran; frames: code frames of the chunks each call was sent (padding frames
+            excluded; a chunk that waits for a slot is decoded by a later call).
+    Returns:
+        ``calls``, ``steps_per_call`` (mean), ``basis`` and, when the calls vary enough to separate the two
+        costs (at least 3 calls, steps and frames not proportional), ``fixed_ms_per_step`` and
+        ``ms_per_frame``; otherwise those two are None.
+    """
+    calls = len(seconds)
+    out: dict[str, Any] = {
+        "calls": calls,
+        "steps_per_call": round(float(np.mean(steps)), 4) if calls else None,
+        "basis": basis,
+        "fixed_ms_per_step": None,
+        "ms_per_frame": None,
+    }
+    a = np.array([steps, frames], dtype=np.float64).T
+    if calls >= 3 and np.linalg.matrix_rank(a) == 2:
+        (fixed, per_frame), *_ = np.linalg.lstsq(a, np.array(seconds, dtype=np.float64) * 1e3, rcond=None)
+        out["fixed_ms_per_step"], out["ms_per_frame"] = round(float(fixed), 4), round(float(per_frame), 5)
+    return out
 
 
 def preemptions_per_stream(before: dict[int, int], after: dict[int, int]) -> dict[str, float | int | None]:

@@ -43,6 +43,7 @@ class Run:
     step_wall: list[float] = field(default_factory=list)
     step_chunks: list[int] = field(default_factory=list)  # chunks decoded by each step
     step_frames: list[int] = field(default_factory=list)  # frames of each step's longest chunk
+    step_decoded: list[int] = field(default_factory=list)  # frames of every chunk of each step, summed
     step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
     step_trace: list[Any] = field(default_factory=list)  # session.CallTrace of each step (--trace-calls)
     state_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock s, state bytes) after each step
@@ -212,6 +213,7 @@ class Driver:
         run.step_wall.append(wall)
         run.step_chunks.append(len(chunks))
         run.step_frames.append(max((chunk.frames for chunk in chunks), default=0))
+        run.step_decoded.append(sum(chunk.frames for chunk in chunks))
         replay = self.arm.take_replay_seconds()
         if replay is not None:
             run.step_replay.append(replay)
