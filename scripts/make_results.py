@@ -317,14 +317,24 @@ def _merged_steps(job: Job) -> dict:
 
 STEP_STATS = {"median_ms": NUMBER, "p10_ms": NUMBER, "p90_ms": NUMBER, "n": INT}
 STEP_PROFILE = {"kernel_ms": NUMBER, "kernels": INT, "categories": {"*": NUMBER}}
+STEP_FLOOR = {"gemm_ms": NUMBER, "state_read_ms": NUMBER, "total_ms": NUMBER, "copy_gb_s": NUMBER}
 STEP_RESULT = {
     "batch": INT,
     "frames": INT,
     "modes": {"*": {"arms": {"*": STEP_STATS}}},
     "peak_transient_bytes?": {"*": NUMBER},
     "profile?": {"*": STEP_PROFILE},
+    "floor?": STEP_FLOOR,
 }
 STEP = {"arms": [STR], "modes": [STR], "results": [STEP_RESULT]}
+
+
+def _floor_cells(floor: dict | None, stats: dict | None) -> list[str]:
+    # The floor of one (B, T) (bench_codec_step.py, step_floor.py) and our arm's median step over it.
+    if floor is None:
+        return ["-", "-"]
+    parts = f"{num(floor['total_ms'], 2)} ({num(floor['gemm_ms'], 2)} + {num(floor['state_read_ms'], 2)})"
+    return [parts, num(stats["median_ms"] / floor["total_ms"], 3) if stats else "-"]
 
 
 @renderer("step", STEP)
@@ -339,6 +349,8 @@ def render_step(job: Job) -> list[str]:
         header = ["B", "T"] + [f"{arm} ms" for arm in arms]
         header += [f"{ours} / {baseline}"] if baseline else []
         header += [f"transient GiB {ours}" + (f" / {baseline}" if baseline else "")]
+        floors = any("floor" in r for r in job.need(doc, "results"))
+        header += ["floor ms (GEMMs + state read)", f"{ours} / floor"] if floors else []
         rows = []
         for result in job.need(doc, "results"):
             timed = result["modes"].get(mode, {}).get("arms", {})
@@ -349,7 +361,9 @@ def render_step(job: Job) -> list[str]:
                 row.append(num(a["median_ms"] / b["median_ms"], 3) if a and b else "-")
             peaks = result.get("peak_transient_bytes", {})
             cells = [num(peaks[a] / GIB, 3) if a in peaks else "-" for a in [ours] + ([baseline] if baseline else [])]
-            rows.append(row + [" / ".join(cells)])
+            rows.append(
+                row + [" / ".join(cells)] + (_floor_cells(result.get("floor"), timed.get(ours)) if floors else [])
+            )
         n = next(
             (s["n"] for r in job.need(doc, "results") for s in r["modes"].get(mode, {}).get("arms", {}).values()), 0
         )

@@ -194,6 +194,48 @@ def test_step_table_without_profile_compares_any_two_arms():
     assert lines[-1] == "| 2048 | 1 | 50.00 | 100.00 (99.00-101.00) | 2.000 | 1.000 / 0.250 |"
 
 
+def test_step_table_shows_the_floor_and_our_step_over_it_when_the_json_has_floors():
+    doc = _step_doc()
+    doc["results"][0]["floor"] = {"gemm_ms": 120.0, "state_read_ms": 40.0, "total_ms": 160.0, "copy_gb_s": 4300.0}
+    lines = mr.render_step(_job("step", [doc], profile=False))
+    assert lines[2].endswith("| transient GiB v2 / upstream-triton | floor ms (GEMMs + state read) | v2 / floor |")
+    assert (
+        lines[4]
+        == "| 512 | 15 | 200.00 (199.00-201.00) | 800.00 | 0.250 | 0.250 / 1.000 | 160.00 (120.00 + 40.00) | 1.250 |"
+    )
+    assert lines[5].endswith("| 0.250 / 1.000 | - | - |")  # a (B, T) without a floor
+    plain = mr.render_step(_job("step", [_step_doc()], profile=False))
+    assert "floor" not in plain[2]  # JSON without floors: no floor columns
+
+
+def step_floor_module():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tts"))
+    import step_floor
+
+    return step_floor
+
+
+def test_step_floor_adds_gemms_and_one_state_read_and_puts_the_ratio_in_every_arm():
+    """The floor of a tiny-v2 step on a CPU: its GEMMs' measured time plus the state of its rows read at the given
+    copy bandwidth; with_ratios divides every arm's median by it."""
+    import torch
+
+    from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+    from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
+
+    step_floor = step_floor_module()
+    config = preset_config("tiny-v2")
+    floor = step_floor.step_floor(config, 4, 3, torch.device("cpu"), copy_gb_s=2.0, element_size=2)
+    state = state_bytes_for(config, 4, "compact", 2)
+    assert floor["state_bytes"] == state and floor["copy_gb_s"] == 2.0
+    assert floor["state_read_ms"] == round(state / 2e9 * 1e3, 4) and floor["gemm_ms"] > 0
+    assert floor["total_ms"] == round(floor["gemm_ms"] + floor["state_read_ms"], 4)
+    record = {"floor": floor, "modes": {"eager": {"arms": {"v2": {"median_ms": 3 * floor["total_ms"]}}}}}
+    step_floor.with_ratios(record)
+    assert record["modes"]["eager"]["arms"]["v2"]["step_over_floor"] == 3.0
+    assert step_floor.copy_bandwidth_gb_s(torch.device("cpu"), 2**20) > 0
+
+
 def test_memory_startup_attention_and_gemm_tables():
     memory = {
         "slot_bytes": 1000,

@@ -48,6 +48,11 @@ Usage::
         --modes eager,graph --arms legacy,v2,upstream --repeats 5 --json out/step.json
 
 CPU with a tiny preset runs the eager mode only (graph/compiled are skipped with a reason).
+
+Each (B, T) also gets its floor (``step_floor.py``, skipped with ``--no-floor``): the step's projection GEMMs timed
+alone plus one read of its rows' ring state at the copy bandwidth measured once in the same command
+(``copy_gb_s``); each result carries ``floor: {gemm_ms, state_read_ms, total_ms, copy_gb_s, state_bytes}`` and
+every arm's ``step_over_floor``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import step_floor  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
@@ -108,6 +114,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after each shape)")
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the floor of each (B, T): its GEMMs alone plus one read of its ring state (step_floor.py)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -477,6 +489,17 @@ def _print_tables(result: dict[str, Any]) -> None:
     if peak_rows:
         print("\n### peak transient memory of one eager step (GiB)\n")
         print(common.markdown_table(["B", "T"] + arms, peak_rows))
+    floor_rows = [
+        [rec["batch"], rec["frames"], mode]
+        + [f"{f[k]:.3f}" for k in ("gemm_ms", "state_read_ms", "total_ms")]
+        + [f"{e['arms'][a]['step_over_floor']:.3f}" if a in e["arms"] else "-" for a in arms]
+        for rec in result["results"]
+        if (f := rec.get("floor"))
+        for mode, e in rec["modes"].items()
+    ]
+    if floor_rows:
+        print(f"\n### floor of each step (ms; copy bandwidth {result['copy_gb_s']} GB/s) and step / floor\n")
+        print(common.markdown_table(["B", "T", "mode", "GEMMs", "state read", "floor"] + arms, floor_rows))
     for rec in result["results"]:
         for arm, prof in rec.get("profile", {}).items():
             print(
@@ -613,10 +636,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         arms = _build_arms(args, arm_names, device, result, models)
         if device.type == "cuda":
             result["allocated_after_setup_bytes"] = int(torch.cuda.memory_allocated(device))
+        if args.floor:
+            result["copy_gb_s"] = round(step_floor.copy_bandwidth_gb_s(device), 2)
+        element = models["ours"].state_dtype.itemsize if "ours" in models else 2
         for batch in args.batches:
             for frames in args.frames_list:
                 t0 = time.perf_counter()
                 record = _bench_shape(arms, modes, batch, frames, args, config, device)
+                if args.floor:
+                    record["floor"] = step_floor.step_floor(config, batch, frames, device, result["copy_gb_s"], element)
+                    step_floor.with_ratios(record)
                 record["wall_s"] = round(time.perf_counter() - t0, 3)
                 result["results"].append(record)
                 common.write_json(args.json, result)

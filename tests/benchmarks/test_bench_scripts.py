@@ -207,6 +207,13 @@ def test_step_eager_cpu_smoke(tmp_path):
             assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"]
         assert entry["ratios"]["v2/legacy"] > 0
         assert (entry["ratios"]["v2/upstream"] is None) == ("upstream" not in expected_arms)
+        # The floor of the shape: fp32 rings of its live rows read once at the command's copy bandwidth, plus its
+        # GEMMs; every arm's step over it.
+        floor = record["floor"]
+        read = state_bytes_for(cfg, record["batch"], "compact", element_size=4) / (result["copy_gb_s"] * 1e6)
+        assert floor["copy_gb_s"] == result["copy_gb_s"] > 0 and floor["state_read_ms"] == pytest.approx(read, abs=1e-4)
+        for stats in entry["arms"].values():
+            assert stats["step_over_floor"] == pytest.approx(stats["median_ms"] / floor["total_ms"], abs=1e-4)
 
 
 @pytest.mark.parametrize("preset, batch, frames", [("v2", 128, 15), ("v2", 64, 1), ("v1", 8, 15)])
