@@ -238,6 +238,38 @@ def test_the_step_runner_reads_frozen_scheduled_chunks_and_the_scheduler_counts_
     assert seen[-1] == {"a": (0, [2])} and scheduler.live["a"].frames_decoded == 5
 
 
+def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
+    """``StepRunner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records, shortest frame size
+    first: rows, slots, the pieces themselves, valid frames, the step's frame size and its graph key, asked of
+    the graph runner once per step; a piece with another codebook count runs eager (no key)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
+
+    s = CodecStreamSession(ring_decoder, 8, graph_frame_sizes=(1, 4), max_step_frames=4)
+    asked = []
+
+    class Graphs:
+        n_vq = s.n_vq
+
+        def select(self, rows, frames):
+            asked.append((rows, frames))
+            return (next(b for b in (2, 4, 8) if b >= rows), frames)
+
+    s._steps.graphs = Graphs()
+    pieces = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 1), ("c", 4), ("d", 1)])}
+    steps = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
+    assert [type(b) for b in steps] == [StepBatch, StepBatch] and asked == [(2, 1), (2, 4)]
+    first, second = steps
+    assert (first.request_ids, first.slots, first.valid_frames, first.frames) == (("b", "d"), (1, 3), (1, 1), 1)
+    assert (second.request_ids, second.valid_frames, second.frames, second.graph_key) == (("a", "c"), (3, 4), 4, (2, 4))
+    assert second.pieces[0] is pieces["a"] and second.rows == 2 and second.padding_rows == 0
+    with pytest.raises(AttributeError):
+        first.graph_key = None  # frozen
+    wide = s._steps.plan_round({"e": (4, _codes(ring_decoder, 2, 5)[:1])})  # one codebook, graphs hold s.n_vq
+    assert len(asked) == 2 and wide[0].graph_key is None and wide[0].padding_rows == 0
+    s._steps.graphs = None
+    s.close()
+
+
 def _assert_slot_clear(session, slot):
     state = session.pool.slot_state(slot)
     assert int(state["layer_offsets"].abs().sum()) == 0
