@@ -867,3 +867,52 @@ def test_a_run_out_of_device_memory_is_recorded_and_the_sweep_goes_on(tmp_path, 
     assert entry["max_streams_at_slo"] == 2 and entry["slo_held_by_every_run"] is False
     assert "| ideal | 3 | 3 | - | - / - / - | - | - / - | 0 / 0 |" in (tmp_path / "results.md").read_text()
     assert "| OutOfMemoryError |" in (tmp_path / "results.md").read_text()
+
+
+def test_time_replays_times_every_graph_replay_of_the_session(monkeypatch):
+    """--time-replays brackets each graph replay the session runs (``StreamingGraphRunner.replay``, which the step
+    runner calls after staging a step's inputs into the graph's buffers) with device synchronisations. The graph
+    runner is a stand-in here (CPU): its replays take 2 ms each and return zero audio."""
+    import time
+    import types
+
+    decoder = common.random_decoder("tiny-v2", "cpu")
+    arm = codec_stage.arms.OurArm(decoder, 2, "v2", False, [1, 4], 12)
+    session, syncs, replays = arm.session, [], []
+    channels, spf = session.channels, session.samples_per_frame
+
+    class Graphs:
+        n_vq = session.n_vq
+        graphs = {}
+
+        def select(self, batch, frames):
+            return (2, 4 if frames > 1 else 1)
+
+        def buffers(self, key):
+            zeros = torch.zeros(key[0], dtype=torch.long)
+            return types.SimpleNamespace(
+                codes=torch.zeros(session.n_vq, *key, dtype=torch.long), valid_frames=zeros.clone(),
+                slot_ids=zeros.clone(), valid=torch.zeros(key[0], dtype=torch.bool), padding_host=zeros,
+            )  # fmt: skip
+
+        def replay(self, key, rows):
+            replays.append((key, rows))
+            time.sleep(0.002)
+            return torch.zeros(rows, channels, key[1] * spf)
+
+        def decode(self, codes, valid_frames, slot_ids):  # what the session called before it staged steps itself
+            raise AssertionError("the session no longer calls decode")
+
+        def close(self):
+            pass
+
+    graphs = session._steps.graphs = Graphs()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    arm._time_replays(graphs)
+    arm.time_replays = True
+    codes = torch.zeros(12, 4, dtype=torch.long)
+    arm.decode([upstream_stage.StageChunk("a", codes[:, :1], False), upstream_stage.StageChunk("b", codes, False)])
+    assert replays == [((2, 1), 1), ((2, 4), 1)]
+    assert syncs == [session.device] * 4  # before and after each replay
+    assert arm.take_replay_seconds() >= 0.004 and arm.take_replay_seconds() == 0.0
+    arm.close()

@@ -228,18 +228,19 @@ class OurArm(Arm):
 
     def _time_replays(self, runner) -> None:
         # Bracket every graph replay with device synchronisations (only under --time-replays: the extra
-        # syncs cost a little) so a decode call splits into replay time and host time around it.
-        replay = runner.decode
+        # syncs cost a little) so a decode call splits into replay time and host time around it. The session
+        # stages a step's inputs into the graph's buffers, then calls the runner's replay (serving/step_runner.py).
+        replay, device = runner.replay, self.session.device
 
-        def timed(codes, lengths, slot_ids):
-            torch.cuda.synchronize(codes.device)
+        def timed(key, rows):
+            torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            out = replay(codes, lengths, slot_ids)
-            torch.cuda.synchronize(codes.device)
+            out = replay(key, rows)
+            torch.cuda.synchronize(device)
             self.replay_s += time.perf_counter() - t0
             return out
 
-        runner.decode = timed
+        runner.replay = timed
 
     def take_replay_seconds(self) -> float | None:
         """Graph replay seconds since the last call (None without --time-replays)."""

@@ -17,7 +17,8 @@ Invariants:
   :meth:`StreamingGraphRunner.state_data_ptrs` lets tests check it.
 * Every graph of one frame size writes its audio into one output buffer of that frame size, sized for the
   largest bucket and allocated outside the graphs' memory pool (so the static outputs of ``k`` buckets cost
-  one buffer, not ``k``). Returned audio is a clone: a later replay rewrites the buffer in place.
+  one buffer, not ``k``). :meth:`StreamingGraphRunner.replay` returns a view of that buffer, which a later
+  replay of the frame size rewrites in place; :meth:`StreamingGraphRunner.decode` returns a clone.
 * Capture stays within ``memory_budget_bytes``: the output buffers are counted before the first capture, the
   device memory the captures reserve after each one; past the budget capture stops with an error naming the
   sizes and the budget.

@@ -965,3 +965,25 @@ def test_a_call_steps_each_frame_size_apart(ring_decoder):
     _close(got["a"].audio, _solo(ring_decoder, a, [1, 4])[:, ring_decoder.config.samples_per_frame :], "a")
     rest = s.decode([ChunkRequest("c", c[:, 1:], True)])["c"]
     _close(torch.cat([got["c"].audio, rest.audio], -1), _solo(ring_decoder, c, [1, 4]), "c")
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n_vq", True, "n_vq must be an integer or None, got True"),
+        ("n_vq", 1.5, "n_vq must be an integer or None, got 1.5"),
+        ("n_vq", "2", "n_vq must be an integer or None, got '2'"),
+        ("graph_memory_bytes", -1, "graph_memory_bytes must be an integer >= 0, got -1"),
+        ("graph_memory_bytes", 2.5e9, "graph_memory_bytes must be an integer >= 0, got 2500000000.0"),
+        ("graph_memory_bytes", True, "graph_memory_bytes must be an integer >= 0, got True"),
+    ],
+)
+def test_session_options_refuse_what_is_not_an_integer(field, value, message, ring_decoder):
+    """A bool, float or string codebook count is refused, not truncated (``int(1.5)`` served 1 codebook while the
+    record said 1.5), and so is a graph memory bound that is not a byte count; the session's keyword reaches the
+    same check."""
+    with pytest.raises(ValueError, match=message):
+        SessionOptions(2, **{field: value})
+    with pytest.raises(ValueError, match=message):
+        CodecStreamSession(ring_decoder, 2, **{field: value})
+    assert SessionOptions(2, n_vq=1, graph_memory_bytes=0) == SessionOptions(2, 1, graph_memory_bytes=0)

@@ -27,11 +27,12 @@ class SessionOptions:
         max_step_frames: longest piece decoded in one step when no graph frame sizes are given, >= 1.
         max_waiting_streams: new streams that may wait for a slot, >= 0.
         max_waiting_frames: code frames that waiting streams may buffer in total, >= 0.
-        graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound.
+        graph_memory_bytes: device memory the CUDA graphs may take in bytes (an integer >= 0), or None for no bound.
 
     Raises:
-        ValueError: ``state_capacity < 1``, ``max_step_frames < 1`` or a negative queue bound, naming the field
-            and the value.
+        ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, an ``n_vq`` that is
+            not an integer (or None), or a ``graph_memory_bytes`` that is not an integer >= 0 (or None), naming the
+            field and the value.
     """
 
     state_capacity: int
@@ -48,6 +49,12 @@ class SessionOptions:
         check_count(self.max_step_frames, "max_step_frames", 1)
         check_count(self.max_waiting_streams, "max_waiting_streams", 0)
         check_count(self.max_waiting_frames, "max_waiting_frames", 0)
+        # The range of n_vq is the codec's (checked by the session); its type is checked here, so that 1.5 or True
+        # is refused rather than truncated by the session's int().
+        if self.n_vq is not None and (isinstance(self.n_vq, bool) or not isinstance(self.n_vq, int)):
+            raise ValueError(f"n_vq must be an integer or None, got {self.n_vq!r}")
+        if self.graph_memory_bytes is not None:
+            check_count(self.graph_memory_bytes, "graph_memory_bytes", 0)
         batch = tuple(graph_sizes(self.graph_batch_sizes, self.state_capacity))
         object.__setattr__(self, "graph_batch_sizes", batch)
         object.__setattr__(self, "graph_frame_sizes", tuple(graph_sizes(self.graph_frame_sizes)))

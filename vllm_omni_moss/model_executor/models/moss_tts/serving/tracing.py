@@ -24,12 +24,13 @@ class CallTrace:
         plan_ms: work before and between steps: request checks, routing chunks to streams, admission (with
             the pool's page reservations), ending streams, preempting streams of a paged pool (their state
             copied to the host), and cutting the ready chunks into steps (the whole call when no step runs).
-        stage_ms: each step's gathering, clamp count, clamp and copies of its codes, slot ids and lengths; on
+        stage_ms: each step's gathering, clamp count, clamp and copies of its codes, slot ids, valid frames and
+            (a graph step) valid rows, into the graph's own input buffers for a graph step; on
             CUDA, when an earlier step of the call has not started on the device yet, the wait for its input
             copies (the next step reuses their page-locked buffer).
-        run_ms: the steps themselves as the host sees them: with CUDA graphs the graph's input copies, the
-            replay's launch and the output's copy on the device (the GPU may still be running when they
-            return); an eager step's launches, and on CUDA the waits inside it.
+        run_ms: the steps themselves as the host sees them: with CUDA graphs the replay's launch (its inputs
+            were staged, its output is read in place; the GPU may still be running when it returns); an eager
+            step's launches, and on CUDA the waits inside it.
         to_host_ms: each step's audio rows to the host: on CUDA allocating the page-locked rows and queueing
             their copies behind the step (the host does not wait for them here).
         finish_ms: after the last step: ending streams, admitting and decoding nothing more, result objects,
