@@ -13,7 +13,7 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``v2-triton`` - the V2 pool with ``attention_backend="triton"`` (rings read in place, ``ops/ring_attention.py``).
 * ``v2-exact`` - the V2 pool with ``attention_backend="triton"`` and ``ring_semantics="exact"`` (the exact
   sliding window: a ring-plus-chunk window per query instead of the post-write ring).
-* ``v2-paged`` - the paged pool (``pool_kind="paged"``, ``state_pool.PagedDecoderStatePool``): the V2 pool's
+* ``v2-paged`` - the paged pool (``pool_kind="paged"``, ``state.PagedDecoderStatePool``): the V2 pool's
   Triton ops reading and writing rings through page tables. Every slot holds the pages of full rings, as a
   stream past its window does; on request only (not in the default ``--arms``).
 * ``v2-unfused`` - the V2 pool with the layer glue unfused (``CodecDecoder.fused_glue = False``: PyTorch's
