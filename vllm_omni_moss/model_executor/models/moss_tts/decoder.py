@@ -40,6 +40,7 @@ from .ops.residual_norm import (
     residual_layer_norm_reference,
 )
 from .step_metadata import check_ring_semantics
+from .token_packing import TokenPacking
 
 __all__ = [
     "CodecDecoder",
@@ -264,7 +265,13 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> 
 
 
 def _run_layers(
-    weights: DecoderGroup, inputs: list[torch.Tensor], group: GroupStep, attention: AttentionBackend, fused: bool
+    weights: DecoderGroup,
+    inputs: list[torch.Tensor],
+    group: GroupStep,
+    attention: AttentionBackend,
+    fused: bool,
+    packing: TokenPacking | None = None,
+    level: int = 0,
 ) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
@@ -274,10 +281,13 @@ def _run_layers(
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
     ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
-    layer ops (CUDA); otherwise their references.
+    layer ops (CUDA); otherwise their references. With ``packing`` (:mod:`.token_packing`) ``x`` is the
+    ``(1, N, d)`` packed real tokens of level ``level``: the attention alone reads them in the ``(B, T)`` grid.
     """
     x = inputs.pop()
     B, T, d = x.shape
+    if packing is not None:
+        B, T = packing.rows, packing.frames * packing.tokens_per_frame[level]
     heads = group.spec.num_heads
     layers = weights.layers
     if not layers:
@@ -288,11 +298,16 @@ def _run_layers(
     for i, layer in enumerate(layers):
         # Each activation is dropped as soon as it is consumed: the step's transient memory is bounded
         # by the widest two of them, not by everything a layer makes.
-        qkv = layer.in_proj(h).view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        qkv = layer.in_proj(h)
         del h
+        if packing is not None:
+            qkv = packing.to_rows(level, qkv)
+        qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
         # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
         attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
         del qkv
+        if packing is not None:
+            attn = packing.to_tokens(level, attn)
         update = layer.out_proj(attn)
         del attn
         norm = layer.norm2
@@ -322,7 +337,9 @@ def to_audio(config: CodecConfig, x: torch.Tensor) -> torch.Tensor:
     return x.view(B, N // c, c).transpose(1, 2).float().contiguous()
 
 
-def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+def run_decoder(
+    decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan, packing: TokenPacking | None = None
+) -> torch.Tensor:
     """One decode step: codes ``(n_vq, B, T)`` int64 -> audio ``(B, channels, T * hop)`` float32.
 
     ``plan`` holds one :class:`~.attention.GroupStep` per resolution group and the
@@ -330,19 +347,23 @@ def run_decoder(decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan) -> t
     Python branching on tensor values.
     """
     x = embed_codes(decoder, codes)
+    if packing is not None:
+        x = packing.to_tokens(0, x)
     # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
     fused = decoder.fused_glue and x.is_cuda
-    for group, weights in zip(plan.groups, decoder.groups):
+    for level, (group, weights) in enumerate(zip(plan.groups, decoder.groups)):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
         inputs = [x]
         del x  # _run_layers takes the only reference (see its docstring)
-        x = _run_layers(weights, inputs, group, plan.attention, fused)
+        x = _run_layers(weights, inputs, group, plan.attention, fused, packing, level)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)
     if plan.finish is not None:
         plan.finish()
+    if packing is not None:
+        x = packing.to_rows(len(plan.groups), x)
     return to_audio(decoder.config, x)
 
 

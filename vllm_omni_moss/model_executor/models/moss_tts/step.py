@@ -14,13 +14,20 @@ import torch
 
 from .decoder import decode_autocast, run_decoder
 from .pool_kinds import pool_kind_record
+from .token_packing import TokenPacking
 
 __all__ = ["decode_batch", "decode_tensors", "validate_step"]
 
 
-def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_tensors(
+    pool, codes, valid_frames, slot_ids, valid_rows, total_frames: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The step of ``pool`` on int64 ``codes`` ``(n_vq, B, T)``, int64 ``valid_frames`` ``(B,)``, int64
     ``slot_ids`` ``(B,)`` and bool ``valid_rows`` ``(B,)`` on the pool's device.
+
+    ``total_frames`` (at least the valid rows' frames in all): run every op but the attention on the packed real
+    tokens (:mod:`.token_packing`), ``total_frames`` frames of them, instead of the ``B x T`` grid; the same
+    audio and state within the GEMMs' rounding.
 
     Returns:
         ``audio`` ``(B, channels, T * samples_per_frame)`` float32, zero for invalid rows and padding frames,
@@ -30,8 +37,11 @@ def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[tor
     slots = pool.route(slot_ids, valid_rows)
     valid_frames = torch.where(valid_rows, valid_frames, 0)
     plan = pool.step_plan(slots, valid_frames, codes.shape[-1])
+    packing = None
+    if total_frames is not None:
+        packing = TokenPacking.of(pool.config, valid_frames, codes.shape[-1], total_frames)
     with torch.no_grad(), decode_autocast(pool.decoder):
-        audio = run_decoder(pool.decoder, codes, plan)
+        audio = run_decoder(pool.decoder, codes, plan, packing)
     audio_lengths = valid_frames * pool.config.samples_per_frame
     sample = torch.arange(audio.shape[-1], device=audio.device)
     audio = torch.where(sample < audio_lengths.view(-1, 1, 1), audio, 0.0)
