@@ -86,11 +86,12 @@ class DecoderStatePool:
         options = {"dtype": dtype, "ring_semantics": ring_semantics, "attention_backend": attention_backend}
         self._setup(decoder, self._spec(decoder, spec, options))
 
-    def _spec(self, decoder, spec: StateSpec | None, options: dict) -> StateSpec:
-        # The resolved ``spec`` as given (one of this class's kind, without loose options), or the options resolved.
+    def _spec(self, decoder, spec: StateSpec | None, options: dict, paging: dict | None = None) -> StateSpec:
+        # The resolved ``spec`` as given (one of this class's kind, without loose options), or the options (and
+        # a paged pool's ``paging`` keywords) resolved.
         if spec is None:
-            return StateSpec.resolve(decoder, self.kind, *options.values())
-        if any(v is not None for v in options.values()):
+            return StateSpec.resolve(decoder, self.kind, *options.values(), paging)
+        if any(v is not None for v in (*options.values(), *(paging or {}).values())):
             raise ValueError(f"give {type(self).__name__} a spec or the options it is made of, not both")
         if spec.kind != self.kind:
             raise ValueError(f"{type(self).__name__} holds {self.kind!r} pools, the spec is for {spec.kind!r}")

@@ -206,11 +206,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
             "expected_stream_frames": expected_stream_frames,
         }
         options = {"dtype": dtype, "ring_semantics": ring_semantics, "attention_backend": attention_backend}
-        if spec is None:
-            spec = StateSpec.resolve(decoder, self.kind, *options.values(), paging)
-        else:
-            spec = self._spec(decoder, spec, {**options, **paging})
-        self._setup(decoder, spec)
+        self._setup(decoder, self._spec(decoder, spec, options, paging))
 
     def _setup(self, decoder, spec: StateSpec) -> None:
         paging = spec.paging
