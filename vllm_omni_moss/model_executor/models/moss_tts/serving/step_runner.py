@@ -320,15 +320,12 @@ class StepRunner:
         codes_numel = n_vq * bucket * T if host_codes else 0
         staged = self._input_buffer(codes_numel + 2 * bucket)
         meta = staged[codes_numel:].view(2, bucket)
-        meta[0, :B] = torch.tensor(batch.slots, dtype=torch.long)
+        meta[:, :B] = torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long)
         meta[0, B:] = g.padding_host[B:]
-        meta[1, :B] = torch.tensor(batch.valid_frames, dtype=torch.long)
         meta[1, B:] = 0
         codes = staged[:codes_numel].view(n_vq, bucket, T) if host_codes else g.codes
         codes[:, B:].zero_()
-        _gather(codes[:, :B], batch.pieces, batch.valid_frames, T)
-        self._count_clamped(codes[:, :B])
-        codes.clamp_(0, self.codebook_size - 1)
+        self._fill_codes(codes[:, :B], batch)
         pinned = self.device.type == "cuda"
         if host_codes:
             g.codes.copy_(codes, non_blocking=pinned)
@@ -365,9 +362,7 @@ class StepRunner:
             codes = staged[:codes_numel].view(self.n_vq, B, T)
         else:
             codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        _gather(codes, batch.pieces, batch.valid_frames, T)
-        self._count_clamped(codes)
-        codes.clamp_(0, self.codebook_size - 1)
+        self._fill_codes(codes, batch)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
         # on): the copies below always make new tensors.
         slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
@@ -376,6 +371,13 @@ class StepRunner:
         if pinned:
             self._inputs_read.record(torch.cuda.current_stream(self.device))
         return codes, slot_ids, valid_frames
+
+    def _fill_codes(self, codes: torch.Tensor, batch: StepBatch) -> None:
+        """Gather ``batch``'s pieces into ``codes`` ``(n_vq, B, T)`` int64 (zero past each row's valid frames),
+        count the codes out of ``[0, codebook_size)`` and clamp them."""
+        _gather(codes, batch.pieces, batch.valid_frames, codes.shape[-1])
+        self._count_clamped(codes)
+        codes.clamp_(0, self.codebook_size - 1)
 
     def _count_clamped(self, codes: torch.Tensor) -> None:
         """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
