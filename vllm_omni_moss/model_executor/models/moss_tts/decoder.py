@@ -346,9 +346,9 @@ def run_decoder(
     attention backend; ``plan.finish`` runs after the last group. Pure tensor code: no
     Python branching on tensor values.
     """
-    x = embed_codes(decoder, codes)
     if packing is not None:
-        x = packing.to_tokens(0, x)
+        codes = packing.pack_codes(codes)
+    x = embed_codes(decoder, codes)
     # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
     fused = decoder.fused_glue and x.is_cuda
     for level, (group, weights) in enumerate(zip(plan.groups, decoder.groups)):

@@ -69,6 +69,11 @@ class TokenPacking:
             reads.append(torch.where(keep, tokens, 0))
         return cls(B, frames, tuple(rates), tuple(grids), tuple(reads))
 
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """``(n_vq, B, T)`` codes -> ``(n_vq, 1, N_0)``: the codes of the packed frames, for the embedding."""
+        n_vq, B, T = codes.shape
+        return codes.reshape(n_vq, B * T).index_select(1, self.read[0]).view(n_vq, 1, -1)
+
     def to_tokens(self, group: int, x: torch.Tensor) -> torch.Tensor:
         """``(B, T_g, C)`` grid values of group ``group`` -> ``(1, N_g, C)`` packed tokens."""
         B, T, C = x.shape
