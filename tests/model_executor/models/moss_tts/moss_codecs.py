@@ -20,6 +20,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     TRITON_INTERPRET_AT_IMPORT,
     cpu_uses_triton_interpreter,
 )
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, ChunkResult
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 
@@ -140,6 +141,73 @@ def step_valid_rows(pool, codes: torch.Tensor, valid_frames: list[int], slots: l
     each). Returns ``(audio (B, channels, T * samples_per_frame), audio_lengths (B,))``."""
     B = codes.shape[1]
     return decode_batch(pool, codes, torch.tensor(valid_frames), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
+
+
+def solo_decode(decoder, codes: torch.Tensor, schedule: list[int]) -> torch.Tensor:
+    """Reference: ``(channels, T * spf)`` of one stream fed in chunks of ``schedule`` frames."""
+    assert sum(schedule) == codes.shape[1]
+    return decoder.decode(codes[:, None], chunk_frames=schedule)[0]
+
+
+def assert_close_to_solo(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``got`` is float32 CPU audio of ``ref``'s shape within 1e-5 of ``ref``'s peak."""
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert got.dtype == torch.float32 and got.device.type == "cpu"
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
+
+
+def count_steps(session, monkeypatch, packed: list | None = None) -> list[tuple[int, int]]:
+    """Record ``(B, T)`` of every eager pool step of ``session`` (and each one's packed length, or None, in
+    ``packed`` when given)."""
+    steps = []
+    real = session._steps.eager_step
+
+    def spy(codes, lengths, slot_ids, valid, **kwargs):
+        steps.append((codes.shape[1], codes.shape[2]))
+        if packed is not None:
+            packed.append(kwargs.get("total_frames"))
+        return real(codes, lengths, slot_ids, valid, **kwargs)
+
+    monkeypatch.setattr(session._steps, "eager_step", spy)
+    return steps
+
+
+class ChunkDriver:
+    """Feeds whole code sequences to a session in scripted chunks and keeps the audio."""
+
+    def __init__(self, session, decoder):
+        self.session, self.decoder = session, decoder
+        self.codes: dict[str, torch.Tensor] = {}
+        self.pos: dict[str, int] = {}
+        self.schedule: dict[str, list[int]] = {}
+        self.audio: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, rid: str, frames: int, seed: int) -> None:
+        self.codes[rid] = stream_codes(self.decoder, frames, seed)
+        self.pos[rid], self.schedule[rid], self.audio[rid] = 0, [], []
+
+    def step(self, chunks: list[tuple[str, int, bool]]) -> dict[str, ChunkResult]:
+        reqs = []
+        for rid, T, finished in chunks:
+            p = self.pos[rid]
+            reqs.append(ChunkRequest(rid, self.codes[rid][:, p : p + T], finished))
+            self.pos[rid] = p + T
+            step = self.session.max_piece_frames
+            self.schedule[rid] += [min(step, T - k) for k in range(0, T, step)]  # the session splits long chunks
+        out = self.session.decode(reqs)
+        assert set(out) == {rid for rid, _, _ in chunks}
+        for rid, T, _ in chunks:
+            res = out[rid]
+            assert res.frames == T and res.sample_rate == self.decoder.config.sampling_rate
+            assert res.audio.shape == (self.decoder.config.number_channels, T * self.decoder.config.samples_per_frame)
+            self.audio[rid].append(res.audio)
+        return out
+
+    def check(self, rid: str) -> None:
+        assert self.pos[rid] == self.codes[rid].shape[1], f"{rid} not fully fed"
+        got = torch.cat(self.audio[rid], dim=-1)
+        assert_close_to_solo(got, solo_decode(self.decoder, self.codes[rid], self.schedule[rid]), rid)
 
 
 def assert_slot_state_equal(a, b, slots) -> None:

@@ -250,6 +250,47 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
 
 
 @pytest.mark.cuda
+def test_ragged_session_replays_packed_graphs_bitwise_as_the_eager_packed_step(tmp_path):
+    """With ragged steps the runner captures every (bucket, T) graph and, at the largest frame size, the packed
+    ones (bucket x each smaller frame size); a call of rows of 1, 2 and 4 frames is one replay of a packed graph,
+    bit for bit the eager step of the same padded batch at the same packed length, and the null slot stays
+    zero."""
+    dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
+    session = CodecStreamSession(
+        dec, CAPACITY, graph_batch_sizes=(2, 4), graph_frame_sizes=(1, 2, 4), ragged_steps=True
+    )
+    runner = session.runner
+    assert runner.keys() == [(4, 4), (4, 4, 8), (4, 4, 4), (4, 2), (4, 1), (2, 4), (2, 4, 4), (2, 4, 2), (2, 2), (2, 1)]
+    assert sorted(runner.graphs) == sorted(runner.keys()) and not runner.failures
+    reference = make_state_pool(dec)
+    reference.initialize(CAPACITY)
+    gen = torch.Generator().manual_seed(5)
+    K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
+    for lengths, key in (((1, 2, 4), (4, 4, 8)), ((4, 4, 4), (4, 4)), ((1, 1), (2, 1)), ((3, 1), (2, 4, 4))):
+        names = "abc"[: len(lengths)]
+        codes = torch.randint(0, K, (n_vq, len(names), max(lengths)), generator=gen)
+        chunks = [ChunkRequest(r, codes[:, i, : lengths[i]]) for i, r in enumerate(names)]
+        before = session.stats()["steps_by_path"]["graph"]
+        got = session.decode(chunks)
+        assert session.stats()["steps_by_path"]["graph"] == before + 1
+        live = [session.live_requests[r] for r in names]
+        bucket, T = key[0], key[1]
+        full, _, ids, valid = _padded(
+            reference, torch.zeros(n_vq, len(names), T, dtype=torch.long).cuda(), live, bucket
+        )
+        for i, n in enumerate(lengths):
+            full[:, i, :n] = codes[:, i, :n].cuda()
+        frames = torch.tensor(list(lengths) + [0] * (bucket - len(names)), device="cuda")
+        packed = {"total_frames": key[2]} if len(key) == 3 else {}
+        ref, _ = decode_batch(reference, full, frames, ids, valid, **packed)
+        spf = int(dec.config.samples_per_frame)
+        for i, r in enumerate(names):
+            assert torch.equal(got[r].audio, ref[i, :, : lengths[i] * spf].float().cpu()), f"{r}: {key} differs"
+        _assert_null_slot_zero(session.pool)
+    session.close()
+
+
+@pytest.mark.cuda
 def test_session_pins_the_audio_rows_of_every_graph_frame_size_at_startup(tmp_path):
     """After construction no graph step pins host memory: a full bucket at each graph frame size, smallest first,
     creates no page-locked block (torch's caching host allocator serves a row only from its own power-of-two

@@ -229,7 +229,7 @@ def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
     values = dict(
         codec_dtype="float32", codec_attention_backend="sdpa", codec_ring_semantics="exact", codec_pool_kind="paged",
         codec_state_budget_gib=2.0, codec_expected_stream_seconds=4.0, codec_graph_memory_gib=1.0,
-        codec_dummy_preset="v1",
+        codec_dummy_preset="v1", codec_ragged_steps=True,
     )  # fmt: skip
     assert set(values) | {"codec_model_name_or_path"} == set(CODEC_KEYS)
     got = StageOptions.from_vllm_config(vllm_config(tmp_path, 11, **values))
@@ -238,6 +238,7 @@ def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
     )  # fmt: skip
     assert (got.state_budget_bytes, got.expected_stream_seconds, got.graph_memory_bytes) == (2 << 30, 4.0, 1 << 30)
     assert got.dummy_preset is None  # read only under vLLM's dummy load format (test_stage_dummy_load.py)
+    assert got.ragged_steps is True and got.session_options().ragged_steps is True
     fields = _CodecFields(SimpleNamespace(codec_dtype="auto", codec_bogus=1))
     assert fields.codec_dtype == "auto" and getattr(fields, "codec_pool_kind", None) is None
     with pytest.raises(KeyError, match="'codec_bogus' is read from the hf_config but CODEC_KEYS does not list it"):
@@ -527,3 +528,13 @@ def test_the_stage_captures_the_graph_ladder_of_its_slots(tmp_path):
     with pytest.raises(ValueError) as err:
         MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, codec_graph_memory_gib=0))
     assert str(err.value) == "codec_graph_memory_gib must be a finite number of GiB > 0, got 0"
+
+
+def test_codec_ragged_steps_is_a_bool_and_off_by_default(tmp_path):
+    from vllm_omni_moss.model_executor.models.moss_tts.stage_options import StageOptions
+
+    assert StageOptions.from_vllm_config(vllm_config(tmp_path, 11)).session_options().ragged_steps is False
+    for bad in ("true", 1):
+        with pytest.raises(ValueError) as err:
+            StageOptions.from_vllm_config(vllm_config(tmp_path, 11, codec_ragged_steps=bad))
+        assert str(err.value) == f"codec_ragged_steps must be true or false, got {bad!r}"

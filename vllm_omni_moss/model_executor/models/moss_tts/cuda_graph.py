@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CUDA graphs of streaming steps, keyed by ``(batch bucket, frame size)``.
+"""CUDA graphs of streaming steps, keyed by ``(batch bucket, frame size)``, and packed ones keyed by
+``(batch bucket, largest frame size, packed frames)``.
 
 One graph per key replays ``step.decode_tensors`` over the pool (or a compiled callable
 with the same signature) on static input tensors. A batch of ``B`` rows of ``T``
@@ -8,6 +9,12 @@ frames uses the smallest bucket ``>= B`` and the smallest captured frame size
 ids from ``pool.padding_slot_ids``) and frames ``T..`` of every row, like the frames
 beyond each row's own length, are padding frames, which change no state (the pool's
 per-frame validity), so a tail chunk of any length is served by a graph exactly.
+
+With ``packed``, each bucket also gets graphs of ragged steps at the largest frame size whose rows hold at most
+``bucket x t`` real frames in all, ``t`` each smaller frame size (``graph_ladder.packed_totals``): every op but
+the attention runs on that many packed frames (``decode_tensors(..., total_frames=...)``) instead of the
+``bucket x T`` grid. They are captured with the plain step, never a compiled callable: the packed length is a
+Python integer, which a compiler that drops its guards would bake into one graph.
 
 Invariants:
 
@@ -34,12 +41,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from .graph_ladder import graph_sizes
+from .graph_ladder import graph_sizes, packed_total_for, packed_totals
 from .state import DecoderStatePool
 from .step import decode_tensors
 
@@ -94,9 +102,11 @@ class StreamingGraphRunner:
             and every later key.
         memory_budget_bytes: device memory the graphs may take (their output buffers and the memory their
             captures reserve), or None for no bound.
+        packed: capture the packed graphs of ragged steps too (module docstring).
 
     Attributes:
-        graphs: captured keys -> graph entries.
+        graphs: captured keys -> graph entries (:meth:`keys`).
+        capture_seconds: wall seconds :meth:`capture` took (warm-up runs included).
         memory_bytes: device memory the graphs took, known after :meth:`capture`: the growth of the memory the
             process reserves over the capture (output buffers, the graphs' pool, and the blocks the warm-up
             runs leave cached for later steps).
@@ -117,6 +127,7 @@ class StreamingGraphRunner:
         n_vq: int,
         callable: Callable | None = None,
         memory_budget_bytes: int | None = None,
+        packed: bool = False,
     ):
         if pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA pool; this pool is on {pool.device}")
@@ -133,10 +144,12 @@ class StreamingGraphRunner:
         self._compiled = callable
         self.memory_budget_bytes = memory_budget_bytes
         self.memory_bytes = 0
+        self.capture_seconds = 0.0
+        self.packed = bool(packed)
         self._outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
-        self.failures: dict[tuple[int, int], str] = {}
-        self.compiled_keys: set[tuple[int, int]] = set()
+        self.graphs: dict[tuple[int, ...], CapturedGraph] = {}
+        self.failures: dict[tuple[int, ...], str] = {}
+        self.compiled_keys: set[tuple[int, ...]] = set()
         self._mempool = None
         self._stream = None
         self._captured = False
@@ -144,12 +157,12 @@ class StreamingGraphRunner:
     # ------------------------------------------------------------------ capture
     @torch.no_grad()
     def capture(self) -> None:
-        """Warm up and capture every ``(bucket, T)`` key, largest first (smaller graphs
+        """Warm up and capture every key of :meth:`keys`, largest step first (smaller graphs
         then reuse the larger ones' memory in the shared pool). Idempotent."""
         if self._captured:
             return
         self._captured = True
-        device = self.pool.device
+        device, start = self.pool.device, time.perf_counter()
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)
             # Free cached blocks first: otherwise the graphs may reuse blocks that earlier work left cached, and
@@ -159,17 +172,29 @@ class StreamingGraphRunner:
             self._allocate_outputs()
             self._mempool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device)
-            for key in sorted(((b, t) for b in self.batch_sizes for t in self.frame_sizes), reverse=True):
-                self._capture_key(*key)
+            for key in self.keys():
+                self._capture_key(key)
                 self._check_memory(torch.cuda.memory_reserved(device) - reserved, len(self.graphs) + len(self.failures))
+        self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "streaming decoder CUDA graphs: %d/%d captured (%d compiled) in %.2f GiB; eager for %s",
+            "streaming decoder CUDA graphs: %d/%d captured (%d compiled, %d packed) in %.2f GiB and %.1f s; eager for %s",
             len(self.graphs),
-            len(self.batch_sizes) * len(self.frame_sizes),
+            len(self.keys()),
             len(self.compiled_keys),
+            sum(len(k) == 3 for k in self.graphs),
             self.memory_bytes / 2**30,
+            self.capture_seconds,
             sorted(self.failures) or "none",
         )
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Every key the runner captures, largest step first: ``(bucket, T)`` for every bucket and frame size, and
+        with ``packed`` ``(bucket, largest T, F)`` for every ``F`` of ``graph_ladder.packed_totals(bucket, ...)``.
+        A step's size is its frames: ``F``, or ``bucket x T`` for the grid."""
+        keys = [(b, t) for b in self.batch_sizes for t in self.frame_sizes]
+        if self.packed:
+            keys += [(b, self.frame_sizes[-1], n) for b in self.batch_sizes for n in packed_totals(b, self.frame_sizes)]
+        return sorted(keys, key=lambda k: (k[0], k[1], k[2] if len(k) == 3 else k[0] * k[1]), reverse=True)
 
     def output_bytes(self) -> int:
         """Bytes of the output buffers: one float32 ``(largest bucket, channels, T * spf)`` per frame size."""
@@ -189,17 +214,21 @@ class StreamingGraphRunner:
         budget = self.memory_budget_bytes
         if budget is None or used <= budget:
             return
-        keys = len(self.batch_sizes) * len(self.frame_sizes)
+        keys = len(self.keys())
         self.close()
         raise GraphMemoryError(
-            f"CUDA graphs of batch buckets {self.batch_sizes} x frame sizes {self.frame_sizes} take "
+            f"CUDA graphs of batch buckets {self.batch_sizes} x frame sizes {self.frame_sizes}"
+            f"{' (packed graphs too)' if self.packed else ''} take "
             f"{used / 2**30:.2f} GiB after {captured} of {keys} graphs (output buffers "
             f"{self.output_bytes() / 2**30:.2f} GiB), over their memory budget of {budget / 2**30:.2f} GiB; "
             "raise the budget (codec_graph_memory_gib) or lower max_num_seqs"
         )
 
-    def _capture_key(self, bucket: int, frames: int) -> None:
-        key = (bucket, frames)
+    def _capture_key(self, key: tuple[int, ...]) -> None:
+        bucket, frames = key[0], key[1]
+        if len(key) == 3:  # packed: the plain step, always (module docstring)
+            self._capture_plain(key, functools.partial(decode_tensors, self.pool, total_frames=key[2]))
+            return
         if self._compiled is not None:
             try:
                 self.graphs[key] = self._capture_with(self._compiled, bucket, frames)
@@ -209,12 +238,15 @@ class StreamingGraphRunner:
                 logger.warning("compiled capture failed for %s (%r); plain step from now on", key, exc)
                 self._compiled = None
                 self._reset_padding(bucket)
+        self._capture_plain(key, functools.partial(decode_tensors, self.pool))
+
+    def _capture_plain(self, key: tuple[int, ...], step: Callable) -> None:
         try:
-            self.graphs[key] = self._capture_with(functools.partial(decode_tensors, self.pool), bucket, frames)
+            self.graphs[key] = self._capture_with(step, key[0], key[1])
         except Exception as exc:
             self.failures[key] = repr(exc)
             logger.warning("CUDA graph capture failed for %s (%r); eager for this key", key, exc)
-            self._reset_padding(bucket)
+            self._reset_padding(key[0])
 
     def _capture_with(self, step: Callable, bucket: int, frames: int) -> CapturedGraph:
         device = self.pool.device
@@ -249,20 +281,26 @@ class StreamingGraphRunner:
             self.pool.reset(dirtied)
 
     # ------------------------------------------------------------------ replay
-    def select(self, batch: int, num_frames: int) -> tuple[int, int] | None:
+    def select(self, batch: int, num_frames: int, total_frames: int | None = None) -> tuple[int, ...] | None:
         """The captured key serving ``batch`` rows of ``num_frames`` frames, or None: the smallest
-        bucket ``>= batch`` with the smallest captured frame size ``>= num_frames``."""
+        bucket ``>= batch`` with the smallest captured frame size ``>= num_frames``. Given the rows' real frames
+        in all (``total_frames``), a step at the largest frame size takes the packed graph of the smallest
+        packed total holding them (``graph_ladder.packed_total_for``) when one is captured."""
         bucket = next((b for b in self.batch_sizes if b >= batch), None)
         if bucket is None:
             return None
-        return next(((bucket, t) for t in self.frame_sizes if t >= num_frames and (bucket, t) in self.graphs), None)
+        key = next(((bucket, t) for t in self.frame_sizes if t >= num_frames and (bucket, t) in self.graphs), None)
+        if key is not None and total_frames is not None and key[1] == self.frame_sizes[-1]:
+            packed = (*key, packed_total_for(bucket, self.frame_sizes, total_frames))
+            return packed if packed in self.graphs else key
+        return key
 
-    def buffers(self, key: tuple[int, int]) -> CapturedGraph:
+    def buffers(self, key: tuple[int, ...]) -> CapturedGraph:
         """The captured graph of ``key`` (from :meth:`select`), whose input tensors a caller fills before
         :meth:`replay` (the step runner stages each step's inputs straight into them)."""
         return self.graphs[key]
 
-    def replay(self, key: tuple[int, int], rows: int) -> torch.Tensor:
+    def replay(self, key: tuple[int, ...], rows: int) -> torch.Tensor:
         """Replay the graph of ``key`` on what its input tensors hold (a paged pool's page tables committed
         first); returns ``(rows, channels, T * spf)`` float32, a view of the frame size's output buffer that the
         next replay of that frame size rewrites (work queued after this replay on the same stream reads it
@@ -272,7 +310,9 @@ class StreamingGraphRunner:
         return g.audio[:rows]
 
     @torch.no_grad()
-    def decode(self, codes: torch.Tensor, valid_frames: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor | None:
+    def decode(
+        self, codes: torch.Tensor, valid_frames: torch.Tensor, slot_ids: torch.Tensor, total_frames: int | None = None
+    ) -> torch.Tensor | None:
         """Replay the graph for a batch of valid rows held on the device, or return None (the caller runs eager).
         A paged pool's page tables must be committed first (``pool.commit_page_tables``).
 
@@ -280,6 +320,8 @@ class StreamingGraphRunner:
             codes: ``(n_vq, B, T)`` int64 on the pool's CUDA device.
             valid_frames: ``(B,)`` int64 valid frames per row, ``0..T``.
             slot_ids: ``(B,)`` int64 distinct slots in use.
+            total_frames: the sum of ``valid_frames``, to replay a packed graph (:meth:`select`); None: a grid
+                graph.
         Returns:
             ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``;
             samples beyond a row's length are zero), or None when no graph fits, the inputs
@@ -290,7 +332,7 @@ class StreamingGraphRunner:
         n_vq, B, T = codes.shape
         if n_vq != self.n_vq:
             return None
-        key = self.select(B, T)
+        key = self.select(B, T, total_frames)
         if key is None:
             return None
         g = self.graphs[key]

@@ -15,7 +15,15 @@ import math
 
 from .checks import check_count
 
-__all__ = ["DENSE_UP_TO", "GROWTH", "batch_buckets", "bucket_for", "graph_sizes"]
+__all__ = [
+    "DENSE_UP_TO",
+    "GROWTH",
+    "batch_buckets",
+    "bucket_for",
+    "graph_sizes",
+    "packed_total_for",
+    "packed_totals",
+]
 
 #: Buckets up to this many rows are the powers of two.
 DENSE_UP_TO = 64
@@ -52,3 +60,16 @@ def graph_sizes(sizes, upper: int | None = None) -> list[int]:
     """Graph batch or frame sizes as the session and the graph runner keep them: distinct, ascending, each
     ``int(size)`` in ``1..upper`` (no upper bound when ``upper`` is None); other sizes are dropped."""
     return sorted({int(n) for n in sizes if 0 < int(n) and (upper is None or int(n) <= upper)})
+
+
+def packed_totals(bucket: int, frame_sizes: list[int]) -> list[int]:
+    """The total frames of the packed graphs of one bucket: ``bucket x t`` for every frame size ``t`` of
+    ``frame_sizes`` (ascending) below the largest. They serve ragged steps at the largest frame size, whose rows
+    hold ``bucket x t`` real frames or fewer (docs/serving.md, "Ragged steps")."""
+    return [bucket * t for t in frame_sizes[:-1]]
+
+
+def packed_total_for(bucket: int, frame_sizes: list[int], frames: int) -> int | None:
+    """The smallest of :func:`packed_totals` ``(bucket, frame_sizes)`` holding ``frames`` real frames, or None:
+    the step runs in its grid (``frames`` more than every packed total, or no smaller frame size)."""
+    return next((n for n in packed_totals(bucket, frame_sizes) if n >= frames), None)

@@ -91,6 +91,7 @@ CODEC_KEYS: dict[str, str] = {
     "codec_expected_stream_seconds": "the stream length that splits the state budget over the groups",
     "codec_graph_memory_gib": "GiB the codec's CUDA graphs may take",
     "codec_dummy_preset": "the geometry of the random codec served under vLLM's dummy load format",
+    "codec_ragged_steps": "one decoder step per round of a call, whatever its chunks' lengths (a bool)",
 }
 #: The codec served under vLLM's dummy load format unless ``codec_dummy_preset`` names another preset.
 DEFAULT_DUMMY_PRESET = "v2"
@@ -148,6 +149,14 @@ def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
     if value is not None and value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+def _hf_bool(hf: Any, name: str) -> bool:
+    """The hf_config field ``name`` as a bool (False when absent or null); ValueError for anything but a bool."""
+    value = getattr(hf, name, None)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _hf_positive(hf: Any, name: str, unit: str) -> float | None:
@@ -368,6 +377,8 @@ class StageOptions:
         dummy_preset: under vLLM's dummy load format (``load_config.load_format == "dummy"``), the preset
             (``config.PRESETS``) whose random weights the stage serves instead of the checkpoint
             (``codec_dummy_preset``, default :data:`DEFAULT_DUMMY_PRESET`); None under any other load format.
+        ragged_steps: one step per round of a call (``codec_ragged_steps``, default False:
+            ``SessionOptions.ragged_steps``).
     """
 
     n_vq: int
@@ -387,6 +398,7 @@ class StageOptions:
     graph_batch_sizes: list[int]
     graph_memory_bytes: int
     dummy_preset: str | None = None
+    ragged_steps: bool = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config, parse_ramp: RampParser | None = None) -> StageOptions:
@@ -397,7 +409,8 @@ class StageOptions:
             ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
                 ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
                 given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
-                budget), ``codec_dummy_preset`` (not a preset name), or the connector's chunk schedule
+                budget), ``codec_dummy_preset`` (not a preset name), ``codec_ragged_steps`` (not a bool), or the
+                connector's chunk schedule
                 (:func:`resolve_chunk_schedule`); a ``codec_*`` field :data:`CODEC_KEYS` does not list
                 (:func:`check_codec_keys`).
         """
@@ -435,7 +448,7 @@ class StageOptions:
             bool(getattr(model_config, "async_chunk", False)), enforce_eager,
             [] if enforce_eager else batch_buckets(capacity),
             int((_hf_positive(hf, "codec_graph_memory_gib", "GiB") or DEFAULT_GRAPH_MEMORY_GIB) * 2**30),
-            dummy_preset if dummy else None,
+            dummy_preset if dummy else None, _hf_bool(hf, "codec_ragged_steps"),
         )  # fmt: skip
 
     def session_options(self) -> SessionOptions:
@@ -446,5 +459,5 @@ class StageOptions:
             state_capacity=self.state_capacity, n_vq=self.n_vq, graph_batch_sizes=tuple(self.graph_batch_sizes),
             graph_frame_sizes=tuple(self.graph_frame_sizes), max_step_frames=self.max_step_frames,
             max_waiting_streams=self.state_capacity, max_waiting_frames=self.state_capacity * WAITING_FRAMES_PER_SLOT,
-            graph_memory_bytes=self.graph_memory_bytes,
+            graph_memory_bytes=self.graph_memory_bytes, ragged_steps=self.ragged_steps,
         )  # fmt: skip

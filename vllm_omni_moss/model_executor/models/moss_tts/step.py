@@ -49,7 +49,9 @@ def decode_tensors(
 
 
 @torch.no_grad()
-def decode_batch(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_batch(
+    pool, codes, valid_frames, slot_ids, valid_rows, total_frames: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_tensors` after :func:`validate_step`, with the pages of a paged pool reserved (and its page
     tables committed) first.
 
@@ -59,17 +61,27 @@ def decode_batch(pool, codes, valid_frames, slot_ids, valid_rows) -> tuple[torch
             are padding (they change no state); 0 decodes nothing.
         slot_ids: ``(B,)`` int64 slot of each row.
         valid_rows: ``(B,)`` bool; False marks padding rows (their valid frames are ignored).
+        total_frames: run every op but the attention on ``total_frames`` packed frames (:func:`decode_tensors`),
+            at least the valid rows' frames in all; None: on the ``B x T`` grid.
     Raises:
-        ValueError: as :func:`validate_step`, or (paged pools) a valid row's slot that is not in use. Nothing is
-            modified when it raises.
+        ValueError: as :func:`validate_step`, a ``total_frames`` that is not an integer of at least the valid rows'
+            frames (and 1), or (paged pools) a valid row's slot that is not in use. Nothing is modified when it raises.
         PagesExhausted: a paged pool lacks the pages of the step (before anything changes).
         RuntimeError: the pool is not initialised.
     """
     pool._require_initialized()
     validate_step(pool, codes, valid_frames, slot_ids, valid_rows)
+    if total_frames is not None:
+        _check_total_frames(total_frames, valid_frames, valid_rows)
     if pool_kind_record(pool.kind).paged:
         _reserve_pages(pool, slot_ids, valid_frames, valid_rows)
-    return decode_tensors(pool, codes.long(), valid_frames.long(), slot_ids.long(), valid_rows)
+    return decode_tensors(pool, codes.long(), valid_frames.long(), slot_ids.long(), valid_rows, total_frames)
+
+
+def _check_total_frames(total_frames, valid_frames, valid_rows) -> None:
+    least = max(1, int(torch.where(valid_rows, valid_frames, 0).sum()))
+    if isinstance(total_frames, bool) or not isinstance(total_frames, int) or total_frames < least:
+        raise ValueError(f"total_frames must be an integer >= {least} (the valid rows' frames), got {total_frames!r}")
 
 
 def _reserve_pages(pool, slot_ids, valid_frames, valid_rows) -> None:

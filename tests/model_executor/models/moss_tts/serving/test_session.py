@@ -13,81 +13,21 @@ import types
 
 import pytest
 import torch
+from moss_codecs import ChunkDriver as _Driver
+from moss_codecs import assert_close_to_solo as _close
+from moss_codecs import count_steps as _count_steps
 from moss_codecs import random_codes
+from moss_codecs import solo_decode as _solo
 from moss_codecs import stream_codes as _codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.serving import (
     ChunkRequest,
-    ChunkResult,
     CodecStreamSession,
     SessionOptions,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
-
-
-def _solo(decoder, codes: torch.Tensor, schedule: list[int]) -> torch.Tensor:
-    """Reference: ``(channels, T * spf)`` of one stream fed in chunks of ``schedule`` frames."""
-    assert sum(schedule) == codes.shape[1]
-    return decoder.decode(codes[:, None], chunk_frames=schedule)[0]
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert got.dtype == torch.float32 and got.device.type == "cpu"
-    err = (got - ref).abs().max().item()
-    assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
-
-
-def _count_steps(session, monkeypatch) -> list[tuple[int, int]]:
-    """Record ``(B, T)`` of every pool step."""
-    steps = []
-    real = session._steps.eager_step
-
-    def spy(codes, lengths, slot_ids, valid):
-        steps.append((codes.shape[1], codes.shape[2]))
-        return real(codes, lengths, slot_ids, valid)
-
-    monkeypatch.setattr(session._steps, "eager_step", spy)
-    return steps
-
-
-class _Driver:
-    """Feeds whole code sequences to a session in scripted chunks and keeps the audio."""
-
-    def __init__(self, session, decoder):
-        self.session, self.decoder = session, decoder
-        self.codes: dict[str, torch.Tensor] = {}
-        self.pos: dict[str, int] = {}
-        self.schedule: dict[str, list[int]] = {}
-        self.audio: dict[str, list[torch.Tensor]] = {}
-
-    def add(self, rid: str, frames: int, seed: int) -> None:
-        self.codes[rid] = _codes(self.decoder, frames, seed)
-        self.pos[rid], self.schedule[rid], self.audio[rid] = 0, [], []
-
-    def step(self, chunks: list[tuple[str, int, bool]]) -> dict[str, ChunkResult]:
-        reqs = []
-        for rid, T, finished in chunks:
-            p = self.pos[rid]
-            reqs.append(ChunkRequest(rid, self.codes[rid][:, p : p + T], finished))
-            self.pos[rid] = p + T
-            step = self.session.max_piece_frames
-            self.schedule[rid] += [min(step, T - k) for k in range(0, T, step)]  # the session splits long chunks
-        out = self.session.decode(reqs)
-        assert set(out) == {rid for rid, _, _ in chunks}
-        for rid, T, _ in chunks:
-            res = out[rid]
-            assert res.frames == T and res.sample_rate == self.decoder.config.sampling_rate
-            assert res.audio.shape == (self.decoder.config.number_channels, T * self.decoder.config.samples_per_frame)
-            self.audio[rid].append(res.audio)
-        return out
-
-    def check(self, rid: str) -> None:
-        assert self.pos[rid] == self.codes[rid].shape[1], f"{rid} not fully fed"
-        got = torch.cat(self.audio[rid], dim=-1)
-        _close(got, _solo(self.decoder, self.codes[rid], self.schedule[rid]), rid)
 
 
 # ----------------------------------------------------------------------------- parity and grouping

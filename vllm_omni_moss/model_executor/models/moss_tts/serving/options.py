@@ -28,11 +28,14 @@ class SessionOptions:
         max_waiting_streams: new streams that may wait for a slot, >= 0.
         max_waiting_frames: code frames that waiting streams may buffer in total, >= 0.
         graph_memory_bytes: device memory the CUDA graphs may take in bytes (an integer >= 0), or None for no bound.
+        ragged_steps: one step per round of a call, its rows of any valid frames up to the step's frame size
+            and every op but the attention on their packed tokens (docs/serving.md, "Ragged steps"); False: one
+            step per frame size present.
 
     Raises:
         ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, an ``n_vq`` that is
-            not an integer (or None), or a ``graph_memory_bytes`` that is not an integer >= 0 (or None), naming the
-            field and the value.
+            not an integer (or None), a ``graph_memory_bytes`` that is not an integer >= 0 (or None), or a
+            ``ragged_steps`` that is not a bool, naming the field and the value.
     """
 
     state_capacity: int
@@ -43,6 +46,7 @@ class SessionOptions:
     max_waiting_streams: int = 64
     max_waiting_frames: int = 4096
     graph_memory_bytes: int | None = None
+    ragged_steps: bool = False
 
     def __post_init__(self) -> None:
         check_count(self.state_capacity, "state_capacity", 1)
@@ -55,6 +59,8 @@ class SessionOptions:
             raise ValueError(f"n_vq must be an integer or None, got {self.n_vq!r}")
         if self.graph_memory_bytes is not None:
             check_count(self.graph_memory_bytes, "graph_memory_bytes", 0)
+        if not isinstance(self.ragged_steps, bool):
+            raise ValueError(f"ragged_steps must be True or False, got {self.ragged_steps!r}")
         batch = tuple(graph_sizes(self.graph_batch_sizes, self.state_capacity))
         object.__setattr__(self, "graph_batch_sizes", batch)
         object.__setattr__(self, "graph_frame_sizes", tuple(graph_sizes(self.graph_frame_sizes)))

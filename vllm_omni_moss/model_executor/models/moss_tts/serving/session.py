@@ -121,8 +121,10 @@ class CodecStreamSession:
         state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
         graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
             (``cuda_graph.StreamingGraphRunner``).
+        ragged_steps: one step per round of a call whatever its chunks' lengths, every op but the attention on
+            the packed real tokens (:class:`~.options.SessionOptions`); default: one step per frame size.
         options: instead of ``state_capacity`` and the session options above (graph sizes, ``max_step_frames``,
-            ``n_vq``, queue bounds, ``graph_memory_bytes``), a :class:`~.options.SessionOptions` record (the stage
+            ``n_vq``, queue bounds, ``graph_memory_bytes``, ``ragged_steps``), a :class:`~.options.SessionOptions` record (the stage
             builds one from its ``StageOptions``). Those keyword arguments build the same record.
 
     Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty. A session
@@ -160,11 +162,13 @@ class CodecStreamSession:
         expected_stream_frames: int | None = None,
         state_spec: StateSpec | None = None,
         graph_memory_bytes: int | None = None,
+        ragged_steps: bool = False,
         options: SessionOptions | None = None,
     ):
         loose = SessionOptions(
             state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_batch_sizes),
             tuple(graph_frame_sizes), max_step_frames, max_waiting_streams, max_waiting_frames, graph_memory_bytes,
+            ragged_steps,
         )  # fmt: skip
         options = _one_options_record(decoder, state_capacity, options, loose)
         cfg = decoder.config
@@ -173,8 +177,7 @@ class CodecStreamSession:
         self.n_vq = cfg.num_quantizers if options.n_vq is None else int(options.n_vq)
         self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
-        self.graph_batch_sizes = list(options.graph_batch_sizes)
-        self.graph_frame_sizes = list(options.graph_frame_sizes)
+        self.graph_batch_sizes, self.graph_frame_sizes = [*options.graph_batch_sizes], [*options.graph_frame_sizes]
         pool_options = dict(
             kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics, attention_backend=attention_backend,
             page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
@@ -188,11 +191,10 @@ class CodecStreamSession:
         self.pool.initialize(
             self.state_capacity, self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
         )
-        self._counters = SessionCounters()
-        self._tracer = CallTracer()
+        self._counters, self._tracer = SessionCounters(), CallTracer()
         self._steps = StepRunner(
             self.pool, self.n_vq, self.graph_batch_sizes, self.graph_frame_sizes, options.max_step_frames, compile,
-            self._counters, self._tracer, options.graph_memory_bytes,
+            self._counters, self._tracer, options.graph_memory_bytes, options.ragged_steps,
         )  # fmt: skip
         self._scheduler = Scheduler(
             self.pool, self.state_capacity, options.max_waiting_streams, options.max_waiting_frames, self._counters

@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..graph_ladder import bucket_for
+from ..graph_ladder import bucket_for, packed_total_for
 from ..step import decode_batch
 from .counters import SessionCounters
+from .step_inputs import StepInputs
 from .streams import ScheduledChunks, StepBatch
 from .tracing import CallTracer
 
@@ -49,6 +50,8 @@ class StepRunner:
             (as ``CodecStreamSession``).
         counters: the session's counters; tracer: the session's call tracer.
         graph_memory_bytes: device memory the CUDA graphs may take (``cuda_graph.StreamingGraphRunner``), or None.
+        ragged_steps: one step per round, its rows of any valid frames (:meth:`plan_round`), and packed graphs
+            captured for it; False: one step per frame size present.
 
     Raises:
         GraphMemoryError: the graphs do not fit ``graph_memory_bytes``.
@@ -65,6 +68,7 @@ class StepRunner:
         counters: SessionCounters,
         tracer: CallTracer,
         graph_memory_bytes: int | None = None,
+        ragged_steps: bool = False,
     ):
         cfg = pool.config
         self.pool, self.n_vq, self.device = pool, n_vq, pool.device
@@ -74,25 +78,21 @@ class StepRunner:
         self.max_step_frames = max_step_frames
         self.counters, self.tracer = counters, tracer
         self._graph_memory_bytes = graph_memory_bytes
+        self.ragged_steps = ragged_steps
         self._compiled = self._compiled_step(compile)
-        #: The step of a batch no graph runs, with :func:`~..step.decode_batch`'s signature less the pool.
+        #: The step of a batch no graph runs, with :func:`~..step.decode_batch`'s signature less the pool
+        #: (``total_frames`` is passed only to a packed step, which the compiled step never takes).
         self.eager_step: Callable = self._compiled if compile is True else functools.partial(decode_batch, pool)
+        self._eager_packs = compile is not True
+        self.inputs = StepInputs(self.device, n_vq, self.codebook_size, counters)
         use_graphs = self.device.type == "cuda" and bool(graph_batch_sizes) and bool(graph_frame_sizes)
         self.graphs = self._capture_graphs() if use_graphs else None
-        # A page-locked host buffer of a step's inputs (int64, and a bool one of a graph step's valid rows), reused
-        # by every step, and page-locked audio rows from torch's caching host allocator (_to_host). With graphs
-        # all are prepared here for the largest graph step, so no step pays for pinning memory; without graphs
-        # the input buffer grows to the largest step taken (docs/memory.md).
-        self._pinned_inputs: torch.Tensor | None = None
-        self._pinned_valid: torch.Tensor | None = None  # a graph step's valid rows (bool), read with the inputs
-        # Recorded after each step's input copies from that buffer (CUDA only): it may be overwritten once the
-        # device has read it. Audio copies queued and not yet awaited: await_host_copies.
-        self._inputs_read = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Audio rows come page-locked from torch's caching host allocator (_to_host); queued copies not yet
+        # awaited: await_host_copies.
         self._copies_pending = False
         if self.graphs is not None:
             rows = graph_batch_sizes[-1]
-            self._input_buffer((n_vq * graph_frame_sizes[-1] + 2) * rows)
-            self._valid_rows(0, rows)
+            self.inputs.prepare(rows, graph_frame_sizes[-1])
             # Pin one burst of audio rows of every graph frame size and free it: the caching host allocator keeps
             # the blocks, in power-of-two size classes, and serves a row only from its own class. A burst of the
             # largest size alone left each smaller size's first large step to pin its rows (docs/memory.md).
@@ -112,7 +112,7 @@ class StepRunner:
 
         runner = StreamingGraphRunner(
             self.pool, self.graph_batch_sizes, self.graph_frame_sizes, self.n_vq, callable=self._compiled,
-            memory_budget_bytes=self._graph_memory_bytes,
+            memory_budget_bytes=self._graph_memory_bytes, packed=self.ragged_steps,
         )  # fmt: skip
         runner.capture()
         return runner if runner.graphs else None
@@ -185,37 +185,68 @@ class StepRunner:
     def plan_round(self, round_pieces: dict[str, tuple[int, torch.Tensor]]) -> list[StepBatch]:
         """The steps of one round: ``round_pieces`` maps each stream decoding in it to ``(slot, piece)``.
 
-        Pieces are grouped by the frame size each pads to, shortest first (so that first chunks come out first and
-        a 1-frame chunk never pays for a 15-frame row), each group cut into steps by :meth:`split_rows`. Each
-        step's frame size and CUDA graph are decided here, once.
+        With :attr:`ragged_steps`, every piece goes in one group, shortest first, whose frame size is the one
+        its longest piece pads to (docs/serving.md, "Ragged steps"). Otherwise pieces are grouped by the frame
+        size each pads to, shortest first (so that first chunks come out first and a 1-frame chunk never pays
+        for a 15-frame row). Each group is cut into steps by :meth:`split_rows`; each step's frame size, packed
+        length and CUDA graph are decided here, once.
         """
-        by_frames: dict[int, list[str]] = {}
-        for rid, (_, piece) in round_pieces.items():
-            by_frames.setdefault(self._group_frames(piece.shape[1]), []).append(rid)
+        if self.ragged_steps:
+            groups = [sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])]
+        else:
+            by_frames: dict[int, list[str]] = {}
+            for rid, (_, piece) in round_pieces.items():
+                by_frames.setdefault(self._group_frames(piece.shape[1]), []).append(rid)
+            groups = [by_frames[t] for t in sorted(by_frames)]
         steps = []
-        for group in sorted(by_frames):
-            rids, first = by_frames[group], 0
+        for rids in groups:
+            first = 0
             frames = self._step_frames(max(round_pieces[r][1].shape[1] for r in rids))
             for size in self.split_rows(len(rids), frames):
                 chosen, first = rids[first : first + size], first + size
-                step_pieces = tuple(round_pieces[r][1] for r in chosen)
-                steps.append(
-                    StepBatch(
-                        request_ids=tuple(chosen),
-                        slots=tuple(round_pieces[r][0] for r in chosen),
-                        pieces=step_pieces,
-                        valid_frames=tuple(p.shape[1] for p in step_pieces),
-                        frames=frames,
-                        graph_key=self._graph_key(len(chosen), frames, step_pieces),
-                    )
-                )
+                steps.append(self._step_batch(chosen, round_pieces, frames))
         return steps
 
-    def _graph_key(self, rows: int, frames: int, pieces: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
+    def _step_batch(self, chosen: list[str], round_pieces: dict, frames: int) -> StepBatch:
+        pieces = tuple(round_pieces[r][1] for r in chosen)
+        valid_frames = tuple(p.shape[1] for p in pieces)
+        total = sum(valid_frames)
+        packed = self._packed_frames(len(chosen), frames, total)
+        key = self._graph_key(len(chosen), frames, pieces, total if self.ragged_steps else None)
+        if key is not None:
+            packed = key[2] if len(key) == 3 else None  # the graph captured for the step decides
+        elif not self._eager_packs:
+            packed = None
+        return StepBatch(
+            request_ids=tuple(chosen),
+            slots=tuple(round_pieces[r][0] for r in chosen),
+            pieces=pieces,
+            valid_frames=valid_frames,
+            frames=frames,
+            graph_key=key,
+            packed_frames=packed,
+        )
+
+    def _packed_frames(self, rows: int, frames: int, total: int) -> int | None:
+        """The packed length of a ragged step of ``rows`` rows of ``frames`` frames holding ``total`` real frames,
+        or None (its grid): with graph sizes, the packed total of its bucket that a GPU replays
+        (:func:`~..graph_ladder.packed_total_for`, at the largest frame size only), on every device; without,
+        ``total`` whenever it is less than the grid."""
+        if not self.ragged_steps or total >= rows * frames:
+            return None
+        if not (self.graph_batch_sizes and self.graph_frame_sizes):
+            return total
+        if frames != self.graph_frame_sizes[-1]:
+            return None
+        bucket = bucket_for(self.graph_batch_sizes, rows)
+        return None if bucket is None else packed_total_for(bucket, self.graph_frame_sizes, total)
+
+    def _graph_key(self, rows: int, frames: int, pieces: tuple[torch.Tensor, ...], total: int | None) -> tuple | None:
         # The graph that replays a step, or None (eager): none captured for it, or codes of another codebook count.
+        # ``total``: the rows' real frames, for a packed graph (ragged steps only).
         if self.graphs is None or any(p.shape[0] != self.graphs.n_vq for p in pieces):
             return None
-        return self.graphs.select(rows, frames)
+        return self.graphs.select(rows, frames) if total is None else self.graphs.select(rows, frames, total)
 
     def _step_failed(self, batch: StepBatch, undecoded: dict[str, int], exc: Exception) -> dict[str, str]:
         """Log the failure ``exc`` of the step ``batch`` (with its traceback) and return each of its streams'
@@ -274,134 +305,34 @@ class StepRunner:
         self.pool.commit_page_tables()  # the pages the scheduler reserved: the one commit, where inputs are staged
         c = self.counters
         if batch.graph_key is not None:
-            self._stage_into_graph(batch)
+            self.inputs.stage_into_graph(batch, self.graphs.buffers(batch.graph_key))
             self.tracer.lap("stage_ms")
             out = self.graphs.replay(batch.graph_key, batch.rows)
             c.steps_graph += 1
             c.padding_rows += batch.padding_rows
         else:
-            codes, slot_ids, valid_frames = self._stage_inputs(batch)
+            codes, slot_ids, valid_frames = self.inputs.stage_eager(batch)
             self.tracer.lap("stage_ms")
             valid = torch.ones(batch.rows, dtype=torch.bool, device=self.device)
-            out, _ = self.eager_step(codes, valid_frames, slot_ids, valid)
+            packed = {} if batch.packed_frames is None else {"total_frames": batch.packed_frames}
+            out, _ = self.eager_step(codes, valid_frames, slot_ids, valid, **packed)
             c.steps_eager += 1
         self.tracer.lap("run_ms")
-        served, decoded = out.shape[-1] // self.samples_per_frame, sum(batch.valid_frames)
+        decoded = sum(batch.valid_frames)
         c.decoded_frames += decoded
-        c.padded_frames += batch.rows * served - decoded
+        # The frames the step's GEMMs ran beyond the real ones: its packed dummies, else its grid's padding.
+        served = batch.rows * (out.shape[-1] // self.samples_per_frame)
+        c.padded_frames += (served if batch.packed_frames is None else batch.packed_frames) - decoded
         rows = self._to_host(out, batch.valid_frames)
         self.tracer.lap("to_host_ms")
         if self.tracer.trace is not None:
             self.tracer.trace.steps += 1
         return rows
 
-    # ------------------------------------------------------------------ inputs
-    def _input_buffer(self, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the pinned int64 input buffer (grown when too small), free to
-        overwrite: it first waits until the device has read the previous step's inputs from it (that step's
-        host-to-device copies, marked by ``_inputs_read``; a step of the same call may not have started yet,
-        since the call waits for the device only once, at its end)."""
-        if self._inputs_read is not None:
-            self._inputs_read.synchronize()
-        if self._pinned_inputs is None or self._pinned_inputs.numel() < numel:
-            pinned = self.device.type == "cuda"
-            self._pinned_inputs = torch.empty(numel, dtype=torch.long, pin_memory=pinned)
-        return self._pinned_inputs[:numel]
-
-    def _stage_into_graph(self, batch: StepBatch) -> None:
-        """Write ``batch``'s inputs straight into the input buffers of the graph that replays it: the whole
-        bucket's codes (``(n_vq, bucket, T)``, zero past each row's valid frames and in padding rows), slot ids
-        (padding rows: the ids the graph was captured with), valid frames and valid rows, each in one copy from
-        the page-locked input buffer (codes already on the device are gathered there directly)."""
-        bucket, T = batch.graph_key
-        B, n_vq = batch.rows, self.n_vq
-        g = self.graphs.buffers(batch.graph_key)
-        host_codes = all(p.device.type == "cpu" for p in batch.pieces)
-        codes_numel = n_vq * bucket * T if host_codes else 0
-        staged = self._input_buffer(codes_numel + 2 * bucket)
-        meta = staged[codes_numel:].view(2, bucket)
-        meta[:, :B] = torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long)
-        meta[0, B:] = g.padding_host[B:]
-        meta[1, B:] = 0
-        codes = staged[:codes_numel].view(n_vq, bucket, T) if host_codes else g.codes
-        codes[:, B:].zero_()
-        self._fill_codes(codes[:, :B], batch)
-        pinned = self.device.type == "cuda"
-        if host_codes:
-            g.codes.copy_(codes, non_blocking=pinned)
-        g.slot_ids.copy_(meta[0], non_blocking=pinned)
-        g.valid_frames.copy_(meta[1], non_blocking=pinned)
-        g.valid.copy_(self._valid_rows(B, bucket), non_blocking=pinned)
-        if pinned:
-            self._inputs_read.record(torch.cuda.current_stream(self.device))
-
-    def _valid_rows(self, rows: int, bucket: int) -> torch.Tensor:
-        # ``(bucket,)`` bool, the first ``rows`` True, in the page-locked buffer beside the input buffer (free once
-        # _input_buffer has waited for the previous step's copies).
-        if self._pinned_valid is None or self._pinned_valid.numel() < bucket:
-            self._pinned_valid = torch.empty(bucket, dtype=torch.bool, pin_memory=self.device.type == "cuda")
-        valid = self._pinned_valid[:bucket]
-        valid[:rows], valid[rows:] = True, False
-        return valid
-
-    def _stage_inputs(self, batch: StepBatch):
-        """``(codes (n_vq, B, T), slot_ids (B,), valid_frames (B,))`` of an eager step, int64 tensors of their own on the
-        pool's device, codes clamped into ``[0, codebook_size)`` and zero past each row's valid frames. On CUDA,
-        codes from the host are gathered in the pinned input buffer and arrive in one host-to-device copy; slot
-        ids and valid frames always travel through it."""
-        B, T = batch.rows, batch.frames
-        pinned = self.device.type == "cuda"
-        # Codes from the host (as Stage 0 sends them) to a CUDA pool are gathered in the pinned buffer; anything
-        # else is gathered on the pool's device directly.
-        stage_codes = pinned and all(p.device.type == "cpu" for p in batch.pieces)
-        codes_numel = self.n_vq * B * T if stage_codes else 0
-        staged = self._input_buffer(codes_numel + 2 * B) if pinned else torch.empty(2 * B, dtype=torch.long)
-        meta = staged[codes_numel:].view(2, B)
-        meta.copy_(torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long))
-        if stage_codes:
-            codes = staged[:codes_numel].view(self.n_vq, B, T)
-        else:
-            codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
-        self._fill_codes(codes, batch)
-        # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
-        # on): the copies below always make new tensors.
-        slot_ids = meta[0].to(self.device, non_blocking=pinned, copy=True)
-        valid_frames = meta[1].to(self.device, non_blocking=pinned, copy=True)
-        codes = codes.to(self.device, non_blocking=pinned)
-        if pinned:
-            self._inputs_read.record(torch.cuda.current_stream(self.device))
-        return codes, slot_ids, valid_frames
-
-    def _fill_codes(self, codes: torch.Tensor, batch: StepBatch) -> None:
-        """Gather ``batch``'s pieces into ``codes`` ``(n_vq, B, T)`` int64 (zero past each row's valid frames),
-        count the codes out of ``[0, codebook_size)`` and clamp them."""
-        _gather(codes, batch.pieces, batch.valid_frames, codes.shape[-1])
-        self._count_clamped(codes)
-        codes.clamp_(0, self.codebook_size - 1)
-
-    def _count_clamped(self, codes: torch.Tensor) -> None:
-        """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
-        (padding is 0, in range). Host codes (as Stage 0 sends them) take one min/max pass and a count only
-        when one is out of range; device codes are counted on the device without a sync (read lazily by
-        :attr:`clamped_codes`). Stage 0 pads with ``codebook_size``; upstream clamps every chunk."""
-        hi = self.codebook_size - 1
-        c = self.counters
-        if codes.is_cuda:
-            outside = ((codes < 0) | (codes > hi)).sum()
-            c.clamped_on_device = outside if c.clamped_on_device is None else c.clamped_on_device + outside
-            return
-        low, high = torch.aminmax(codes)
-        if int(low) < 0 or int(high) > hi:
-            c.clamped_codes += int(((codes < 0) | (codes > hi)).sum())
-
     @property
     def clamped_codes(self) -> int:
         """Codes clamped so far (reading it waits for the device when counts are still on it)."""
-        c = self.counters
-        if c.clamped_on_device is not None:
-            c.clamped_codes += int(c.clamped_on_device)
-            c.clamped_on_device = None
-        return c.clamped_codes
+        return self.inputs.clamped_codes
 
     # ------------------------------------------------------------------ audio
     def _audio_row(self, frames: int) -> torch.Tensor:
@@ -435,24 +366,3 @@ class StepRunner:
         torch.cuda.current_stream(self.device).synchronize()
         self._copies_pending = False
         self.tracer.lap("wait_ms")
-
-
-def _gather(codes: torch.Tensor, pieces: list[torch.Tensor], valid_frames: list[int], T: int) -> None:
-    """Gather a step's ``pieces`` (``(n_vq, valid_frames[b])`` integer codes) into ``codes`` ``(n_vq, B, T)``."""
-    # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
-    # row by row; zero past each row's length.
-    kinds = {(p.dtype, p.device) for p in pieces}
-    uniform = len(kinds) == 1
-    if uniform and all(n == T for n in valid_frames):
-        if kinds == {(codes.dtype, codes.device)}:
-            torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
-        else:
-            codes.copy_(torch.stack(pieces, dim=1))
-    elif uniform:
-        padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
-        codes.zero_()
-        codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
-    else:
-        codes.zero_()
-        for b, p in enumerate(pieces):
-            codes[:, b, : valid_frames[b]] = p

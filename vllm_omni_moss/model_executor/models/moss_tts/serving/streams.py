@@ -76,7 +76,11 @@ class StepBatch:
         valid_frames: the valid frames of each row, ``1..frames``.
         frames: ``T``, the frames of the step: the smallest graph frame size that holds its longest piece (the
             longest piece when no frame sizes are configured).
-        graph_key: ``(bucket, graph frame size)`` of the CUDA graph replayed for it, or None: an eager step.
+        graph_key: the key of the CUDA graph replayed for it (``cuda_graph.StreamingGraphRunner.select``:
+            ``(bucket, graph frame size)``, or ``(bucket, graph frame size, packed frames)`` for a packed graph),
+            or None: an eager step.
+        packed_frames: the frames every op but the attention runs on (``step.decode_tensors``'s
+            ``total_frames``: the real ones, then dummies), or None: the step runs in its ``rows x frames`` grid.
     """
 
     request_ids: tuple[str, ...]
@@ -84,7 +88,8 @@ class StepBatch:
     pieces: tuple[torch.Tensor, ...]
     valid_frames: tuple[int, ...]
     frames: int
-    graph_key: tuple[int, int] | None
+    graph_key: tuple[int, ...] | None
+    packed_frames: int | None = None
 
     @property
     def rows(self) -> int:

@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ragged steps (``ragged_steps=True``): one step per round of a call whatever its chunks' lengths, every op but
+the attention on the packed real frames, and the packed lengths a GPU's graphs replay (docs/serving.md, "Ragged
+steps"). Every stream's audio is compared with its solo decode, or with offline decode under exact semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moss_codecs import ChunkDriver, count_steps, random_codes, stream_codes
+
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import packed_total_for, packed_totals
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, SessionOptions
+from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
+
+pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
+
+RAMP = (1, 2, 4, 6)
+BUCKETS = (1, 2, 4, 8)
+
+
+def test_packed_totals_are_the_bucket_times_each_smaller_frame_size():
+    assert packed_totals(8, [1, 2, 4, 6]) == [8, 16, 32]
+    assert packed_totals(8, [15]) == []
+    assert [packed_total_for(8, [1, 2, 4, 6], n) for n in (1, 8, 9, 16, 17, 32, 33, 48)] == [
+        8, 8, 16, 16, 32, 32, None, None,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["compact", "legacy", "paged"])
+def test_a_ramp_decodes_in_one_step_per_call_and_every_stream_equals_its_solo_decode(kind, ring_decoder, monkeypatch):
+    """Four streams start one call apart on the ramp 1, 2, 4, 6: every call holds chunks of up to four lengths
+    and decodes them in one step of the largest frame size, packed to the length a GPU's graph of its bucket
+    holds (dummy frames included, as a GPU runs them); each stream's audio is its solo decode."""
+    s = CodecStreamSession(
+        ring_decoder, 4, pool_kind=kind, graph_batch_sizes=BUCKETS, graph_frame_sizes=RAMP, ragged_steps=True
+    )
+    packed: list[int | None] = []
+    steps = count_steps(s, monkeypatch, packed)
+    d = ChunkDriver(s, ring_decoder)
+    for i, rid in enumerate("abcd"):
+        d.add(rid, 19, i)
+    calls = [
+        [("a", 1, False)],
+        [("a", 2, False), ("b", 1, False)],
+        [("a", 4, False), ("b", 2, False), ("c", 1, False)],
+        [("a", 6, False), ("b", 4, False), ("c", 2, False), ("d", 1, False)],
+        [("a", 6, True), ("b", 6, False), ("c", 4, False), ("d", 2, False)],
+        [("b", 6, True), ("c", 6, False), ("d", 4, False)],
+        [("c", 6, True), ("d", 6, False)],
+        [("d", 6, True)],
+    ]
+    for call in calls:
+        d.step(call)
+    for rid in "abcd":
+        d.check(rid)
+    assert steps == [(1, 1), (2, 2), (3, 4), (4, 6), (4, 6), (3, 6), (2, 6), (1, 6)]
+    # Real frames 13 (bucket 4: 16), 18 (4 x 6 = 24: the grid), 16 (bucket 4: 16), 12 (bucket 2: the grid), 6.
+    assert packed == [None, None, None, 16, None, 16, None, None]
+    assert s.stats()["padded_frames"] == (1 + 5) + (16 - 13) + (24 - 18) + (16 - 16) + (12 - 12)
+    assert s.stats()["decoded_frames"] == 4 * 19 and s.free_slots == 4
+
+
+def test_ragged_steps_equal_per_size_steps_state_included(ring_decoder):
+    """The same traffic through a ragged session and a per-size one leaves the same audio (1e-5) and the same
+    frame counters in every slot; the ragged one takes one step a call."""
+    sessions = [
+        CodecStreamSession(ring_decoder, 4, graph_batch_sizes=BUCKETS, graph_frame_sizes=RAMP, ragged_steps=r)
+        for r in (False, True)
+    ]
+    codes = {rid: stream_codes(ring_decoder, 13, i) for i, rid in enumerate("abc")}
+    outs: list[dict[str, list[torch.Tensor]]] = [{r: [] for r in codes} for _ in sessions]
+    plan = [[("a", 0, 1)], [("a", 1, 3), ("b", 0, 1)], [("a", 3, 9), ("b", 1, 3), ("c", 0, 2)]]
+    for call in plan:
+        for s, out in zip(sessions, outs):
+            got = s.decode([ChunkRequest(r, codes[r][:, a:b]) for r, a, b in call])
+            for r, res in got.items():
+                out[r].append(res.audio)
+    for r in codes:
+        x, y = torch.cat(outs[0][r], -1), torch.cat(outs[1][r], -1)
+        assert (x - y).abs().max().item() <= 1e-5 * x.abs().max().item(), r
+    for slot in range(3):
+        a, b = (s.pool.slot_state(slot) for s in sessions)
+        assert torch.equal(a["layer_offsets"], b["layer_offsets"])
+    per_size, ragged = (s.stats()["steps_by_path"]["eager"] for s in sessions)
+    assert (per_size, ragged) == (1 + 2 + 2, 3)
+
+
+def test_exact_ragged_steps_equal_offline_decode(ring_decoder):
+    """Under exact ring semantics every stream of a ragged session equals its offline decode (1e-5): three
+    streams of 17 frames start one call apart on the ramp 1, 2, 4, 6, 6, ..."""
+    s = CodecStreamSession(
+        ring_decoder, 4, graph_batch_sizes=BUCKETS, graph_frame_sizes=RAMP, ragged_steps=True, ring_semantics="exact"
+    )
+    codes = {rid: stream_codes(ring_decoder, 17, 10 + i) for i, rid in enumerate("abc")}
+    pos, audio = dict.fromkeys(codes, 0), {r: [] for r in codes}
+    for call in range(8):
+        reqs = []
+        for i, r in enumerate(codes):
+            if call >= i and pos[r] < 17:
+                n = min(RAMP[min(call - i, len(RAMP) - 1)], 17 - pos[r])
+                reqs.append(ChunkRequest(r, codes[r][:, pos[r] : pos[r] + n], pos[r] + n == 17))
+                pos[r] += n
+        for r, res in s.decode(reqs).items():
+            audio[r].append(res.audio)
+    assert pos == dict.fromkeys(codes, 17) and s.free_slots == 4
+    for r, c in codes.items():
+        offline = ring_decoder.decode(c[:, None])[0]
+        got = torch.cat(audio[r], -1)
+        assert (got - offline).abs().max().item() <= 1e-5 * offline.abs().max().item(), r
+
+
+def test_plan_round_makes_one_packed_step_and_asks_the_graph_runner_with_the_real_frames(ring_decoder):
+    """A ragged round is one ``StepBatch`` of the largest frame size; the graph runner is asked once with the
+    rows' real frames and its key decides the packed length (a stand-in runner on CPU)."""
+    s = CodecStreamSession(ring_decoder, 8, graph_batch_sizes=BUCKETS, graph_frame_sizes=RAMP, ragged_steps=True)
+    asked = []
+
+    class Graphs:
+        n_vq = s.n_vq
+
+        def select(self, rows, frames, total=None):
+            asked.append((rows, frames, total))
+            return (8, 6, 16) if total is not None and total <= 16 else (8, 6)
+
+    s._steps.graphs = Graphs()
+    pieces = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 6), ("b", 1), ("c", 4), ("d", 2)])}
+    steps = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
+    assert len(steps) == 1 and asked == [(4, 6, 13)]
+    (step,) = steps
+    assert (step.request_ids, step.valid_frames, step.frames) == (("b", "d", "c", "a"), (1, 2, 4, 6), 6)
+    assert (step.graph_key, step.packed_frames, step.padding_rows) == ((8, 6, 16), 16, 4)
+    wide = s._steps.plan_round({r: (i, stream_codes(ring_decoder, 6, i)) for i, r in enumerate("wxyz")})
+    assert wide[0].graph_key == (8, 6) and wide[0].packed_frames is None  # 24 real frames: the grid graph
+    s._steps.graphs = None
+    s.close()
+
+
+def test_without_graph_sizes_a_ragged_step_packs_exactly_its_real_frames(ring_decoder, monkeypatch):
+    s = CodecStreamSession(ring_decoder, 4, max_step_frames=8, ragged_steps=True)
+    packed: list[int | None] = []
+    steps = count_steps(s, monkeypatch, packed)
+    got = s.decode([ChunkRequest(r, stream_codes(ring_decoder, n, i)) for i, (r, n) in enumerate([("a", 7), ("b", 2)])])
+    assert steps == [(2, 7)] and packed == [9] and s.stats()["padded_frames"] == 0
+    for i, (r, n) in enumerate([("a", 7), ("b", 2)]):
+        ref = ring_decoder.decode(stream_codes(ring_decoder, n, i)[:, None], chunk_frames=[n])[0]
+        assert (got[r].audio - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_decode_batch_refuses_a_total_frames_short_of_the_real_frames(ring_decoder):
+    pool = make_state_pool(ring_decoder, "compact")
+    pool.initialize(2)
+    codes = random_codes(ring_decoder, 2, 3, seed=1)
+    args = (codes, torch.tensor([3, 2]), torch.tensor([0, 1]), torch.tensor([True, False]))
+    for bad in (2, 0, 3.0, True):
+        with pytest.raises(ValueError) as err:
+            decode_batch(pool, *args, total_frames=bad)
+        assert str(err.value) == f"total_frames must be an integer >= 3 (the valid rows' frames), got {bad!r}"
+    assert int(pool.slot_state(0)["layer_offsets"].abs().sum()) == 0  # nothing ran
+    audio, lengths = decode_batch(pool, *args, total_frames=3)
+    grid, _ = decode_batch(make_fresh(ring_decoder), *args)
+    assert lengths.tolist() == [3 * ring_decoder.config.samples_per_frame, 0]
+    assert (audio - grid).abs().max().item() <= 1e-6 * grid.abs().max().item()
+
+
+def make_fresh(decoder):
+    pool = make_state_pool(decoder, "compact")
+    pool.initialize(2)
+    return pool
+
+
+def test_session_options_refuse_a_ragged_steps_that_is_not_a_bool():
+    with pytest.raises(ValueError) as err:
+        SessionOptions(4, ragged_steps="yes")
+    assert str(err.value) == "ragged_steps must be True or False, got 'yes'"
+    assert SessionOptions(4, ragged_steps=True).ragged_steps is True

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A step's inputs on their way to the device: codes gathered and clamped, slot ids, valid frames and valid rows,
+staged through page-locked host buffers that every step reuses (:class:`StepInputs`).
+
+A graph step's inputs go from those buffers straight into the input tensors of the graph that replays it, one
+copy each; an eager step's become tensors of their own on the pool's device. The buffers are overwritten only once
+the device has read the previous step's copies from them (a CUDA event), since a call waits for the device once,
+at its end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .counters import SessionCounters
+from .streams import StepBatch
+
+__all__ = ["StepInputs"]
+
+
+class StepInputs:
+    """The staging of one step runner's inputs.
+
+    Args:
+        device: the pool's device.
+        n_vq: codebooks per frame of every step.
+        codebook_size: codes are clamped into ``[0, codebook_size)``.
+        counters: the session's counters (``clamped_codes``, ``clamped_on_device``).
+    """
+
+    def __init__(self, device: torch.device, n_vq: int, codebook_size: int, counters: SessionCounters):
+        self.device, self.n_vq, self.codebook_size, self.counters = device, n_vq, codebook_size, counters
+        self._pinned = device.type == "cuda"
+        # A page-locked int64 buffer of a step's inputs and a bool one of a graph step's valid rows, reused by
+        # every step (pageable on CPU). prepare() sizes them for the largest graph step at startup; without
+        # graphs they grow to the largest step taken (docs/memory.md).
+        self._inputs: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None
+        # Recorded after each step's copies from those buffers (CUDA only): they may be overwritten once it is.
+        self._inputs_read = torch.cuda.Event() if self._pinned else None
+
+    def prepare(self, rows: int, frames: int) -> None:
+        """Allocate the buffers for a step of ``rows`` rows and ``frames`` frames (the largest graph step), so
+        that no step pays for pinning memory."""
+        self._buffer((self.n_vq * frames + 2) * rows)
+        self._valid_rows(0, rows)
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the int64 input buffer (grown when too small), free to overwrite: it
+        first waits until the device has read the previous step's inputs from it."""
+        if self._inputs_read is not None:
+            self._inputs_read.synchronize()
+        if self._inputs is None or self._inputs.numel() < numel:
+            self._inputs = torch.empty(numel, dtype=torch.long, pin_memory=self._pinned)
+        return self._inputs[:numel]
+
+    def _valid_rows(self, rows: int, bucket: int) -> torch.Tensor:
+        # ``(bucket,)`` bool, the first ``rows`` True, in the buffer beside the input buffer (free once _buffer has
+        # waited for the previous step's copies).
+        if self._valid is None or self._valid.numel() < bucket:
+            self._valid = torch.empty(bucket, dtype=torch.bool, pin_memory=self._pinned)
+        valid = self._valid[:bucket]
+        valid[:rows], valid[rows:] = True, False
+        return valid
+
+    def _read(self) -> None:
+        # Mark the end of this step's copies from the buffers (queued on the current stream).
+        if self._inputs_read is not None:
+            self._inputs_read.record(torch.cuda.current_stream(self.device))
+
+    def stage_into_graph(self, batch: StepBatch, g) -> None:
+        """Write ``batch``'s inputs straight into ``g``, the input tensors of the graph that replays it
+        (``cuda_graph.CapturedGraph``): the whole bucket's codes (``(n_vq, bucket, T)``, zero past each row's
+        valid frames and in padding rows), slot ids (padding rows: the ids the graph was captured with), valid
+        frames and valid rows, each in one copy from the input buffer (codes already on the device are gathered
+        there directly)."""
+        bucket, T = batch.graph_key[0], batch.graph_key[1]
+        B, n_vq = batch.rows, self.n_vq
+        host_codes = all(p.device.type == "cpu" for p in batch.pieces)
+        codes_numel = n_vq * bucket * T if host_codes else 0
+        staged = self._buffer(codes_numel + 2 * bucket)
+        meta = staged[codes_numel:].view(2, bucket)
+        meta[:, :B] = torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long)
+        meta[0, B:] = g.padding_host[B:]
+        meta[1, B:] = 0
+        codes = staged[:codes_numel].view(n_vq, bucket, T) if host_codes else g.codes
+        codes[:, B:].zero_()
+        self.fill_codes(codes[:, :B], batch)
+        if host_codes:
+            g.codes.copy_(codes, non_blocking=self._pinned)
+        g.slot_ids.copy_(meta[0], non_blocking=self._pinned)
+        g.valid_frames.copy_(meta[1], non_blocking=self._pinned)
+        g.valid.copy_(self._valid_rows(B, bucket), non_blocking=self._pinned)
+        self._read()
+
+    def stage_eager(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes (n_vq, B, T), slot_ids (B,), valid_frames (B,))`` of an eager step, int64 tensors of their own
+        on the pool's device, codes clamped into ``[0, codebook_size)`` and zero past each row's valid frames. On
+        CUDA, codes from the host (as Stage 0 sends them) are gathered in the input buffer and arrive in one
+        host-to-device copy (others are gathered on the device directly); slot ids and valid frames always
+        travel through it."""
+        B, T = batch.rows, batch.frames
+        stage_codes = self._pinned and all(p.device.type == "cpu" for p in batch.pieces)
+        codes_numel = self.n_vq * B * T if stage_codes else 0
+        staged = self._buffer(codes_numel + 2 * B) if self._pinned else torch.empty(2 * B, dtype=torch.long)
+        meta = staged[codes_numel:].view(2, B)
+        meta.copy_(torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long))
+        if stage_codes:
+            codes = staged[:codes_numel].view(self.n_vq, B, T)
+        else:
+            codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
+        self.fill_codes(codes, batch)
+        # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
+        # on): the copies below always make new tensors.
+        slot_ids = meta[0].to(self.device, non_blocking=self._pinned, copy=True)
+        valid_frames = meta[1].to(self.device, non_blocking=self._pinned, copy=True)
+        codes = codes.to(self.device, non_blocking=self._pinned)
+        self._read()
+        return codes, slot_ids, valid_frames
+
+    def fill_codes(self, codes: torch.Tensor, batch: StepBatch) -> None:
+        """Gather ``batch``'s pieces into ``codes`` ``(n_vq, B, T)`` int64 (zero past each row's valid frames),
+        count the codes out of ``[0, codebook_size)`` and clamp them."""
+        _gather(codes, batch.pieces, batch.valid_frames, codes.shape[-1])
+        self._count_clamped(codes)
+        codes.clamp_(0, self.codebook_size - 1)
+
+    def _count_clamped(self, codes: torch.Tensor) -> None:
+        """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
+        (padding is 0, in range). Host codes (as Stage 0 sends them) take one min/max pass and a count only
+        when one is out of range; device codes are counted on the device without a sync (read lazily by
+        :attr:`clamped_codes`). Stage 0 pads with ``codebook_size``; upstream clamps every chunk."""
+        hi = self.codebook_size - 1
+        c = self.counters
+        if codes.is_cuda:
+            outside = ((codes < 0) | (codes > hi)).sum()
+            c.clamped_on_device = outside if c.clamped_on_device is None else c.clamped_on_device + outside
+            return
+        low, high = torch.aminmax(codes)
+        if int(low) < 0 or int(high) > hi:
+            c.clamped_codes += int(((codes < 0) | (codes > hi)).sum())
+
+    @property
+    def clamped_codes(self) -> int:
+        """Codes clamped so far (reading it waits for the device when counts are still on it)."""
+        c = self.counters
+        if c.clamped_on_device is not None:
+            c.clamped_codes += int(c.clamped_on_device)
+            c.clamped_on_device = None
+        return c.clamped_codes
+
+
+def _gather(codes: torch.Tensor, pieces: tuple[torch.Tensor, ...], valid_frames: tuple[int, ...], T: int) -> None:
+    """Gather a step's ``pieces`` (``(n_vq, valid_frames[b])`` integer codes) into ``codes`` ``(n_vq, B, T)``."""
+    # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
+    # row by row; zero past each row's length.
+    kinds = {(p.dtype, p.device) for p in pieces}
+    uniform = len(kinds) == 1
+    if uniform and all(n == T for n in valid_frames):
+        if kinds == {(codes.dtype, codes.device)}:
+            torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
+        else:
+            codes.copy_(torch.stack(pieces, dim=1))
+    elif uniform:
+        padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
+        codes.zero_()
+        codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
+    else:
+        codes.zero_()
+        for b, p in enumerate(pieces):
+            codes[:, b, : valid_frames[b]] = p
