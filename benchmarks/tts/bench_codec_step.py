@@ -53,6 +53,13 @@ Each (B, T) also gets its floor (``step_floor.py``, skipped with ``--no-floor``)
 alone plus one read of its rows' ring state at the copy bandwidth measured once in the same command
 (``copy_gb_s``); each result carries ``floor: {gemm_ms, state_read_ms, total_ms, copy_gb_s, state_bytes}`` and
 every arm's ``step_over_floor``.
+
+``--mixed 1,2,4,6`` adds, for every ``--batch`` ``B``, a mixed step as one ragged step serves an engine call: ``B``
+rows whose valid frames cycle through those lengths, ``T`` the longest, timed as the grid step (``<arm>``) and as
+the packed step (``<arm>+packed``: ``decode_tensors(total_frames=<the rows' real frames>)``), our arms only. Each
+such record (JSON ``mixed``) carries ``chunk_cost_ms``: what its chunks cost at their own ``T`` in the full step,
+``{mode: {arm: sum over rows of step(B_max, T_row) / B_max}}`` from this run's table in the same mode (present when
+``--frames`` holds every mixed length), and each arm's ``over_chunk_cost``.
 """
 
 from __future__ import annotations
@@ -121,6 +128,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="skip the floor of each (B, T): its GEMMs alone plus one read of its ring state (step_floor.py)",
     )
     parser.add_argument(
+        "--mixed",
+        default=None,
+        help="chunk lengths of a mixed step per --batch, e.g. 1,2,4,6 (rows cycle through them; our arms only)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="CUDA: also profile one eager step per (arm, B, T) and report kernel time by category",
@@ -133,6 +145,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     args.batches = common.int_list_flag(parser, "--batch", args.batch)
     args.frames_list = common.int_list_flag(parser, "--frames", args.frames)
+    args.mix = [] if args.mixed is None else common.int_list_flag(parser, "--mixed", args.mixed)
+    common.check_at_most(parser, "--mixed", args.mix, common.MAX_STEP_FRAMES)
     common.check_at_most(parser, "--batch", args.batches, common.MAX_ROWS)
     common.check_at_most(parser, "--frames", args.frames_list, common.MAX_STEP_FRAMES)
     common.check_at_most(parser, "--code-sets", args.code_sets, 1024)
@@ -410,15 +424,52 @@ def _ratios(a: dict[str, Any]) -> dict[str, float | None]:
     return ratios
 
 
+def _bench_mixed(arms: list[Arm], modes: list[str], batch: int, args, config, device, table: list) -> dict[str, Any]:
+    """The mixed step of ``batch`` rows (``--mixed``): each of our arms on the grid and packed, and the cost of
+    its chunks at their own ``T`` in the full step of this run's ``table`` (module docstring)."""
+    lengths = [args.mix[b % len(args.mix)] for b in range(batch)]
+    ours = [a for a in arms if a.name not in UPSTREAM_ARMS]
+    packed = [
+        Arm(f"{a.name}+packed", functools.partial(a.step, total_frames=sum(lengths)), a.state_bytes, lambda: None)
+        for a in ours
+    ]
+    record = _bench_shape(ours + packed, modes, batch, max(lengths), args, config, device, lengths)
+    record.update(mix=list(args.mix), real_frames=sum(lengths))
+    full = max(args.batches)
+    for mode, entry in record["modes"].items():
+        cost = {r["frames"]: r["modes"].get(mode, {}).get("arms", {}) for r in table if r["batch"] == full}
+        for arm in ours:
+            per_row = [cost.get(t, {}).get(arm.name, {}).get("median_ms") for t in lengths]
+            if None in per_row:
+                continue
+            chunks = sum(per_row) / full
+            record.setdefault("chunk_cost_ms", {}).setdefault(mode, {})[arm.name] = round(chunks, 4)
+            for name in (arm.name, f"{arm.name}+packed"):
+                if name in entry["arms"]:
+                    entry["arms"][name]["over_chunk_cost"] = round(entry["arms"][name]["median_ms"] / chunks, 3)
+    return record
+
+
 def _bench_shape(
-    arms: list[Arm], modes: list[str], batch: int, frames: int, args, config, device: torch.device
+    arms: list[Arm],
+    modes: list[str],
+    batch: int,
+    frames: int,
+    args,
+    config,
+    device: torch.device,
+    lengths: list[int] | None = None,
 ) -> dict[str, Any]:
     n_vq = args.n_vq  # checked against the preset's codebooks
     inputs = {
         "codes": common.random_codes(
             args.code_sets, n_vq, batch, frames, config.codebook_size, device, args.seed + 1000 * batch + frames
         ),
-        "lengths": torch.full((batch,), frames, dtype=torch.long, device=device),
+        "lengths": (
+            torch.full((batch,), frames, dtype=torch.long, device=device)
+            if lengths is None
+            else torch.tensor(lengths, dtype=torch.long, device=device)
+        ),
         "slots": torch.arange(batch, dtype=torch.long, device=device),
         "valid": torch.ones(batch, dtype=torch.bool, device=device),
     }
@@ -507,6 +558,7 @@ def _print_tables(result: dict[str, Any]) -> None:
                 f"{prof['kernel_ms']:.2f} ms in {prof['kernels']} kernels\n"
             )
             print(common.markdown_table(["category", "ms"], [[k, f"{v:.2f}"] for k, v in prof["categories"].items()]))
+    _print_mixed(result)
     _print_compile_and_best(result)
     for key, reason in result["skipped"].items():
         print(f"\nskipped {key}: {reason}")
@@ -514,6 +566,21 @@ def _print_tables(result: dict[str, Any]) -> None:
         for mode, entry in rec["modes"].items():
             for arm, err in entry.get("errors", {}).items():
                 print(f"\nerror B={rec['batch']} T={rec['frames']} {mode} {arm}: {err.splitlines()[0][:300]}")
+
+
+def _print_mixed(result: dict[str, Any]) -> None:
+    rows = []
+    for rec in result.get("mixed", []):
+        for mode, entry in rec["modes"].items():
+            for arm, s in entry["arms"].items():
+                over = s.get("over_chunk_cost")
+                row = [rec["batch"], rec["frames"], rec["real_frames"], mode, arm]
+                row += [f"{s['median_ms']:.2f} ({s['p10_ms']:.2f}-{s['p90_ms']:.2f})", "-" if over is None else over]
+                rows.append(row)
+    if rows:
+        mix = ",".join(map(str, result["mixed"][0]["mix"]))
+        print(f"\n### mixed steps (rows of {mix} frames) and their cost over their chunks' cost in a full step\n")
+        print(common.markdown_table(["B", "T", "real frames", "mode", "arm", "ms (p10-p90)", "/ chunks"], rows))
 
 
 def _print_compile_and_best(result: dict[str, Any]) -> None:
@@ -650,6 +717,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["results"].append(record)
                 common.write_json(args.json, result)
                 print(f"B={batch} T={frames}: {record['wall_s']:.1f} s", flush=True)
+        for batch in args.batches if args.mix else []:
+            record = _bench_mixed(arms, modes, batch, args, config, device, result["results"])
+            result.setdefault("mixed", []).append(record)
+            common.write_json(args.json, result)
     finally:
         for arm in arms:
             arm.close()

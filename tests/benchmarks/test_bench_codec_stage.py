@@ -551,6 +551,16 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     assert "call_trace_ms" not in details and "trace" not in details["slowest_step"] and "step_cost" not in details
 
 
+def test_stage_ragged_arm_takes_one_step_a_call_and_decodes_what_v2_decodes(tmp_path):
+    """v2-ragged is v2 with ragged steps: on the ramp 1, 2, 4, 6 with staggered starts its calls take one step
+    each where v2's take one per frame size present, and both decode every frame of every request."""
+    flags = "--arms v2,v2-ragged --arrival staggered --concurrency 3 --requests-per-stream 2 --chunks 1,2,4,6"
+    result = _bench().main(_cpu(flags + " --trace-calls --give-up-ms 600000", out=tmp_path))
+    v2, ragged = result["details"]["v2"]["3"], result["details"]["v2-ragged"]["3"]
+    assert ragged["decoded_frames"] == v2["decoded_frames"] and ragged["finished_requests"] == 6
+    assert ragged["step_cost"]["steps_per_call"] == 1.0 < v2["step_cost"]["steps_per_call"]
+
+
 def test_step_cost_recovers_the_fixed_cost_per_step_and_the_cost_per_frame():
     """Calls built from 4.3 ms a step and 0.05 ms a frame give those two back; calls whose steps and frames are
     proportional (or fewer than 3 calls) cannot separate them and give None."""

@@ -177,6 +177,31 @@ def test_memory_tiny_presets_and_arm_selection(tmp_path):
     assert "v1 codec" in v1["skipped"]["v2-paged"]
 
 
+def test_step_mixed_steps_time_the_grid_and_the_packed_step_against_their_chunks_cost(tmp_path):
+    """--mixed 1,3: per --batch a step whose rows cycle through 1 and 3 frames, our arms on the grid and packed
+    (upstream left out), each over what its chunks cost at their own T in the full step of the same run."""
+    argv = (
+        "--preset tiny-v2 --batch 2,3 --frames 1,3 --modes eager --arms legacy,v2,upstream --mixed 1,3 "
+        "--repeats 1 --steps-per-round 1 --warmup 0 --device cpu --no-floor"
+    ).split()
+    result = _load("bench_codec_step").main(argv)
+    mixed = result["mixed"]
+    assert [(m["batch"], m["frames"], m["real_frames"], m["mix"]) for m in mixed] == [
+        (2, 3, 4, [1, 3]),
+        (3, 3, 5, [1, 3]),
+    ]
+    table = {(r["batch"], r["frames"]): r["modes"]["eager"]["arms"] for r in result["results"]}
+    for m in mixed:
+        arms = m["modes"]["eager"]["arms"]
+        assert set(arms) == {"legacy", "v2", "legacy+packed", "v2+packed"}
+        lengths = [1, 3, 1][: m["batch"]]
+        for arm in ("legacy", "v2"):
+            chunks = sum(table[(3, t)][arm]["median_ms"] for t in lengths) / 3
+            assert m["chunk_cost_ms"]["eager"][arm] == round(chunks, 4)
+            for name in (arm, f"{arm}+packed"):
+                assert arms[name]["over_chunk_cost"] == round(arms[name]["median_ms"] / chunks, 3)
+
+
 def test_step_eager_cpu_smoke(tmp_path):
     out = tmp_path / "step.json"
     argv = (

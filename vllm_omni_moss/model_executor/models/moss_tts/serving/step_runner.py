@@ -2,8 +2,9 @@
 """The step runner: ready streams' chunks -> pool steps -> each stream's audio rows on the host.
 
 It cuts chunks into pieces of at most :attr:`StepRunner.max_piece_frames` frames, groups the ``i``-th piece
-of every stream into steps of at most :attr:`StepRunner.max_step_rows` rows, stages each step's inputs
-(through one page-locked buffer on CUDA), dispatches the step (a CUDA-graph replay when one fits, else the
+of every stream into steps of at most :attr:`StepRunner.max_step_rows` rows (one step per frame size present, or
+with ``ragged_steps`` one step for all of them), stages each step's inputs (:class:`~.step_inputs.StepInputs`,
+through page-locked buffers on CUDA), dispatches the step (a CUDA-graph replay when one fits, else the
 eager step) and queues each row's audio to the host. Streams and slots are the scheduler's: the runner reads
 the frozen :class:`~.streams.ScheduledChunks` the scheduler hands it and returns the frames it decoded of each,
 which the scheduler counts. A step that raises fails its own rows' streams and no other
