@@ -72,10 +72,10 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
     written = torch.full((batch,), num_tokens, dtype=torch.long, device="cuda")
     cos, sin = rope_tables(offsets, num_tokens, head_dim, group.max_period) if rope else (None, None)
     args = (slots, offsets, written, semantics, cos, sin)
-    ref = ring_ops._launch_ring_attention_triton(q.float(), k.float(), v.float(), cache.float(), *args).float()
+    ref = ring_ops.launch_ring_attention_triton(q.float(), k.float(), v.float(), cache.float(), *args).float()
 
     def run(tuning):
-        return ring_ops._launch_ring_attention_triton(q, k, v, cache, *args, write=write, tuning=tuning)
+        return ring_ops.launch_ring_attention_triton(q, k, v, cache, *args, write=write, tuning=tuning)
 
     def rel_rms(out):
         return float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())

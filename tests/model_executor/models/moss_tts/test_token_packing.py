@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moss_codecs import random_codes
+from moss_codecs import needs_interpreter, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
@@ -58,6 +58,53 @@ def test_packed_steps_give_the_grid_steps_audio_and_state(kind, ring_semantics, 
         real = int(valid_frames[valid].sum())
         got, got_lengths = decode_tensors(packed, codes, valid_frames, slots, valid, total_frames=real + 2)
         assert torch.equal(got_lengths, want_lengths) and torch.equal(got, want), step
+    for slot in range(4):
+        a, b = grid.slot_state(slot), packed.slot_state(slot)
+        assert torch.equal(a["layer_offsets"], b["layer_offsets"])
+        assert all(torch.equal(x, y) for x, y in zip(a["rings"], b["rings"])), slot
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["compact", "paged"])
+@pytest.mark.parametrize("ring_semantics", ["upstream", "exact"])
+def test_the_triton_attention_reads_packed_tokens_with_the_grid_steps_audio_and_state(
+    kind, ring_semantics, ring_decoder
+):
+    """The triton backend attends the packed tokens in place (``ring_attention_write_packed``, no copy into the
+    grid and back): under the interpreter the packed steps' audio and state equal the grid steps' bit for bit,
+    every layer's attention takes the packed path, and no layer copies its projections into the grid."""
+    from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention_packed
+
+    grid, packed = (
+        make_state_pool(ring_decoder, kind, ring_semantics=ring_semantics, attention_backend="triton") for _ in range(2)
+    )
+    for pool in (grid, packed):
+        pool.initialize(4, 4)
+        for _ in range(4):
+            pool.acquire()
+        if kind == "paged":
+            pool.reserve(dict.fromkeys(range(4), 64), strict=True)
+            pool.commit_page_tables()
+    calls, to_rows = [], []
+    real_op, real_to_rows = ring_attention_packed.ring_attention_write_packed, TokenPacking.to_rows
+    slots = torch.arange(4)
+    layers = sum(len(g.layers) for g in ring_decoder.groups)
+    for step, frames in enumerate(STEPS):
+        valid_frames = torch.tensor(frames)
+        valid = torch.tensor([True, True, True, step % 2 == 0])
+        codes = random_codes(ring_decoder, 4, 6, seed=step)
+        want, _ = decode_tensors(grid, codes, valid_frames, slots, valid)
+        real = int(valid_frames[valid].sum())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(TokenPacking, "to_rows", lambda self, *a: to_rows.append(a[0]) or real_to_rows(self, *a))
+            mp.setattr(
+                "vllm_omni_moss.model_executor.models.moss_tts.attention.ring_attention_write_packed",
+                lambda *a, **k: calls.append(1) or real_op(*a, **k),
+            )
+            got, _ = decode_tensors(packed, codes, valid_frames, slots, valid, total_frames=real + 2)
+        assert torch.equal(got, want), step
+    assert len(calls) == layers * len(STEPS)
+    assert set(to_rows) == {len(ring_decoder.groups)}  # only the audio head's tokens go back to the grid
     for slot in range(4):
         a, b = grid.slot_state(slot), packed.slot_state(slot)
         assert torch.equal(a["layer_offsets"], b["layer_offsets"])

@@ -45,10 +45,12 @@ from . import step_metadata
 from .config import CodecConfig, GroupSpec
 from .ops import ring_attention as ring_ops
 from .ops.commit import commit_offsets, commit_ring
+from .ops.ring_attention_packed import ring_attention_write_packed
 from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
 from .pool_kinds import pool_kind_record
 from .step_metadata import RingMetadata, apply_rope, rope_tables
+from .token_packing import TokenPacking
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -262,22 +264,49 @@ class CompactTritonRingAttention:
         self.rings, self.ring_semantics, self.slots = rings, ring_semantics, slots
         self.page_tables = page_tables or {}
         self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for spec, first_layer in zip(config.groups, config.group_first_layers):
+        self._levels: dict[int, int] = {}
+        for level, (spec, first_layer) in enumerate(zip(config.groups, config.group_first_layers)):
             offsets = frames_decoded * spec.tokens_per_frame
             cos, sin = rope_tables(offsets, num_frames * spec.tokens_per_frame, spec.head_dim, spec.max_period)
             self.tables[first_layer] = (offsets, cos, sin)
+            self._levels[first_layer] = level
+        #: The step's token packing once :meth:`pack` was called: queries, keys and values then come packed.
+        self.packing: TokenPacking | None = None
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def pack(self, packing: TokenPacking) -> None:
+        """Take this step's projections packed (``packing``): each group's RoPE tables are gathered at the
+        packed tokens once, and its rows start at ``packing.row_starts x tokens per frame``; every layer then
+        attends with :func:`~.ops.ring_attention_packed.ring_attention_write_packed`, on ``(3, 1, H, N, Dh)``
+        projections, and answers ``(1, H, N, Dh)``."""
+        self.packing = packing
+        for first_layer, (_, cos, sin) in self.tables.items():
+            level = self._levels[first_layer]
+            read = packing.read[level]
+            half = cos.shape[-1]
+            cos_p, sin_p = (t.reshape(-1, half).index_select(0, read).view(1, 1, -1, half) for t in (cos, sin))
+            self._packed[first_layer] = (packing.row_starts * packing.tokens_per_frame[level], cos_p, sin_p)
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         offsets, cos, sin = self.tables[group.first_layer]
+        packed = self._packed.get(group.first_layer)
+        if packed is not None:
+            token_start, cos, sin = packed
         ring, written = self.rings[layer], group.valid_tokens
         # Rotation rounds to the projection dtype first, then keys and values go to the ring dtype (a
         # no-op when they match): as the reference path.
         qk = rope_op(qkv[:2], cos, sin)
         q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
         table = self.page_tables.get(group.first_layer)
-        out = ring_ops.ring_attention_write(
-            q, keys, values, ring, self.slots, offsets, written, self.ring_semantics, page_table=table
-        )
+        if packed is not None:
+            out = ring_attention_write_packed(
+                q, keys, values, ring, self.slots, offsets, written, token_start, group.num_tokens,
+                self.ring_semantics, page_table=table,
+            )  # fmt: skip
+        else:
+            out = ring_ops.ring_attention_write(
+                q, keys, values, ring, self.slots, offsets, written, self.ring_semantics, page_table=table
+            )
         return out.transpose(1, 2)
 
 

@@ -282,11 +282,15 @@ def _run_layers(
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
     ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
     layer ops (CUDA); otherwise their references. With ``packing`` (:mod:`.token_packing`) ``x`` is the
-    ``(1, N, d)`` packed real tokens of level ``level``: the attention alone reads them in the ``(B, T)`` grid.
+    ``(1, N, d)`` packed real tokens of level ``level``: an attention whose ``packing`` is it reads them so,
+    any other reads them in the ``(B, T)`` grid.
     """
     x = inputs.pop()
     B, T, d = x.shape
-    if packing is not None:
+    # Packed tokens go to an attention that reads them packed (its ``packing`` is this step's) as one row of
+    # all of them; otherwise into the (B, T) grid and back.
+    to_grid = packing is not None and getattr(attention, "packing", None) is not packing
+    if to_grid:
         B, T = packing.rows, packing.frames * packing.tokens_per_frame[level]
     heads = group.spec.num_heads
     layers = weights.layers
@@ -300,13 +304,13 @@ def _run_layers(
         # by the widest two of them, not by everything a layer makes.
         qkv = layer.in_proj(h)
         del h
-        if packing is not None:
+        if to_grid:
             qkv = packing.to_rows(level, qkv)
         qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
         # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
         attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
         del qkv
-        if packing is not None:
+        if to_grid:
             attn = packing.to_tokens(level, attn)
         update = layer.out_proj(attn)
         del attn

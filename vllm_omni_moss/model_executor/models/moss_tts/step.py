@@ -40,6 +40,9 @@ def decode_tensors(
     packing = None
     if total_frames is not None:
         packing = TokenPacking.of(pool.config, valid_frames, codes.shape[-1], total_frames)
+        pack = getattr(plan.attention, "pack", None)
+        if pack is not None:  # the attention reads the packed tokens itself (the triton backend)
+            pack(packing)
     with torch.no_grad(), decode_autocast(pool.decoder):
         audio = run_decoder(pool.decoder, codes, plan, packing)
     audio_lengths = valid_frames * pool.config.samples_per_frame

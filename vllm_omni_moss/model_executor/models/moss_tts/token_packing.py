@@ -37,6 +37,8 @@ class TokenPacking:
         grid: per level, ``(total_frames x tokens_per_frame,)`` int64 grid positions of the packed tokens, dummies
             at ``B x T x tokens_per_frame`` (the dump row).
         read: the same with dummies at 0 (a position they may read).
+        row_starts: ``(B,)`` int64 packed frame where each row's frames start (its token at level ``g``:
+            ``row_starts x tokens_per_frame[g]``); rows lie one after another, dummies after the last.
 
     The embedding runs at one token per frame, group 0's rate (``tokens_per_frame`` 1 in every codec config).
     """
@@ -46,6 +48,7 @@ class TokenPacking:
     tokens_per_frame: tuple[int, ...]
     grid: tuple[torch.Tensor, ...]
     read: tuple[torch.Tensor, ...]
+    row_starts: torch.Tensor
 
     @classmethod
     def of(cls, config: CodecConfig, valid_frames: torch.Tensor, frames: int, total_frames: int) -> TokenPacking:
@@ -67,7 +70,7 @@ class TokenPacking:
             keep = real.repeat_interleave(f)
             grids.append(torch.where(keep, tokens, B * frames * f))
             reads.append(torch.where(keep, tokens, 0))
-        return cls(B, frames, tuple(rates), tuple(grids), tuple(reads))
+        return cls(B, frames, tuple(rates), tuple(grids), tuple(reads), starts[:B])
 
     def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """``(n_vq, B, T)`` codes -> ``(n_vq, 1, N_0)``: the codes of the packed frames, for the embedding."""

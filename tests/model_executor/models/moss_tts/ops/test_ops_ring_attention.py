@@ -90,7 +90,7 @@ def kernel_layer(ring, slot_ids, offsets, written, q, k, v, ring_semantics, rope
         return out
     if op == "auto":
         return ring_ops.ring_attention_write(*args)
-    return ring_ops._launch_ring_attention_triton(*args, write=True, tuning={"fused_write": op == "fused"})
+    return ring_ops.launch_ring_attention_triton(*args, write=True, tuning={"fused_write": op == "fused"})
 
 
 def assert_outputs_close(got, ref, written, what=""):
@@ -422,7 +422,7 @@ def test_kernels_interpreted_at_every_ring_phase(ring_semantics, capacity, T, bl
     and longer than the ring (both window edges inside the chunk), query and key blocks that split
     the window anywhere; against the reference."""
     args = _ring_phase_case(ring_semantics, capacity, T, seed=capacity * T + block_q)
-    got = ring_ops._launch_ring_attention_triton(*args, tuning=dict(block_q=block_q, block_k=block_k))
+    got = ring_ops.launch_ring_attention_triton(*args, tuning=dict(block_q=block_q, block_k=block_k))
     assert_outputs_close(got, ring_ops.ring_attention_reference(*args).float(), args[6])
 
 
@@ -439,7 +439,7 @@ def test_attention_write_interpreted_at_every_ring_phase(ring_semantics, capacit
     ref_ring = args[3].clone()
     expected = ring_ops.ring_attention_write_reference(*args[:3], ref_ring, *args[4:])
     tuning = dict(block_q=16, block_k=16, fused_write=fused)
-    got = ring_ops._launch_ring_attention_triton(*args, write=True, tuning=tuning)
+    got = ring_ops.launch_ring_attention_triton(*args, write=True, tuning=tuning)
     assert_outputs_close(got, expected.float(), args[6])
     assert torch.equal(args[3], ref_ring)
 

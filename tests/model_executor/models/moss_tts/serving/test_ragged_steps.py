@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moss_codecs import ChunkDriver, count_steps, random_codes, stream_codes
+from moss_codecs import ChunkDriver, assert_close_to_solo, count_steps, random_codes, solo_decode, stream_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import packed_total_for, packed_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, SessionOptions
@@ -175,3 +175,49 @@ def test_session_options_refuse_a_ragged_steps_that_is_not_a_bool():
         SessionOptions(4, ragged_steps="yes")
     assert str(err.value) == "ragged_steps must be True or False, got 'yes'"
     assert SessionOptions(4, ragged_steps=True).ragged_steps is True
+
+
+@pytest.mark.parametrize("kind", ["compact", "paged"])
+def test_a_valid_row_of_no_frames_in_a_packed_step_writes_nothing(kind, ring_decoder):
+    """A valid row with 0 valid frames beside a real one in a packed step: its slot's rings and offsets stay as
+    they were (zeros), its audio is zero, and the real row's audio is that of a step without it."""
+    pool = make_state_pool(ring_decoder, kind)
+    pool.initialize(3)
+    alone = make_state_pool(ring_decoder, kind)
+    alone.initialize(3)
+    for p in (pool, alone):
+        p.acquire(), p.acquire()
+    codes = random_codes(ring_decoder, 2, 4, seed=2)
+    audio, lengths = decode_batch(
+        pool, codes, torch.tensor([4, 0]), torch.tensor([0, 1]), torch.tensor([True, True]), total_frames=6
+    )
+    ref, _ = decode_batch(alone, codes[:, :1], torch.tensor([4]), torch.tensor([0]), torch.tensor([True]))
+    assert lengths.tolist() == [4 * ring_decoder.config.samples_per_frame, 0] and not audio[1].any()
+    assert (audio[0] - ref[0]).abs().max().item() <= 1e-6 * ref.abs().max().item()
+    state = pool.slot_state(1)
+    assert not state["layer_offsets"].any() and not any(r.any() for r in state["rings"])
+
+
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
+def test_ragged_streams_preempted_for_pages_resume_exactly(ring_decoder):
+    """A paged pool with pages for about two full streams of three: ragged steps preempt and restore streams as
+    per-size steps do, and every stream's audio equals its solo decode."""
+    s = CodecStreamSession(
+        ring_decoder, 3, pool_kind="paged", page_fraction=0.67, graph_batch_sizes=(1, 2, 4), graph_frame_sizes=RAMP,
+        ragged_steps=True,
+    )  # fmt: skip
+    names, schedule = "abcd", [1, 2, 4, 6, 6]
+    codes = {r: stream_codes(ring_decoder, sum(schedule), i) for i, r in enumerate(names)}
+    audio: dict[str, list[torch.Tensor]] = {r: [] for r in names}
+    for call, n in enumerate(schedule):
+        start = sum(schedule[:call])
+        batch = [ChunkRequest(r, codes[r][:, start : start + n], call == len(schedule) - 1) for r in names]
+        for r, res in s.decode(batch).items():
+            assert res.error is None, res.error
+            audio[r].append(res.audio)
+    while s.waiting_requests:  # drain what is still queued
+        for r, res in s.decode([]).items():
+            audio[r].append(res.audio)
+    assert s.stats()["preemptions"] > 0 and s.free_slots == 3
+    for r in names:
+        assert_close_to_solo(torch.cat(audio[r], -1), solo_decode(ring_decoder, codes[r], schedule), r)

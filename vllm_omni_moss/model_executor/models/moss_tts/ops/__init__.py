@@ -13,6 +13,8 @@ against. No module imports another's private name.
   is it and ``ring_write`` in turn as one op (the attention kernel stores the chunk itself for rows
   of at most 32 tokens). With its launch table (``attention_launch_config``: block sizes, warps,
   stages, fused write per step shape).
+* :mod:`.ring_attention_packed` - ``ring_attention_write_packed``: the same kernels on a ragged step's packed
+  rows (row ``b`` from token ``token_start[b]``), so its projections need no copy into the grid and back.
 * :mod:`.ring_reference` - ``attend_gathered_rows``, the SDPA computation over gathered ring rows
   that the ``"sdpa"`` backend runs and the ring ops' references build on, and the logical view of a
   paged ring those references read and write.

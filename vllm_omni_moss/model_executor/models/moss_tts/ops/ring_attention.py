@@ -82,6 +82,7 @@ __all__ = [
     "LAUNCH_KEYS",
     "MIN_ATTENTION_PROGRAMS",
     "attention_launch_config",
+    "launch_ring_attention_triton",
     "ring_attention",
     "ring_attention_reference",
     "ring_attention_write",
@@ -283,6 +284,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
+        PACKED: tl.constexpr,
     ):
         # Queries t in [first, first + BLOCK_Q) of one (row, head): attend, then store the output block.
         t = first + tl.arange(0, BLOCK_Q)
@@ -382,10 +384,15 @@ if HAS_TRITON:
         has_keys = (t < written) & (l_i != 0.0)
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         out = tl.where(has_keys[:, None], out, 0.0)
+        # Packed rows are followed by the next row's tokens: only their valid queries are stored.
+        if PACKED:
+            store_ok = t < written
+        else:
+            store_ok = t < num_tokens
         tl.store(
             out_ptr + row * out_stride_b + head * out_stride_h + t[:, None] * out_stride_t + d[None, :] * out_stride_d,
             out.to(out_ptr.dtype.element_ty),
-            mask=(t < num_tokens)[:, None] & d_ok[None, :],
+            mask=store_ok[:, None] & d_ok[None, :],
         )
 
     @triton.jit
@@ -400,6 +407,7 @@ if HAS_TRITON:
         slot_ids_ptr,
         offsets_ptr,
         valid_tokens_ptr,
+        token_start_ptr,  # PACKED: (B,) first token of each row in q, k, v and out
         num_tokens,  # T
         capacity,  # C, also the attention window
         head_dim,  # Dh
@@ -444,6 +452,7 @@ if HAS_TRITON:
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
         WRITE: tl.constexpr,
+        PACKED: tl.constexpr,
     ):
         # Without WRITE, program (row, head, block) attends queries [block * BLOCK_Q, + BLOCK_Q) of one
         # (row, head) and reads the ring only. With WRITE, program (row, head, 0) walks the row's query
@@ -460,6 +469,23 @@ if HAS_TRITON:
         has_work = written > 0
         slot = tl.load(slot_ids_ptr + row * slot_ids_stride, mask=has_work, other=0).to(tl.int64)
         offset = tl.load(offsets_ptr + row * offsets_stride, mask=has_work, other=0).to(tl.int64)
+        # Where the row's tokens start: row b of the (B, ., T, .) grid, or (PACKED) token token_start[b] of the
+        # packed (1, ., N, .) tensors. The helpers then address the row from these bases with a row stride of 0.
+        if PACKED:
+            start = tl.load(token_start_ptr + row).to(tl.int64)
+            q_ptr += start * q_stride_t
+            k_ptr += start * k_stride_t
+            v_ptr += start * v_stride_t
+            out_ptr += start * out_stride_t
+            cos_ptr += start * rope_stride_t
+            sin_ptr += start * rope_stride_t
+        else:
+            q_ptr += row * q_stride_b
+            k_ptr += row * k_stride_b
+            v_ptr += row * v_stride_b
+            out_ptr += row * out_stride_b
+            cos_ptr += row * rope_stride_b
+            sin_ptr += row * rope_stride_b
         if WRITE:
             kept_lo = written - tl.minimum(written, capacity)  # first token ring_write keeps
             for first in range(0, num_tokens, BLOCK_Q):
@@ -467,23 +493,23 @@ if HAS_TRITON:
                     first, row, head, written, slot, offset,
                     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, out_ptr,
                     num_tokens, capacity, head_dim, scale_log2,
-                    rope_stride_b, rope_stride_t, rope_stride_d,
-                    q_stride_b, q_stride_h, q_stride_t, q_stride_d,
-                    k_stride_b, k_stride_h, k_stride_t, k_stride_d,
-                    v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                    0, rope_stride_t, rope_stride_d,
+                    0, q_stride_h, q_stride_t, q_stride_d,
+                    0, k_stride_h, k_stride_t, k_stride_d,
+                    0, v_stride_h, v_stride_t, v_stride_d,
                     ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
-                    out_stride_b, out_stride_t, out_stride_h, out_stride_d,
+                    0, out_stride_t, out_stride_h, out_stride_d,
                     page_table_ptr, page_table_stride_s, page_table_stride_p,
-                    UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
+                    UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION, PACKED,
                 )  # fmt: skip
                 token = first + tl.arange(0, BLOCK_Q)
                 if first + BLOCK_Q > kept_lo and first < written:
                     store_tokens(
                         token, (token >= kept_lo) & (token < written), row, head, slot, offset,
                         k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
-                        rope_stride_b, rope_stride_t, rope_stride_d,
-                        k_stride_b, k_stride_h, k_stride_t, k_stride_d,
-                        v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                        0, rope_stride_t, rope_stride_d,
+                        0, k_stride_h, k_stride_t, k_stride_d,
+                        0, v_stride_h, v_stride_t, v_stride_d,
                         ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                         page_table_ptr, page_table_stride_s, page_table_stride_p,
                         ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_D,
@@ -493,18 +519,18 @@ if HAS_TRITON:
                 tl.program_id(2) * BLOCK_Q, row, head, written, slot, offset,
                 q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, out_ptr,
                 num_tokens, capacity, head_dim, scale_log2,
-                rope_stride_b, rope_stride_t, rope_stride_d,
-                q_stride_b, q_stride_h, q_stride_t, q_stride_d,
-                k_stride_b, k_stride_h, k_stride_t, k_stride_d,
-                v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                0, rope_stride_t, rope_stride_d,
+                0, q_stride_h, q_stride_t, q_stride_d,
+                0, k_stride_h, k_stride_t, k_stride_d,
+                0, v_stride_h, v_stride_t, v_stride_d,
                 ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
-                out_stride_b, out_stride_t, out_stride_h, out_stride_d,
+                0, out_stride_t, out_stride_h, out_stride_d,
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
-                UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
+                UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION, PACKED,
             )  # fmt: skip
 
 
-def _launch_ring_attention_triton(
+def launch_ring_attention_triton(
     q,
     k,
     v,
@@ -519,6 +545,8 @@ def _launch_ring_attention_triton(
     *,
     write=False,
     tuning=None,
+    token_start=None,
+    num_tokens=None,
 ) -> torch.Tensor:
     """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
@@ -526,31 +554,41 @@ def _launch_ring_attention_triton(
     stored into the rings as :func:`ring_write` stores it (:func:`ring_attention_write`): fused into
     the attention kernel when the launch configuration's ``fused_write`` says so, else by the write
     kernel after it. ``tuning`` overrides entries of :func:`attention_launch_config` (benchmarks
-    sweep it). Returns ``(B, T, H, Dh)`` in the ring dtype. Raises RuntimeError without Triton.
+    sweep it). With ``token_start`` the rows are packed (:func:`ring_attention_write_packed`: ``q``, ``k``,
+    ``v`` ``(1, H, N, Dh)``, ``num_tokens`` the most tokens of a row). Returns ``(B, T, H, Dh)`` in the ring
+    dtype (packed: ``(1, N, H, Dh)``, positions that are no row's valid token left as allocated). Raises
+    RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
-    num_rows, num_heads, num_tokens, head_dim = q.shape
-    out = torch.empty((num_rows, num_tokens, num_heads, head_dim), dtype=ring.dtype, device=q.device)
-    if out.numel() == 0:
+    _, num_heads, num_tokens_q, head_dim = q.shape
+    num_rows = q.shape[0] if token_start is None else token_start.shape[0]
+    num_tokens = num_tokens_q if token_start is None else num_tokens
+    out = torch.empty((q.shape[0], num_tokens_q, num_heads, head_dim), dtype=ring.dtype, device=q.device)
+    if out.numel() == 0 or num_rows == 0:
         return out
     config = _launch_config(num_tokens, ring.dtype, tuning, num_rows * num_heads)
     fused = write and config["fused_write"]
     _run_attention_kernel(
-        q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused
-    )
+        q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused,
+        (num_rows, num_tokens, token_start),
+    )  # fmt: skip
     if write and not fused:
-        launch_ring_write_triton(k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
+        launch_ring_write_triton(
+            k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table, token_start, num_tokens
+        )
     return out
 
 
 def _run_attention_kernel(
-    q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused
+    q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused, rows
 ) -> None:
-    """One launch of the attention kernel, into ``out`` ``(B, T, H, Dh)``, with ``config`` (an
-    :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk. Grid
-    ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one program walks a row's blocks)."""
-    num_rows, num_heads, num_tokens, head_dim = q.shape
+    """One launch of the attention kernel, into ``out`` ``(B, T, H, Dh)`` (packed ``(1, N, H, Dh)``), with
+    ``config`` (an :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk; ``rows``:
+    ``(B, T, token_start or None)``. Grid ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one
+    program walks a row's blocks)."""
+    num_rows, num_tokens, token_start = rows
+    num_heads, head_dim = q.shape[1], q.shape[3]
     capacity, paging, paged, page_size = paging_arguments(ring, page_table, slot_ids)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_q = config["block_q"]
@@ -568,6 +606,7 @@ def _run_attention_kernel(
             slot_ids,
             offsets,
             valid_tokens,
+            valid_tokens if token_start is None else token_start,
             num_tokens,
             capacity,
             head_dim,
@@ -592,6 +631,7 @@ def _run_attention_kernel(
             QK_PRECISION="ieee",
             PV_PRECISION=config["pv"],
             WRITE=fused,
+            PACKED=token_start is not None,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
             enable_fp_fusion=False,
@@ -652,7 +692,7 @@ def _ring_attention_op(
 ) -> torch.Tensor:
     args = (q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
     if runs_triton_kernel(ring):
-        return _launch_ring_attention_triton(*args)
+        return launch_ring_attention_triton(*args)
     return ring_attention_reference(*args)
 
 
@@ -744,7 +784,7 @@ def _ring_attention_write_op(
 ) -> torch.Tensor:
     args = (q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
     if runs_triton_kernel(ring):
-        return _launch_ring_attention_triton(*args, write=True)
+        return launch_ring_attention_triton(*args, write=True)
     return ring_attention_write_reference(*args)
 
 

@@ -319,11 +319,13 @@ if HAS_TRITON:
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
+        token_start_ptr,  # PACKED: (B,) first token of each row in k and v
         ROPE: tl.constexpr,
         PAGED: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PACKED: tl.constexpr,
     ):
         # Program (row, head, tile) stores kept tokens i in [tile * BLOCK_T, tile * BLOCK_T + BLOCK_T).
         row = tl.program_id(0).to(tl.int64)
@@ -338,27 +340,47 @@ if HAS_TRITON:
             # earlier tokens would be overwritten within the step, so they are skipped.
             kept = tl.minimum(written, capacity)
             i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            # The row's first token: row b of the (B, H, T, Dh) grid, or (PACKED) token token_start[b] of the
+            # packed (1, H, N, Dh) keys and values (tables likewise); store_tokens then sees a row stride of 0.
+            if PACKED:
+                start = tl.load(token_start_ptr + row).to(tl.int64)
+                k_ptr += start * k_stride_t
+                v_ptr += start * v_stride_t
+                cos_ptr += start * rope_stride_t
+                sin_ptr += start * rope_stride_t
+            else:
+                k_ptr += row * k_stride_b
+                v_ptr += row * v_stride_b
+                cos_ptr += row * rope_stride_b
+                sin_ptr += row * rope_stride_b
             store_tokens(
                 written - kept + i, i < kept, row, head, slot, offset,
                 k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
-                rope_stride_b, rope_stride_t, rope_stride_d,
-                k_stride_b, k_stride_h, k_stride_t, k_stride_d,
-                v_stride_b, v_stride_h, v_stride_t, v_stride_d,
+                0, rope_stride_t, rope_stride_d,
+                0, k_stride_h, k_stride_t, k_stride_d,
+                0, v_stride_h, v_stride_t, v_stride_d,
                 ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
                 ROPE, PAGED, PAGE_SIZE, BLOCK_T, BLOCK_D,
             )  # fmt: skip
 
 
-def launch_ring_write_triton(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None) -> None:
+def launch_ring_write_triton(
+    k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None, token_start=None, num_tokens=None
+) -> None:
     """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
 
-    Arguments as in :func:`ring_write`; not validated here. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``.
-    Raises RuntimeError without Triton.
+    Arguments as in :func:`ring_write`; not validated here. With ``token_start`` (``(B,)`` int64) ``k`` and ``v``
+    are packed ``(1, H, N, Dh)``, row ``b``'s tokens starting at ``token_start[b]``, and ``num_tokens`` is ``T``,
+    the most tokens of a row. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
-    num_rows, num_heads, num_tokens, head_dim = k.shape
+    num_rows, num_heads, num_tokens_k, head_dim = k.shape
+    if token_start is None:
+        num_tokens = num_tokens_k
+    else:
+        num_rows = token_start.shape[0]
     capacity, paging, paged, page_size = paging_arguments(ring, page_table, slot_ids)
     kept = min(num_tokens, capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
@@ -387,11 +409,13 @@ def launch_ring_write_triton(k, v, ring, slot_ids, offsets, valid_tokens, cos=No
             offsets.stride(0),
             valid_tokens.stride(0),
             *paging,
+            slot_ids if token_start is None else token_start,
             ROPE=rope,
             PAGED=paged,
             PAGE_SIZE=page_size,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
+            PACKED=token_start is not None,
             enable_fp_fusion=False,
         )
 
