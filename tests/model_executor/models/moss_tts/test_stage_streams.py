@@ -87,6 +87,21 @@ def test_two_delay_payloads_in_one_forward_keep_their_streams(stage):
     _assert_audio(torch.cat(got["y"], dim=-1), fresh_decode(stage, y, [1, 3, 1]), "y")
 
 
+def test_a_stage_with_ragged_steps_decodes_a_call_of_mixed_lengths_in_one_step(tmp_path):
+    """hf_overrides codec_ragged_steps: true reaches the session: a forward with chunks of 1, 3 and 2 frames is
+    one pool step, and every stream's audio equals its fresh decode."""
+    stage = build_stage(tmp_path, codec_ragged_steps=True)
+    codes = [_codes(stage, n, seed=10 + i) for i, n in enumerate((4, 3, 2))]
+    run(stage, [codes[0][:, :1]], [delay_info()], ["a"])
+    assert stage._session.options.ragged_steps is True
+    before = stage._session.stats()["steps_by_path"]["eager"]
+    outs = run(stage, [codes[0][:, 1:], codes[1], codes[2]], [delay_info()] * 3, ["a", "b", "c"])
+    assert stage._session.stats()["steps_by_path"]["eager"] == before + 1
+    _assert_audio(outs[0], fresh_decode(stage, codes[0], [1, 3])[..., -outs[0].shape[-1] :], "a")
+    _assert_audio(outs[1], fresh_decode(stage, codes[1], [3]), "b")
+    _assert_audio(outs[2], fresh_decode(stage, codes[2], [2]), "c")
+
+
 def test_without_runner_ids_a_payload_without_id_fails_alone(stage, caplog):
     d, r = _codes(stage, 2, seed=5), _codes(stage, 2, seed=6)
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
