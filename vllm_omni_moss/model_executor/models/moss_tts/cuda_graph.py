@@ -189,11 +189,14 @@ class StreamingGraphRunner:
 
     def keys(self) -> list[tuple[int, ...]]:
         """Every key the runner captures, largest step first: ``(bucket, T)`` for every bucket and frame size, and
-        with ``packed`` ``(bucket, largest T, F)`` for every ``F`` of ``graph_ladder.packed_totals(bucket, ...)``.
+        with ``packed`` ``(bucket, largest T, F)`` for every ``F`` of ``graph_ladder.packed_totals`` of the bucket
+        (those its steps can replay).
         A step's size is its frames: ``F``, or ``bucket x T`` for the grid."""
         keys = [(b, t) for b in self.batch_sizes for t in self.frame_sizes]
         if self.packed:
-            keys += [(b, self.frame_sizes[-1], n) for b in self.batch_sizes for n in packed_totals(b, self.frame_sizes)]
+            below = [0, *self.batch_sizes[:-1]]  # a step of bucket b has more rows than the bucket below
+            for b, lower in zip(self.batch_sizes, below):
+                keys += [(b, self.frame_sizes[-1], n) for n in packed_totals(b, self.frame_sizes, lower + 1)]
         return sorted(keys, key=lambda k: (k[0], k[1], k[2] if len(k) == 3 else k[0] * k[1]), reverse=True)
 
     def output_bytes(self) -> int:

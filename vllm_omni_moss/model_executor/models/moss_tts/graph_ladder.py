@@ -62,11 +62,15 @@ def graph_sizes(sizes, upper: int | None = None) -> list[int]:
     return sorted({int(n) for n in sizes if 0 < int(n) and (upper is None or int(n) <= upper)})
 
 
-def packed_totals(bucket: int, frame_sizes: list[int]) -> list[int]:
+def packed_totals(bucket: int, frame_sizes: list[int], least_rows: int = 1) -> list[int]:
     """The total frames of the packed graphs of one bucket: ``bucket x t`` for every frame size ``t`` of
     ``frame_sizes`` (ascending) below the largest. They serve ragged steps at the largest frame size, whose rows
-    hold ``bucket x t`` real frames or fewer (docs/serving.md, "Ragged steps")."""
-    return [bucket * t for t in frame_sizes[:-1]]
+    hold ``bucket x t`` real frames or fewer (docs/serving.md, "Ragged steps"). A step the bucket serves has at
+    least ``least_rows`` rows (one past the bucket below), one of them longer than the second largest frame size
+    (else the step would pad to that), so totals below ``second largest + least_rows`` frames would never be
+    replayed and are left out."""
+    least = (frame_sizes[-2] + least_rows) if len(frame_sizes) > 1 else 0
+    return [bucket * t for t in frame_sizes[:-1] if bucket * t >= least]
 
 
 def packed_total_for(bucket: int, frame_sizes: list[int], frames: int) -> int | None:

@@ -20,8 +20,10 @@ RAMP = (1, 2, 4, 6)
 BUCKETS = (1, 2, 4, 8)
 
 
-def test_packed_totals_are_the_bucket_times_each_smaller_frame_size():
+def test_packed_totals_are_the_bucket_times_each_smaller_frame_size_a_step_can_replay():
     assert packed_totals(8, [1, 2, 4, 6]) == [8, 16, 32]
+    assert packed_totals(8, [1, 2, 4, 6], least_rows=5) == [16, 32]  # 5 rows, one of 6 frames: 10 at least
+    assert packed_totals(1, [1, 2, 4, 6]) == [] and packed_totals(2, [1, 2, 4, 6], least_rows=2) == [8]
     assert packed_totals(8, [15]) == []
     assert [packed_total_for(8, [1, 2, 4, 6], n) for n in (1, 8, 9, 16, 17, 32, 33, 48)] == [
         8, 8, 16, 16, 32, 32, None, None,
