@@ -221,3 +221,35 @@ def test_ragged_streams_preempted_for_pages_resume_exactly(ring_decoder):
     assert s.stats()["preemptions"] > 0 and s.free_slots == 3
     for r in names:
         assert_close_to_solo(torch.cat(audio[r], -1), solo_decode(ring_decoder, codes[r], schedule), r)
+
+
+def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanly(ring_decoder, monkeypatch):
+    """Steps of two rows (buckets 1, 2): round 0 is (a, b) then (c); c alone has a second piece. c's step raises:
+    c alone gets the error, the next round has no piece left and takes no step, and a and b equal their solo
+    decodes, in this call and the next."""
+    s = CodecStreamSession(ring_decoder, 4, graph_batch_sizes=(1, 2), max_step_frames=4, ragged_steps=True)
+    codes = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 3), ("c", 6)])}
+    real, tried = s._steps.eager_step, []
+
+    def step(codes, lengths, slot_ids, valid, **kwargs):
+        tried.append(codes.shape[1])
+        if len(tried) == 2:
+            raise RuntimeError("injected failure in step 2")
+        return real(codes, lengths, slot_ids, valid, **kwargs)
+
+    monkeypatch.setattr(s._steps, "eager_step", step)
+    got = s.decode(
+        [ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1]), ChunkRequest("c", codes["c"])]
+    )
+    assert tried == [2, 1]
+    assert got["c"].error == (
+        "request 'c': its decoder step (1 rows x 4 frames) failed with RuntimeError: injected failure in step 2; "
+        "the stream was ended, frames left undecoded: 6"
+    )
+    monkeypatch.undo()
+    later = s.decode([ChunkRequest(r, codes[r][:, 1:], True) for r in "ab"])
+    for r in "ab":
+        assert got[r].error is None and later[r].error is None
+        audio = torch.cat([got[r].audio, later[r].audio], -1)
+        assert_close_to_solo(audio, solo_decode(ring_decoder, codes[r], [1, 2]), r)
+    assert got["c"].frames == 0 and s.free_slots == 4

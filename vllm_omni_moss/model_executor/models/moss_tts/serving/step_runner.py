@@ -193,7 +193,8 @@ class StepRunner:
         length and CUDA graph are decided here, once.
         """
         if self.ragged_steps:
-            groups = [sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])]
+            # A round may hold no piece: every stream with pieces left failed in an earlier round.
+            groups = [sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])] if round_pieces else []
         else:
             by_frames: dict[int, list[str]] = {}
             for rid, (_, piece) in round_pieces.items():
