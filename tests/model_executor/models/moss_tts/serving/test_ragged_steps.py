@@ -253,3 +253,24 @@ def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanl
         audio = torch.cat([got[r].audio, later[r].audio], -1)
         assert_close_to_solo(audio, solo_decode(ring_decoder, codes[r], [1, 2]), r)
     assert got["c"].frames == 0 and s.free_slots == 4
+
+
+def test_full_rows_short_of_their_bucket_pack_to_the_packed_graph_a_gpu_replays(ring_decoder, monkeypatch):
+    """Five streams of 6 frames (bucket 8, ramp 1, 2, 4, 6): 30 real frames, which the packed graph of 32 frames
+    holds (the grid graph is 48): a GPU's runner selects it (``StreamingGraphRunner.select``, its capture stood in
+    by its keys), and a CPU step packs to the same 32 frames; each stream's audio is its solo decode."""
+    from types import SimpleNamespace
+
+    from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
+
+    keys = [(b, t) for b in BUCKETS for t in RAMP] + [(b, 6, n) for b in BUCKETS for n in packed_totals(b, [*RAMP])]
+    gpu = SimpleNamespace(batch_sizes=[*BUCKETS], frame_sizes=[*RAMP], graphs=dict.fromkeys(keys))
+    assert StreamingGraphRunner.select(gpu, 5, 6, 30) == (8, 6, 32)
+    s = CodecStreamSession(ring_decoder, 8, graph_batch_sizes=BUCKETS, graph_frame_sizes=RAMP, ragged_steps=True)
+    codes = {r: stream_codes(ring_decoder, 6, i) for i, r in enumerate("abcde")}
+    packed: list[int | None] = []
+    steps = count_steps(s, monkeypatch, packed)
+    got = s.decode([ChunkRequest(r, c) for r, c in codes.items()])
+    assert steps == [(5, 6)] and packed == [32] and s.stats()["padded_frames"] == 2
+    for r, c in codes.items():
+        assert_close_to_solo(got[r].audio, solo_decode(ring_decoder, c, [6]), r)
