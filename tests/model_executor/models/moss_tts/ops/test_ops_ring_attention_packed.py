@@ -117,3 +117,15 @@ def test_bad_arguments_are_refused_with_the_argument_named():
         "ring_attention_write_packed: unknown ring semantics 'fast'; expected one of ('upstream', 'exact')"
     )
     assert refused(3, "ring") == "ring_attention_write_packed: `ring` must be a torch.Tensor, got str"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("op", [ring_attention_write_packed, ring_attention_write_packed_reference])
+def test_no_packed_token_answers_an_empty_output_and_leaves_the_rings(op):
+    """Rows of no valid token over ``(1, H, 0, Dh)`` tensors: an empty output in the ring dtype, from the kernels
+    (as the grid op answers a ``T = 0`` step) and from the reference alike; no ring changes."""
+    q, k, v, ring, slots, offsets, valid, start = _rows(4, "cpu")
+    empty = q[:, :, :0]
+    rings = ring.clone()
+    got = op(empty, empty, empty, rings, slots, offsets, torch.zeros_like(valid), torch.zeros_like(start), 4, "exact")
+    assert got.shape == (1, 0, H, DH) and got.dtype == ring.dtype and torch.equal(rings, ring)

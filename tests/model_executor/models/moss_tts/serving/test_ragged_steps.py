@@ -223,3 +223,56 @@ def test_ragged_streams_preempted_for_pages_resume_exactly(ring_decoder):
     assert s.stats()["preemptions"] > 0 and s.free_slots == 3
     for r in names:
         assert_close_to_solo(torch.cat(audio[r], -1), solo_decode(ring_decoder, codes[r], schedule), r)
+
+
+def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanly(ring_decoder, monkeypatch):
+    """Steps of two rows (buckets 1, 2): round 0 is (a, b) then (c); c alone has a second piece. c's step raises:
+    c alone gets the error, the next round has no piece left and takes no step, and a and b equal their solo
+    decodes, in this call and the next."""
+    s = CodecStreamSession(ring_decoder, 4, graph_batch_sizes=(1, 2), max_step_frames=4, ragged_steps=True)
+    codes = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 3), ("c", 6)])}
+    real, tried = s._steps.eager_step, []
+
+    def step(codes, lengths, slot_ids, valid, **kwargs):
+        tried.append(codes.shape[1])
+        if len(tried) == 2:
+            raise RuntimeError("injected failure in step 2")
+        return real(codes, lengths, slot_ids, valid, **kwargs)
+
+    monkeypatch.setattr(s._steps, "eager_step", step)
+    got = s.decode(
+        [ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1]), ChunkRequest("c", codes["c"])]
+    )
+    assert tried == [2, 1]
+    assert got["c"].error == (
+        "request 'c': its decoder step (1 rows x 4 frames) failed with RuntimeError: injected failure in step 2; "
+        "the stream was ended, frames left undecoded: 6"
+    )
+    monkeypatch.undo()
+    later = s.decode([ChunkRequest(r, codes[r][:, 1:], True) for r in "ab"])
+    for r in "ab":
+        assert got[r].error is None and later[r].error is None
+        audio = torch.cat([got[r].audio, later[r].audio], -1)
+        assert_close_to_solo(audio, solo_decode(ring_decoder, codes[r], [1, 2]), r)
+    assert got["c"].frames == 0 and s.free_slots == 4
+
+
+def test_full_rows_short_of_their_bucket_pack_to_the_packed_graph_a_gpu_replays(ring_decoder, monkeypatch):
+    """Five streams of 6 frames (bucket 8, ramp 1, 2, 4, 6): 30 real frames, which the packed graph of 32 frames
+    holds (the grid graph is 48): a GPU's runner selects it (``StreamingGraphRunner.select``, its capture stood in
+    by its keys), and a CPU step packs to the same 32 frames; each stream's audio is its solo decode."""
+    from types import SimpleNamespace
+
+    from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
+
+    keys = [(b, t) for b in BUCKETS for t in RAMP] + [(b, 6, n) for b in BUCKETS for n in packed_totals(b, [*RAMP])]
+    gpu = SimpleNamespace(batch_sizes=[*BUCKETS], frame_sizes=[*RAMP], graphs=dict.fromkeys(keys))
+    assert StreamingGraphRunner.select(gpu, 5, 6, 30) == (8, 6, 32)
+    s = CodecStreamSession(ring_decoder, 8, graph_batch_sizes=BUCKETS, graph_frame_sizes=RAMP, ragged_steps=True)
+    codes = {r: stream_codes(ring_decoder, 6, i) for i, r in enumerate("abcde")}
+    packed: list[int | None] = []
+    steps = count_steps(s, monkeypatch, packed)
+    got = s.decode([ChunkRequest(r, c) for r, c in codes.items()])
+    assert steps == [(5, 6)] and packed == [32] and s.stats()["padded_frames"] == 2
+    for r, c in codes.items():
+        assert_close_to_solo(got[r].audio, solo_decode(ring_decoder, c, [6]), r)

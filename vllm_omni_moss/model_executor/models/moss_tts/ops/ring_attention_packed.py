@@ -41,6 +41,8 @@ def ring_attention_write_packed_reference(
     """PyTorch oracle for :func:`ring_attention_write_packed`: the rows gathered into the ``(B, H, T, Dh)`` grid,
     :func:`~.ring_attention.ring_attention_write_reference`, and the output scattered back (zeros elsewhere)."""
     total = q.shape[2]
+    if total == 0:  # no token to gather (every row holds none): the kernels' empty answer
+        return q.new_empty((1, 0, q.shape[1], q.shape[3]), dtype=ring.dtype)
     index, inside = _grid_index(token_start, num_tokens, total)
 
     def grid(x: torch.Tensor) -> torch.Tensor:

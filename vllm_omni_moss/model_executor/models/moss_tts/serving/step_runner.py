@@ -193,7 +193,8 @@ class StepRunner:
         length and CUDA graph are decided here, once.
         """
         if self.ragged_steps:
-            groups = [sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])]
+            # A round may hold no piece: every stream with pieces left failed in an earlier round.
+            groups = [sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])] if round_pieces else []
         else:
             by_frames: dict[int, list[str]] = {}
             for rid, (_, piece) in round_pieces.items():
@@ -233,10 +234,12 @@ class StepRunner:
         or None (its grid): with graph sizes, the packed total of its bucket that a GPU replays
         (:func:`~..graph_ladder.packed_total_for`, at the largest frame size only), on every device; without,
         ``total`` whenever it is less than the grid."""
-        if not self.ragged_steps or total >= rows * frames:
+        if not self.ragged_steps:
             return None
         if not (self.graph_batch_sizes and self.graph_frame_sizes):
-            return total
+            return total if total < rows * frames else None
+        # Not bounded by the rows' own grid: the GPU's grid graph is the bucket's, which a packed graph may beat
+        # even when every row is full (5 full rows of 6 frames in bucket 8: 32 frames, not 48).
         if frames != self.graph_frame_sizes[-1]:
             return None
         bucket = bucket_for(self.graph_batch_sizes, rows)
