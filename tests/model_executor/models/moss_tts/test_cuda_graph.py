@@ -288,6 +288,10 @@ def test_ragged_session_replays_packed_graphs_bitwise_as_the_eager_packed_step(t
         for i, r in enumerate(names):
             assert torch.equal(got[r].audio, ref[i, :, : lengths[i] * spf].float().cpu()), f"{r}: {key} differs"
         _assert_null_slot_zero(session.pool)
+    codes = torch.zeros(n_vq, 2, 4, dtype=torch.long, device="cuda")
+    frames, slots = torch.tensor([4, 1], device="cuda"), torch.tensor([0, 1], device="cuda")
+    with pytest.raises(ValueError, match=r"total_frames 3 is not the sum of valid_frames \(5\)"):
+        runner.decode(codes, frames, slots, total_frames=3)
     session.close()
 
 

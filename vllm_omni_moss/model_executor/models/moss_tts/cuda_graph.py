@@ -292,11 +292,14 @@ class StreamingGraphRunner:
         bucket = next((b for b in self.batch_sizes if b >= batch), None)
         if bucket is None:
             return None
-        key = next(((bucket, t) for t in self.frame_sizes if t >= num_frames and (bucket, t) in self.graphs), None)
-        if key is not None and total_frames is not None and key[1] == self.frame_sizes[-1]:
-            packed = (*key, packed_total_for(bucket, self.frame_sizes, total_frames))
-            return packed if packed in self.graphs else key
-        return key
+        # A packed graph is asked for first: it serves its steps even when its bucket's grid graph failed to capture.
+        largest = self.frame_sizes[-1]
+        below = self.frame_sizes[-2] if len(self.frame_sizes) > 1 else 0
+        if total_frames is not None and below < num_frames <= largest:
+            packed = (bucket, largest, packed_total_for(bucket, self.frame_sizes, total_frames))
+            if packed in self.graphs:
+                return packed
+        return next(((bucket, t) for t in self.frame_sizes if t >= num_frames and (bucket, t) in self.graphs), None)
 
     def buffers(self, key: tuple[int, ...]) -> CapturedGraph:
         """The captured graph of ``key`` (from :meth:`select`), whose input tensors a caller fills before
@@ -329,12 +332,16 @@ class StreamingGraphRunner:
             ``(B, channels, T_graph * spf)`` float32 audio, a fresh tensor (``T_graph >= T``;
             samples beyond a row's length are zero), or None when no graph fits, the inputs
             are not on CUDA, or a capture is active.
+        Raises:
+            ValueError: ``total_frames`` is not the sum of ``valid_frames`` (read with one host sync).
         """
         if not codes.is_cuda or torch.cuda.is_current_stream_capturing():
             return None
         n_vq, B, T = codes.shape
         if n_vq != self.n_vq:
             return None
+        if total_frames is not None and total_frames != int(valid_frames.sum()):  # a packed graph holds no more
+            raise ValueError(f"total_frames {total_frames} is not the sum of valid_frames ({int(valid_frames.sum())})")
         key = self.select(B, T, total_frames)
         if key is None:
             return None

@@ -276,3 +276,21 @@ def test_full_rows_short_of_their_bucket_pack_to_the_packed_graph_a_gpu_replays(
     assert steps == [(5, 6)] and packed == [32] and s.stats()["padded_frames"] == 2
     for r, c in codes.items():
         assert_close_to_solo(got[r].audio, solo_decode(ring_decoder, c, [6]), r)
+
+
+def test_the_graph_runner_takes_a_packed_graph_by_the_rows_real_frames_even_without_its_grid_graph():
+    """``StreamingGraphRunner.select`` on the keys a runner of buckets (2, 4) and frame sizes (1, 2, 4) captures:
+    a step at the largest frame size takes the smallest packed graph holding its real frames, else the grid
+    graph; a packed graph still serves when its bucket's grid graph failed to capture."""
+    import functools
+    from types import SimpleNamespace
+
+    from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
+
+    keys = [(4, 4), (4, 4, 8), (4, 2), (4, 1), (2, 4), (2, 4, 4), (2, 2), (2, 1)]
+    runner = SimpleNamespace(batch_sizes=[2, 4], frame_sizes=[1, 2, 4], graphs=dict.fromkeys(keys))
+    select = functools.partial(StreamingGraphRunner.select, runner)
+    assert [select(3, 4, 7), select(3, 4, 8), select(3, 4, 9), select(3, 4)] == [(4, 4, 8), (4, 4, 8), (4, 4), (4, 4)]
+    assert [select(3, 2, 5), select(2, 3, 4), select(1, 4, 5), select(5, 1, 5)] == [(4, 2), (2, 4, 4), (2, 4), None]
+    del runner.graphs[(4, 4)]
+    assert [select(3, 4, 7), select(3, 4, 9)] == [(4, 4, 8), None]
