@@ -75,7 +75,7 @@ from .ring_write import (
 )
 
 if HAS_TRITON:
-    from .ring_write import cell_pointers, load_rotated, store_tokens
+    from .ring_write import cell_pointers, first_token, load_rotated, row_offset, store_tokens
 
 __all__ = [
     "FUSED_WRITE_MAX_TOKENS",
@@ -471,21 +471,13 @@ if HAS_TRITON:
         offset = tl.load(offsets_ptr + row * offsets_stride, mask=has_work, other=0).to(tl.int64)
         # Where the row's tokens start: row b of the (B, ., T, .) grid, or (PACKED) token token_start[b] of the
         # packed (1, ., N, .) tensors. The helpers then address the row from these bases with a row stride of 0.
-        if PACKED:
-            start = tl.load(token_start_ptr + row).to(tl.int64)
-            q_ptr += start * q_stride_t
-            k_ptr += start * k_stride_t
-            v_ptr += start * v_stride_t
-            out_ptr += start * out_stride_t
-            cos_ptr += start * rope_stride_t
-            sin_ptr += start * rope_stride_t
-        else:
-            q_ptr += row * q_stride_b
-            k_ptr += row * k_stride_b
-            v_ptr += row * v_stride_b
-            out_ptr += row * out_stride_b
-            cos_ptr += row * rope_stride_b
-            sin_ptr += row * rope_stride_b
+        start = first_token(row, token_start_ptr, PACKED)
+        q_ptr += row_offset(row, start, q_stride_b, q_stride_t, PACKED)
+        k_ptr += row_offset(row, start, k_stride_b, k_stride_t, PACKED)
+        v_ptr += row_offset(row, start, v_stride_b, v_stride_t, PACKED)
+        out_ptr += row_offset(row, start, out_stride_b, out_stride_t, PACKED)
+        cos_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
+        sin_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
         if WRITE:
             kept_lo = written - tl.minimum(written, capacity)  # first token ring_write keeps
             for first in range(0, num_tokens, BLOCK_Q):

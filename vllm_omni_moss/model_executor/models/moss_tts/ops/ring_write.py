@@ -178,6 +178,24 @@ if HAS_TRITON:
             return ring_ptr + slot * ring_stride_s + head * ring_stride_h + cell * ring_stride_c
 
     @triton.jit
+    def first_token(row, token_start_ptr, PACKED: tl.constexpr):
+        # The token where row `row` starts: token_start[row] of packed (1, ., N, .) tensors (PACKED), else the
+        # row itself (its offset is then taken along the row axis of the (B, ., T, .) grid: row_offset).
+        if PACKED:
+            return tl.load(token_start_ptr + row).to(tl.int64)
+        else:
+            return row
+
+    @triton.jit
+    def row_offset(row, start, stride_b, stride_t, PACKED: tl.constexpr):
+        # Elements from a tensor's start to row `row`'s first token (`start`, from first_token): along its token
+        # axis when PACKED, along its row axis otherwise.
+        if PACKED:
+            return start * stride_t
+        else:
+            return row * stride_b
+
+    @triton.jit
     def store_tokens(
         token,
         ok,
@@ -342,17 +360,11 @@ if HAS_TRITON:
             i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
             # The row's first token: row b of the (B, H, T, Dh) grid, or (PACKED) token token_start[b] of the
             # packed (1, H, N, Dh) keys and values (tables likewise); store_tokens then sees a row stride of 0.
-            if PACKED:
-                start = tl.load(token_start_ptr + row).to(tl.int64)
-                k_ptr += start * k_stride_t
-                v_ptr += start * v_stride_t
-                cos_ptr += start * rope_stride_t
-                sin_ptr += start * rope_stride_t
-            else:
-                k_ptr += row * k_stride_b
-                v_ptr += row * v_stride_b
-                cos_ptr += row * rope_stride_b
-                sin_ptr += row * rope_stride_b
+            start = first_token(row, token_start_ptr, PACKED)
+            k_ptr += row_offset(row, start, k_stride_b, k_stride_t, PACKED)
+            v_ptr += row_offset(row, start, v_stride_b, v_stride_t, PACKED)
+            cos_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
+            sin_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
             store_tokens(
                 written - kept + i, i < kept, row, head, slot, offset,
                 k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
