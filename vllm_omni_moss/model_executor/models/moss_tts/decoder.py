@@ -364,20 +364,26 @@ def _run_layers_fused_linear(
     level: int,
 ) -> torch.Tensor:
     """:func:`_run_layers` for a small step: each layer is four :func:`~.ops.fused_linear.fused_linear`
-    projections and the attention. LayerNorm 1 is folded into the QKV projection, the first residual add
+    projections and the attention. LayerNorm 1 is folded into the QKV projection (and RoPE, when the
+    attention offers ``token_rope``: ``attention.AttentionBackend``), the first residual add
     into the out-projection, LayerNorm 2 and the GELU into ``linear1``, the second residual add into
     ``linear2`` (the same roundings as the separate passes; the products accumulate in the kernel's order).
     ``x`` is ``(B, T, d)`` or packed ``(1, N, d)`` as in :func:`_run_layers`."""
     B, T, to_grid = _attention_grid(x, attention, packing, level)
     d = x.shape[-1]
     heads = group.spec.num_heads
+    # RoPE in the QKV projection where the attention hands out its tables in the projections' row order.
+    token_rope = None if to_grid else getattr(attention, "token_rope", None)
+    rope = (*token_rope(group), d // heads) if token_rope is not None else None
+    rotated = {"rotated": True} if rope is not None else {}
     for i, layer in enumerate(weights.layers):
         norm = layer.norm1
-        qkv = fused_linear(x, layer.in_proj.weight, norm=(norm.weight, norm.bias, norm.eps))
+        qkv = fused_linear(x, layer.in_proj.weight, norm=(norm.weight, norm.bias, norm.eps), rope=rope)
         if to_grid:
             qkv = packing.to_rows(level, qkv)
         qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
+        attn = attention(group, group.first_layer + i, qkv, **rotated)
+        attn = attn.to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
         del qkv
         if to_grid:
             attn = packing.to_tokens(level, attn)

@@ -102,10 +102,19 @@ def test_reference_is_the_unfused_decoder(mode):
         (dict(residual=torch.zeros(3, 40), gelu=True), ValueError, "`gelu` and `residual` cannot both be set"),
         (dict(layer_scale=torch.zeros(40)), ValueError, "`layer_scale` needs `residual`"),
         (dict(residual=torch.zeros(3, 40), layer_scale=torch.zeros(39)), ValueError, r"`layer_scale` must have shape"),
+        (
+            dict(rope=(torch.zeros(3, 4), torch.zeros(3, 4))),
+            TypeError,
+            r"`rope` must be a \(cos, sin, head_dim\) triple",
+        ),
+        (dict(rope=(torch.zeros(3, 4), torch.zeros(3, 4), 7)), ValueError, "`rope` head_dim must be even"),
+        (dict(rope=(torch.zeros(3, 4), torch.zeros(3, 4), 8), gelu=True), ValueError, "`rope` cannot be set with"),
+        (dict(rope=(torch.zeros(3, 5), torch.zeros(3, 4), 8)), ValueError, r"`rope cos` must be a float32 \(3, 4\)"),
+        (dict(rope=(torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float64), 8)), ValueError, "`rope sin` must be"),
     ],
 )
 def test_rejects_bad_inputs(change, error, message):
-    args = dict(a=torch.zeros(3, 48), weight=torch.zeros(40, 48))
+    args = dict(a=torch.zeros(3, 48), weight=torch.zeros(24 if "rope" in change else 40, 48))
     args.update(change)
     with pytest.raises(error, match=f"fused_linear: {message}"):
         ops.fused_linear(**args)
@@ -175,6 +184,79 @@ def test_interpreted_decoder_layers_match_the_unfused_layers(tmp_path):
     assert torch.equal(above, unfused), "a group of more rows than fused_rows keeps the unfused path"
     assert not torch.equal(fused, unfused)
     assert (fused - unfused).abs().max().item() <= 1e-5 * unfused.abs().max().item()
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("rows,heads,head_dim", [((1,), 2, 16), ((3, 5), 3, 8), ((70,), 1, 32)])
+def test_interpreted_rope_is_the_rope_pass_on_the_kernels_product(rows, heads, head_dim):
+    """RoPE in the epilogue rotates exactly what ``ops/rope.py`` rotates: bitwise the rope reference on the
+    kernel's own product (queries and keys turned, values untouched), and close to the unfused reference."""
+    from vllm_omni_moss.model_executor.models.moss_tts.ops.rope import rope_reference
+    from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import rope_tables
+
+    d = heads * head_dim
+    a, weight, kwargs = _case(rows, d, 3 * d, torch.float32, seed=d, mode="qkv")
+    count = a.numel() // d
+    cos, sin = rope_tables(torch.arange(count) * 7, 1, head_dim, 10000.0)
+    rope = (cos.view(count, -1), sin.view(count, -1), head_dim)
+    got = ops.fused_linear(a, weight, rope=rope, **kwargs)
+    plain = ops.fused_linear(a, weight, **kwargs).reshape(count, 1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    turned = rope_reference(plain[:2], cos, sin)  # (2, count, heads, 1, head_dim)
+    flat = got.reshape(count, 3, heads, head_dim)
+    assert torch.equal(flat[:, :2], turned.squeeze(3).permute(1, 0, 2, 3))
+    assert torch.equal(flat[:, 2], plain[2].squeeze(2))
+    expected = ops.fused_linear_reference(a, weight, rope=rope, **kwargs)
+    assert (got - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+
+
+@cpu
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["compact", "paged"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_interpreted_pool_steps_on_the_op_match_the_unfused_steps(kind, packed, ring_decoder, monkeypatch):
+    """Steps of the triton backend with every group on the op (RoPE in the QKV projection, queries and keys
+    handed over rotated) against the same steps through ``F.linear`` and the separate passes: audio and rings
+    within float32 rounding, on the grid and on packed tokens."""
+    from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+    from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors
+
+    pools = [make_state_pool(ring_decoder, kind, attention_backend="triton") for _ in range(2)]
+    for pool in pools:
+        pool.initialize(3, 3)
+        for _ in range(3):
+            pool.acquire()
+        if kind == "paged":
+            pool.reserve(dict.fromkeys(range(3), 64), strict=True)
+            pool.commit_page_tables()
+    real_layers, real_op = decoder_mod._run_layers, ops.fused_linear
+    rotations = []
+
+    def on_the_op(*args, **kwargs):
+        return real_layers(*args[:7], fused_rows=1 << 20)
+
+    def spy(*args, **kwargs):
+        rotations.append(kwargs.get("rope") is not None)
+        return real_op(*args, **kwargs)
+
+    slots = torch.arange(3)
+    for step, frames in enumerate([[1, 3, 2], [3, 3, 1], [2, 0, 3]]):
+        valid_frames, valid = torch.tensor(frames), torch.tensor([True, True, step != 1])
+        codes = random_codes(ring_decoder, 3, 3, seed=step)
+        total = int(valid_frames[valid].sum()) if packed else None
+        want, _ = decode_tensors(pools[0], codes, valid_frames, slots, valid, total_frames=total)
+        with monkeypatch.context() as mp:
+            mp.setattr(decoder_mod, "_run_layers", on_the_op)
+            mp.setattr(decoder_mod, "fused_linear", spy)
+            got, _ = decode_tensors(pools[1], codes, valid_frames, slots, valid, total_frames=total)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), step
+    layers = sum(len(g.layers) for g in ring_decoder.groups)
+    assert rotations.count(True) == 3 * layers, "each layer's QKV projection rotates"
+    for slot in range(3):
+        a, b = pools[0].slot_state(slot), pools[1].slot_state(slot)
+        assert torch.equal(a["layer_offsets"], b["layer_offsets"])
+        for x, y in zip(a["rings"], b["rings"]):
+            assert (x - y).abs().max().item() <= 1e-5 * max(x.abs().max().item(), 1.0)
 
 
 @cpu

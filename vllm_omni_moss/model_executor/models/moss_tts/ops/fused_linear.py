@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..step_metadata import apply_rope
 from .dispatch import HAS_TRITON, device_guard, runs_triton_kernel, tl, triton
 from .gelu import erf_constexprs
 from .residual_norm import add_scaled, layer_norm_float32
@@ -56,11 +57,21 @@ FUSED_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FUSED_LINEAR_MAX_ROWS = 64
 
 
-def fused_linear_reference(a, weight, norm=None, gelu=False, residual=None, layer_scale=None) -> torch.Tensor:
+def fused_linear_reference(
+    a, weight, norm=None, gelu=False, residual=None, layer_scale=None, rope=None
+) -> torch.Tensor:
     """PyTorch oracle for :func:`fused_linear` (same arguments): the unfused decoder's ops in turn."""
     if norm is not None:
         a = layer_norm_float32(a, norm[0], norm[1], norm[2])
     y = F.linear(a, weight)
+    if rope is not None:
+        cos, sin, head_dim = rope
+        rows, rotated = cos.shape[0], 2 * weight.shape[0] // 3
+        flat = y.reshape(rows, -1)
+        # Each token row as its own (B = rows, T = 1) row of step_metadata.apply_rope.
+        qk = flat[:, :rotated].reshape(rows, rotated // head_dim, 1, head_dim)
+        turned = apply_rope(qk, cos.view(rows, 1, 1, -1), sin.view(rows, 1, 1, -1))
+        y = torch.cat((turned.reshape(rows, rotated), flat[:, rotated:]), dim=1).view(y.shape)
     if gelu:
         y = torch.ops.aten.gelu_(y)
     if residual is not None:
@@ -84,8 +95,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _fused_linear_kernel(
-        a_ptr, w_ptr, out_ptr, res_ptr, scale_ptr, norm_w_ptr, norm_b_ptr, M, N, K, eps,
+        a_ptr, w_ptr, out_ptr, res_ptr, scale_ptr, norm_w_ptr, norm_b_ptr, cos_ptr, sin_ptr, M, N, K, eps,
+        rope_cols, head_dim,
         NORM: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+        ROPE: tl.constexpr,
         C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
         C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -132,6 +145,19 @@ if HAS_TRITON:
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
         y = acc.to(dtype)
+        if ROPE:
+            # GPT-J pairs (columns 2i, 2i+1 of a head) of the first rope_cols columns, rotated as ops/rope.py
+            # does: widened to float32, each product and sum rounded on its own, each result once to dtype.
+            re, im = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+            pair_cols = tl.program_id(0) * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
+            half = head_dim // 2
+            table = rows.to(tl.int64)[:, None] * half + ((pair_cols % head_dim) // 2)[None, :]
+            table_ok = row_ok[:, None] & (pair_cols < rope_cols)[None, :]
+            cos = tl.load(cos_ptr + table, mask=table_ok, other=1.0)
+            sin = tl.load(sin_ptr + table, mask=table_ok, other=0.0)
+            re, im = re.to(tl.float32), im.to(tl.float32)
+            turned = tl.join((re * cos - im * sin).to(dtype), (re * sin + im * cos).to(dtype))
+            y = tl.where((cols < rope_cols)[None, :], tl.reshape(turned, (BLOCK_M, BLOCK_N)), y)
         if GELU:
             y = gelu_float32(y.to(tl.float32), C1, C2, C3, C4, C5, C6, C7, C8).to(dtype)
         ok = row_ok[:, None] & col_ok[None, :]
@@ -145,7 +171,9 @@ if HAS_TRITON:
         tl.store(out_ptr + tile, y, mask=ok)
 
 
-def launch_fused_linear(a, weight, norm, gelu, residual, layer_scale, config: dict | None = None) -> torch.Tensor:
+def launch_fused_linear(
+    a, weight, norm, gelu, residual, layer_scale, rope=None, config: dict | None = None
+) -> torch.Tensor:
     """Launch the kernel with :func:`fused_linear`'s arguments, unchecked, and the launch ``config``
     (:func:`launch_config`'s keys; default: its choice); ``bench_fused_linear.py`` sweeps configs with it."""
     if not HAS_TRITON:
@@ -159,19 +187,20 @@ def launch_fused_linear(a, weight, norm, gelu, residual, layer_scale, config: di
         return out
     if K == 0:
         # The empty sum: the product is 0, as F.linear gives.
-        return fused_linear_reference(a, weight, norm, gelu, residual, layer_scale)
+        return fused_linear_reference(a, weight, norm, gelu, residual, layer_scale, rope)
     weight = weight.contiguous()
     res = residual.reshape(M, N).contiguous() if residual is not None else out
     scale = layer_scale.contiguous() if layer_scale is not None else weight
     norm_w, norm_b, eps = (
         (norm[0].contiguous(), norm[1].contiguous(), float(norm[2])) if norm else (weight, weight, 0.0)
     )
+    cos, sin, head_dim = (rope[0].contiguous(), rope[1].contiguous(), rope[2]) if rope else (weight, weight, 2)
     config = config or launch_config(M, N, K)
     grid = (triton.cdiv(N, config["BLOCK_N"]), triton.cdiv(M, config["BLOCK_M"]))
     with device_guard(a):
         _fused_linear_kernel[grid](
-            a2, weight, out, res, scale, norm_w, norm_b, M, N, K, eps,
-            NORM=norm is not None, GELU=bool(gelu), RESIDUAL=residual is not None,
+            a2, weight, out, res, scale, norm_w, norm_b, cos, sin, M, N, K, eps, 2 * N // 3, head_dim,
+            NORM=norm is not None, ROPE=rope is not None, GELU=bool(gelu), RESIDUAL=residual is not None,
             HAS_SCALE=layer_scale is not None, IEEE=a.dtype == torch.float32, **erf_constexprs(), **config, enable_fp_fusion=False,
         )  # fmt: skip
     return out
@@ -187,15 +216,21 @@ def _fused_linear_op(
     gelu: bool,
     residual: torch.Tensor | None,
     layer_scale: torch.Tensor | None,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    head_dim: int,
 ) -> torch.Tensor:
     norm = (norm_weight, norm_bias, eps) if norm_weight is not None else None
+    rope = (rope_cos, rope_sin, head_dim) if rope_cos is not None else None
     if runs_triton_kernel(a):
-        return launch_fused_linear(a, weight, norm, gelu, residual, layer_scale)
-    return fused_linear_reference(a, weight, norm, gelu, residual, layer_scale)
+        return launch_fused_linear(a, weight, norm, gelu, residual, layer_scale, rope)
+    return fused_linear_reference(a, weight, norm, gelu, residual, layer_scale, rope)
 
 
 @_fused_linear_op.register_fake
-def _fused_linear_fake(a, weight, norm_weight, norm_bias, eps, gelu, residual, layer_scale):
+def _fused_linear_fake(
+    a, weight, norm_weight, norm_bias, eps, gelu, residual, layer_scale, rope_cos, rope_sin, head_dim
+):
     return a.new_empty((*a.shape[:-1], weight.shape[0]))
 
 
@@ -217,9 +252,10 @@ def fused_linear(
     gelu: bool = False,
     residual: torch.Tensor | None = None,
     layer_scale: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """``a @ weight.T`` with LayerNorm before it and GELU or a residual add after it, in one kernel on CUDA
-    (module docstring for the roundings).
+    """``a @ weight.T`` with LayerNorm before it and RoPE, GELU or a residual add after it, in one kernel on
+    CUDA (module docstring for the roundings).
 
     Args:
         a: ``(..., K)`` token rows, dtype in :data:`FUSED_LINEAR_DTYPES`.
@@ -229,12 +265,17 @@ def fused_linear(
         gelu: apply the exact GELU to the product.
         residual: ``(..., N)`` the residual stream: return ``residual + layer_scale * product``; or ``None``.
         layer_scale: ``(N,)`` LayerScale vector (``a``'s dtype), only with ``residual``; ``None`` adds unscaled.
+        rope: ``(cos, sin, head_dim)`` for a QKV projection (``N = 3 x heads x head_dim``, columns ordered
+            ``(3, heads, head_dim)``): the queries' and keys' columns (the first ``2 N / 3``) are rotated by
+            GPT-J pairs with each token row's tables, ``cos`` and ``sin`` ``(rows, head_dim / 2)`` float32
+            (``step_metadata.rope_tables`` of the row's position), bitwise ``ops/rope.py`` on the rounded
+            product. Not with ``gelu`` or ``residual``.
     Returns:
         ``(..., N)`` contiguous, ``a``'s dtype; a new tensor (``a`` and ``residual`` are only read).
     Raises:
         TypeError: an argument is not a tensor (or ``norm`` not a triple).
-        ValueError: a shape, dtype or device differs from the above, ``gelu`` with ``residual``, or
-            ``layer_scale`` without ``residual`` (the message names the argument).
+        ValueError: a shape, dtype or device differs from the above, ``gelu`` with ``residual``, ``rope`` with
+            either, or ``layer_scale`` without ``residual`` (the message names the argument).
         RuntimeError: CUDA tensors without Triton installed.
     """
     if not isinstance(a, torch.Tensor):
@@ -262,5 +303,31 @@ def fused_linear(
         if residual is None:
             raise ValueError("fused_linear: `layer_scale` needs `residual`")
         _check("layer_scale", layer_scale, (N,), a.dtype, a.device)
+    cos, sin, head_dim = _check_rope(rope, a, N, gelu or residual is not None)
     nw, nb, eps = norm if norm is not None else (None, None, 0.0)
-    return torch.ops.vllm_omni_moss.fused_linear(a, weight, nw, nb, float(eps), bool(gelu), residual, layer_scale)
+    return torch.ops.vllm_omni_moss.fused_linear(
+        a, weight, nw, nb, float(eps), bool(gelu), residual, layer_scale, cos, sin, head_dim
+    )
+
+
+def _check_rope(rope, a: torch.Tensor, N: int, other_epilogue: bool) -> tuple:
+    # (cos, sin, head_dim) of a checked `rope` argument, or (None, None, 0).
+    if rope is None:
+        return None, None, 0
+    if not isinstance(rope, tuple) or len(rope) != 3:
+        raise TypeError("fused_linear: `rope` must be a (cos, sin, head_dim) triple or None")
+    if other_epilogue:
+        raise ValueError("fused_linear: `rope` cannot be set with `gelu` or `residual` (only a QKV projection rotates)")
+    cos, sin, head_dim = rope
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or N % (3 * head_dim):
+        raise ValueError(f"fused_linear: `rope` head_dim must be even and divide N / 3 = {N / 3}, got {head_dim}")
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else a.shape[:-1].numel()
+    for name, table in (("rope cos", cos), ("rope sin", sin)):
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"fused_linear: `{name}` must be a torch.Tensor, got {type(table).__name__}")
+        if tuple(table.shape) != (rows, head_dim // 2) or table.dtype != torch.float32 or table.device != a.device:
+            raise ValueError(
+                f"fused_linear: `{name}` must be a float32 ({rows}, {head_dim // 2}) tensor on {a.device}, got "
+                f"{table.dtype} {tuple(table.shape)} on {table.device}"
+            )
+    return cos, sin, head_dim
