@@ -290,11 +290,7 @@ def fused_linear(
         raise ValueError(f"fused_linear: `weight` must be a 2-D (N, K) tensor, got {getattr(weight, 'shape', weight)}")
     N = weight.shape[0]
     _check("weight", weight, (N, K), a.dtype, a.device)
-    if norm is not None:
-        if not isinstance(norm, tuple) or len(norm) != 3:
-            raise TypeError("fused_linear: `norm` must be a (weight, bias, eps) triple or None")
-        _check("norm weight", norm[0], (K,), a.dtype, a.device)
-        _check("norm bias", norm[1], (K,), a.dtype, a.device)
+    _check_norm(norm, a)
     if gelu and residual is not None:
         raise ValueError("fused_linear: `gelu` and `residual` cannot both be set (a layer has no such projection)")
     if residual is not None:
@@ -308,6 +304,14 @@ def fused_linear(
     return torch.ops.vllm_omni_moss.fused_linear(
         a, weight, nw, nb, float(eps), bool(gelu), residual, layer_scale, cos, sin, head_dim
     )
+
+
+def _check_norm(norm, a: torch.Tensor) -> None:
+    if norm is not None:
+        if not isinstance(norm, tuple) or len(norm) != 3:
+            raise TypeError("fused_linear: `norm` must be a (weight, bias, eps) triple or None")
+        _check("norm weight", norm[0], (a.shape[-1],), a.dtype, a.device)
+        _check("norm bias", norm[1], (a.shape[-1],), a.dtype, a.device)
 
 
 def _check_rope(rope, a: torch.Tensor, N: int, other_epilogue: bool) -> tuple:
