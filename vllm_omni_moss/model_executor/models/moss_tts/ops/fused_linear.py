@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A projection of a few token rows with the layer's glue folded into it: LayerNorm before, GELU or the
+"""A projection of a few token rows with the layer's glue folded into it: LayerNorm before; RoPE, GELU or the
 residual add after.
 
 A decoder layer (docs/codec_architecture.md, "One layer") runs four projections and, between them, three
@@ -7,7 +7,8 @@ passes that are not GEMMs: the two residual adds with the LayerNorm after each (
 the FFN's GELU (``gelu.py``). On a small step (one stream's first frame: 1 to 32 token rows per resolution
 group) every kernel is a few microseconds of launch and one read of its weights; there the passes cost as
 much as the GEMMs. :func:`fused_linear` does a projection and its neighbouring glue in one Triton kernel,
-so a layer is four projections and its attention:
+so a layer is four projections and its attention (the RoPE pass of ``rope.py`` goes into the QKV projection
+too):
 
 * ``norm=(weight, bias, eps)``: each row of ``a`` is layer-normed first, in float32 (the two-pass mean and
   variance of ``residual_norm.py``'s kernel, over the row in ``BLOCK_K`` slices), and rounded to ``a``'s
@@ -16,6 +17,8 @@ so a layer is four projections and its attention:
   (:func:`~.gelu.gelu_float32`) and is rounded again: the roundings of ``linear1`` then ``gelu_``.
 * ``residual=x``: the result is ``x + layer_scale * product`` with the product rounded first, the scaled
   product kept in float32 and the sum rounded once: the roundings of ``residual_norm.py``'s kernel.
+* ``rope=(cos, sin, head_dim)``: the queries' and keys' columns of a QKV projection, rounded, are rotated by
+  GPT-J pairs as ``rope.py`` rotates them (bitwise, on the same rounded product).
 
 Each program computes a ``(BLOCK_M, BLOCK_N)`` tile of the output over the whole of ``K`` (no split of
 ``K``, so the result does not depend on the launch and a replay is bitwise repeatable), reading its
