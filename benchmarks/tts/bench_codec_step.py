@@ -380,7 +380,8 @@ def kernel_category(name: str) -> str:
 def _profile_step(arm: Arm, inputs: dict[str, Any], device: torch.device, steps: int = 2) -> dict[str, Any]:
     """Kernel time of one eager step of ``arm`` by :func:`kernel_category` (mean of ``steps`` steps).
 
-    Returns ``{"kernel_ms": total, "kernels": launches per step, "categories": {name: ms}, "top": [...]}``
+    Returns ``{"kernel_ms": total, "kernels": launches per step, "categories": {name: ms}, "top": [...],
+    "most_launched": [...]}`` (``top``: the 12 kernels of most time; ``most_launched``: the 16 of most launches)
     from ``torch.profiler`` (CUDA activity only).
     """
     from torch.autograd import DeviceType
@@ -410,6 +411,10 @@ def _profile_step(arm: Arm, inputs: dict[str, Any], device: torch.device, steps:
         "kernels": sum(count for _, count, _ in kernels),
         "categories": {name: round(ms, 3) for name, ms in sorted(categories.items(), key=lambda kv: -kv[1])},
         "top": [{"ms": round(ms, 3), "count": count, "name": name[:120]} for ms, count, name in kernels[:12]],
+        "most_launched": [
+            {"count": count, "ms": round(ms, 3), "name": name[:120]}
+            for ms, count, name in sorted(kernels, key=lambda k: -k[1])[:16]
+        ],
     }
 
 
