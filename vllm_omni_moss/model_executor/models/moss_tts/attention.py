@@ -48,6 +48,7 @@ from .ops.commit import commit_offsets, commit_ring
 from .ops.ring_attention_packed import ring_attention_write_packed
 from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
+from .ops.rope import step_rope_tables
 from .pool_kinds import pool_kind_record
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 from .token_packing import TokenPacking
@@ -271,7 +272,7 @@ class CompactTritonRingAttention:
         self._levels: dict[int, int] = {}
         for level, (spec, first_layer) in enumerate(zip(config.groups, config.group_first_layers)):
             offsets = frames_decoded * spec.tokens_per_frame
-            cos, sin = rope_tables(offsets, num_frames * spec.tokens_per_frame, spec.head_dim, spec.max_period)
+            cos, sin = step_rope_tables(offsets, num_frames * spec.tokens_per_frame, spec.head_dim, spec.max_period)
             self.tables[first_layer] = (offsets, cos, sin)
             self._levels[first_layer] = level
         #: The step's token packing once :meth:`pack` was called: queries, keys and values then come packed.

@@ -22,12 +22,14 @@ Triton interpreter is active at import, then the kernel runs interpreted (bfloat
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..step_metadata import apply_rope
+from ..step_metadata import apply_rope, rope_tables
 from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
 
-__all__ = ["ROPE_DTYPES", "rope", "rope_reference"]
+__all__ = ["ROPE_DTYPES", "rope", "rope_reference", "step_rope_tables"]
 
 #: Dtypes of the tensors the kernel rotates (16-bit projections under autocast, float32 otherwise).
 ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -159,3 +161,77 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             f"and {sin.stride()}"
         )
     return torch.ops.vllm_omni_moss.rope(x, cos, sin)
+
+
+if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _tables_kernel(
+        offsets_ptr, cos_ptr, sin_ptr, num_tokens, half, log_step, two_pi,
+        BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+    ):  # fmt: skip
+        # Program (row, token tile): angles (offsets[row] + t) * f_i in float64, reduced mod 2 pi (fmod: both
+        # are non-negative, so it is torch.remainder), their cos and sin rounded once to float32.
+        row = tl.program_id(0).to(tl.int64)
+        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+        i = tl.arange(0, BLOCK_I)[None, :]
+        ok = (t < num_tokens) & (i < half)
+        # libdevice's float64 functions are the CUDA math library's, which PyTorch's CUDA kernels call.
+        freq = libdevice.exp(i.to(tl.float64) * log_step)
+        position = (tl.load(offsets_ptr + row) + t).to(tl.float64)
+        angle = libdevice.fmod(freq * position, two_pi)
+        at = (row * num_tokens + t) * half + i
+        tl.store(cos_ptr + at, libdevice.cos(angle).to(tl.float32), mask=ok)
+        tl.store(sin_ptr + at, libdevice.sin(angle).to(tl.float32), mask=ok)
+
+
+@torch.library.custom_op("vllm_omni_moss::rope_tables", mutates_args=())
+def _tables_op(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_period: float) -> list[torch.Tensor]:
+    if not (offsets.is_cuda and HAS_TRITON):
+        return list(rope_tables(offsets, num_tokens, head_dim, max_period))
+    rows, half = offsets.shape[0], head_dim // 2
+    cos = torch.empty(rows, 1, num_tokens, half, dtype=torch.float32, device=offsets.device)
+    sin = torch.empty_like(cos)
+    if cos.numel():
+        grid = (rows, triton.cdiv(num_tokens, _BLOCK_T))
+        with device_guard(offsets):
+            _tables_kernel[grid](
+                offsets, cos, sin, num_tokens, half, -math.log(max_period) * 2 / head_dim, 2 * math.pi,
+                BLOCK_T=_BLOCK_T, BLOCK_I=max(16, triton.next_power_of_2(half)), num_warps=4,
+            )  # fmt: skip
+    return [cos, sin]
+
+
+@_tables_op.register_fake
+def _tables_fake(offsets, num_tokens, head_dim, max_period):
+    shape = (offsets.shape[0], 1, num_tokens, head_dim // 2)
+    return [offsets.new_empty(shape, dtype=torch.float32), offsets.new_empty(shape, dtype=torch.float32)]
+
+
+def step_rope_tables(
+    offsets: torch.Tensor, num_tokens: int, head_dim: int, max_period: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step_metadata.rope_tables`` as one kernel on CUDA (a step builds a table per resolution group; the
+    PyTorch formula is a dozen kernels each). The same float64 arithmetic: ``f_i = exp(i x (-ln(max_period)
+    x 2 / Dh))``, angle ``(offset + t) x f_i`` reduced mod 2 pi, float32 cos and sin (the CUDA tests check
+    the tables bitwise against ``rope_tables`` on the device). CPU tensors run ``rope_tables`` itself.
+
+    Args:
+        offsets: ``(B,)`` int64 start positions, contiguous.
+        num_tokens: ``T``; head_dim: ``Dh`` (even); max_period: the RoPE base.
+    Returns:
+        ``(cos, sin)``, each ``(B, 1, T, Dh / 2)`` float32, contiguous.
+    Raises:
+        ValueError: ``offsets`` not a 1-D int64 tensor, or an odd ``head_dim`` (the message names it).
+    """
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
+        raise ValueError(
+            f"step_rope_tables: `offsets` must be a (B,) int64 tensor, got {getattr(offsets, 'shape', offsets)}"
+        )
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"step_rope_tables: RoPE needs an even head dim, got Dh = {head_dim}")
+    cos, sin = torch.ops.vllm_omni_moss.rope_tables(
+        offsets.contiguous(), int(num_tokens), int(head_dim), float(max_period)
+    )
+    return cos, sin
