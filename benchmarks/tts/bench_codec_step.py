@@ -19,9 +19,6 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``v2-unfused`` - the V2 pool with the layer glue unfused (``CodecDecoder.fused_glue = False``: PyTorch's
   LayerScale, residual add and LayerNorm kernels instead of ``ops/residual_norm.py``); what the fused ops
   save. On request only.
-* ``v2-cublas`` - the V2 pool with every projection on cuBLAS and the glue as separate passes
-  (``CodecDecoder.fused_linear_rows = 0``), where ``v2`` runs the layers of groups of at most
-  ``FUSED_LINEAR_MAX_ROWS`` token rows on ``ops/fused_linear.py``; what that op saves. On request only.
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
@@ -88,20 +85,15 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool 
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors  # noqa: E402
 from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
-ARMS = (
-    "legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused",
-    "v2-cublas",
-)  # fmt: skip
+ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")
 #: Arms of the default ``--arms``.
-DEFAULT_ARMS = ARMS[:-3]
-#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics, fused layer ops, fused projections)
-#: of a V2 pool.
+DEFAULT_ARMS = ARMS[:-2]
+#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics, fused layer ops) of a V2 pool.
 TRITON_ARMS = {
-    "v2-sdpa": ("sdpa", None, True, True),
-    "v2-triton": ("triton", None, True, True),
-    "v2-exact": ("triton", "exact", True, True),
-    "v2-unfused": ("triton", None, False, True),
-    "v2-cublas": ("triton", None, True, False),
+    "v2-sdpa": ("sdpa", None, True),
+    "v2-triton": ("triton", None, True),
+    "v2-exact": ("triton", "exact", True),
+    "v2-unfused": ("triton", None, False),
 }
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
 MODES = ("eager", "graph", "compiled")
@@ -190,13 +182,11 @@ class Arm:
 
 def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
     if kind in TRITON_ARMS:
-        backend, semantics, fused, fused_linear = TRITON_ARMS[kind]
-        if not (fused and fused_linear):
-            # A shallow copy shares the weights; only its flags differ (CodecDecoder.fused_glue and
-            # CodecDecoder.fused_linear_rows).
+        backend, semantics, fused = TRITON_ARMS[kind]
+        if not fused:
+            # A shallow copy shares the weights; only its flag differs (CodecDecoder.fused_glue).
             decoder = copy.copy(decoder)
-            decoder.fused_glue = fused
-            decoder.fused_linear_rows = decoder.fused_linear_rows if fused_linear else 0
+            decoder.fused_glue = False
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
         return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
@@ -353,8 +343,7 @@ def _peak_transient_bytes(arm: Arm, inputs: dict[str, Any], device: torch.device
 
 #: Kernel categories of ``--profile``, matched in this order against the lower-cased kernel name.
 KERNEL_CATEGORIES = (
-    ("fused projection (ours)", ("_fused_linear_kernel",)),
-    ("rope pass (ours)", ("_rope_kernel",)),
+    ("rope pass (ours)", ("_rope_kernel", "_tables_kernel")),
     ("ring attention (ours)", ("_ring_attention_kernel",)),
     ("ring write / commit (ours)", ("_ring_write_kernel", "_commit_ring_kernel", "_commit_offsets_kernel")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),

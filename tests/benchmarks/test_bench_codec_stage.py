@@ -926,12 +926,3 @@ def test_time_replays_times_every_graph_replay_of_the_session(monkeypatch):
     assert syncs == [session.device] * 4  # before and after each replay
     assert arm.take_replay_seconds() >= 0.004 and arm.take_replay_seconds() == 0.0
     arm.close()
-
-
-def test_stage_cublas_arm_is_v2_with_the_fused_projections_off(tmp_path):
-    """v2-cublas runs v2's session on a shallow copy of the decoder with ``fused_linear_rows = 0``; on a CPU
-    (references either way) it decodes every frame v2 decodes."""
-    flags = "--arms v2,v2-cublas --concurrency 2 --requests-per-stream 1"
-    result = _bench().main(_cpu(flags, out=tmp_path))
-    v2, cublas = result["details"]["v2"]["2"], result["details"]["v2-cublas"]["2"]
-    assert cublas["decoded_frames"] == v2["decoded_frames"] > 0 and cublas["finished_requests"] == 2

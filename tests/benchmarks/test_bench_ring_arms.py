@@ -120,17 +120,3 @@ def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
     finally:
         arm.close()
         reference.close()
-
-
-def test_cublas_arm_shares_the_weights_and_only_switches_the_fused_projections_off():
-    from vllm_omni_moss.model_executor.models.moss_tts.ops.fused_linear import FUSED_LINEAR_MAX_ROWS
-
-    bench = _bench()
-    decoder = bench.common.random_decoder("tiny-v2", "cpu", seed=3)
-    arm = bench._our_arm(decoder, "v2-cublas", 2)
-    try:
-        cublas = arm.step.args[0].decoder
-        assert cublas is not decoder and cublas.groups is decoder.groups and cublas.fused_glue is True
-        assert cublas.fused_linear_rows == 0 and decoder.fused_linear_rows == FUSED_LINEAR_MAX_ROWS
-    finally:
-        arm.close()

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The arms of the stage benchmark behind one driver interface: ``decode(chunks) -> {request id: audio}``.
 
-* :class:`OurArm` - this package's :class:`CodecStreamSession` (``v2``, ``legacy``, ``v2-paged``,
-  ``v2-ragged``: ``v2`` with ragged steps, and ``v2-cublas``: ``v2`` with every projection on cuBLAS,
-  ``CodecDecoder.fused_linear_rows = 0``), CUDA-graph batch buckets from the package's ladder
+* :class:`OurArm` - this package's :class:`CodecStreamSession` (``v2``, ``legacy``, ``v2-paged``, and
+  ``v2-ragged``: ``v2`` with ragged steps), CUDA-graph batch buckets from the package's ladder
   (``graph_ladder.batch_buckets`` of its slot count).
 * :class:`UpstreamArm` - vLLM-Omni 0.30.0's model under ``upstream_stage.UpstreamStage``, upstream's buckets.
 * :class:`IdealArm` - no codec: zero audio of the right shape at once, and the driver adds no time for it.
@@ -13,7 +12,6 @@ Audio is float32 ``(channels, frames * samples_per_frame)`` per request id; stat
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,11 +41,11 @@ __all__ = [
     "upstream_batch_sizes",
 ]
 
-ARMS = ("v2", "legacy", "upstream", "ideal", "v2-paged", "v2-ragged", "v2-cublas")
-#: Arms of ``--arms auto`` (v2-paged, v2-ragged and v2-cublas only on request).
+ARMS = ("v2", "legacy", "upstream", "ideal", "v2-paged", "v2-ragged")
+#: Arms of ``--arms auto`` (v2-paged and v2-ragged only on request).
 AUTO_ARMS = ("v2", "legacy", "upstream", "ideal")
 #: Arms that are this package's session.
-OUR_ARMS = ("v2", "legacy", "v2-paged", "v2-ragged", "v2-cublas")
+OUR_ARMS = ("v2", "legacy", "v2-paged", "v2-ragged")
 # Stage 1's cudagraph_capture_sizes in upstream's moss_tts_local_h200.yaml (vLLM-Omni 0.30.0).
 UPSTREAM_H200_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256)
 
@@ -209,14 +207,10 @@ class OurArm(Arm):
         self.peak_state = self.state_now = 0
         slots = concurrency if slots is None else slots
         self.ladder = batch_buckets(slots)
-        if kind == "v2-cublas":
-            # A shallow copy shares the weights; only its flag differs.
-            decoder = copy.copy(decoder)
-            decoder.fused_linear_rows = 0
         self.session = CodecStreamSession(
             decoder,
             slots,
-            pool_kind=None if kind in ("v2", "v2-ragged", "v2-cublas") else common.pool_kind(kind),
+            pool_kind=None if kind in ("v2", "v2-ragged") else common.pool_kind(kind),
             ragged_steps=kind == "v2-ragged",
             graph_batch_sizes=self.ladder if graphs else (),
             graph_frame_sizes=sorted(set(chunk_sizes)),

@@ -101,11 +101,7 @@ class GroupStep:
 class AttentionBackend(Protocol):
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         """``qkv`` ``(3, B, H, T, Dh)`` projections before RoPE -> ``(B, H, T, Dh)`` (in the ring dtype
-        for the ring backends; the decoder casts it to ``qkv``'s); ``layer`` indexes the whole decoder.
-
-        A backend may also offer ``token_rope(group) -> (cos, sin)``, each ``(rows, Dh / 2)`` float32 in the
-        order of the projections' token rows, and take ``rotated=True``: the decoder then rotates queries and
-        keys in the QKV projection (``ops/fused_linear.py``) and passes them rotated."""
+        for the ring backends; the decoder casts it to ``qkv``'s); ``layer`` indexes the whole decoder."""
         ...
 
 
@@ -292,22 +288,15 @@ class CompactTritonRingAttention:
             cos_p, sin_p = (t.reshape(-1, half).index_select(0, read).view(1, 1, -1, half) for t in (cos, sin))
             self._packed[first_layer] = (packing.row_starts * packing.tokens_per_frame[level], cos_p, sin_p)
 
-    def token_rope(self, group: GroupStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of ``group``'s token rows in this step, each ``(rows, Dh / 2)`` float32: the grid's
-        ``B x T`` rows, or the packed tokens once :meth:`pack` was called (``AttentionBackend``)."""
-        _, cos, sin = self._packed.get(group.first_layer) or self.tables[group.first_layer]
-        half = cos.shape[-1]
-        return cos.reshape(-1, half), sin.reshape(-1, half)
-
-    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         offsets, cos, sin = self.tables[group.first_layer]
         packed = self._packed.get(group.first_layer)
         if packed is not None:
             token_start, cos, sin = packed
         ring, written = self.rings[layer], group.valid_tokens
         # Rotation rounds to the projection dtype first, then keys and values go to the ring dtype (a
-        # no-op when they match): as the reference path. ``rotated``: the projection rotated them already.
-        qk = qkv[:2] if rotated else rope_op(qkv[:2], cos, sin)
+        # no-op when they match): as the reference path.
+        qk = rope_op(qkv[:2], cos, sin)
         q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
         table = self.page_tables.get(group.first_layer)
         if packed is not None:

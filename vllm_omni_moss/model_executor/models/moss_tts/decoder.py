@@ -32,7 +32,6 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .ops.fused_linear import FUSED_LINEAR_DTYPES, FUSED_LINEAR_MAX_ROWS, fused_linear
 from .ops.gelu import GELU_DTYPES, gelu_
 from .ops.residual_norm import (
     add_scaled,
@@ -124,11 +123,6 @@ class CodecDecoder(nn.Module):
     #: references (the unfused PyTorch ops), as CPU always does. Read when a step
     #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
     fused_glue: bool = True
-    #: Token rows of a resolution group up to which a fused CUDA step runs that group's layers as four
-    #: :func:`~.ops.fused_linear.fused_linear` projections with the glue folded in (``0``: never). Read
-    #: when a step runs or is captured; ``bench_codec_step.py``'s ``v2-cublas`` arm sets it to 0 on a
-    #: shallow copy.
-    fused_linear_rows: int = FUSED_LINEAR_MAX_ROWS
 
     def __init__(self, config: CodecConfig):
         super().__init__()
@@ -270,19 +264,6 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> 
     return out.view(B, T, -1)
 
 
-def _attention_grid(
-    x: torch.Tensor, attention: AttentionBackend, packing: TokenPacking | None, level: int
-) -> tuple[int, int, bool]:
-    """``(B, T, to_grid)`` of the attention's queries for ``x`` (``(B, T, d)``, or packed ``(1, N, d)``): packed
-    tokens go to an attention that reads them packed (its ``packing`` is this step's) as one row of all of
-    them; otherwise into the ``(B, T)`` grid and back (``to_grid``)."""
-    B, T, _ = x.shape
-    to_grid = packing is not None and getattr(attention, "packing", None) is not packing
-    if to_grid:
-        B, T = packing.rows, packing.frames * packing.tokens_per_frame[level]
-    return B, T, to_grid
-
-
 def _run_layers(
     weights: DecoderGroup,
     inputs: list[torch.Tensor],
@@ -291,7 +272,6 @@ def _run_layers(
     fused: bool,
     packing: TokenPacking | None = None,
     level: int = 0,
-    fused_rows: int = 0,
 ) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
@@ -303,14 +283,15 @@ def _run_layers(
     ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
     layer ops (CUDA); otherwise their references. With ``packing`` (:mod:`.token_packing`) ``x`` is the
     ``(1, N, d)`` packed real tokens of level ``level``: an attention whose ``packing`` is it reads them so,
-    any other reads them in the ``(B, T)`` grid. A group of at most ``fused_rows`` token rows runs
-    :func:`_run_layers_fused_linear` instead.
+    any other reads them in the ``(B, T)`` grid.
     """
     x = inputs.pop()
-    if _takes_fused_linear(weights, x, fused_rows):
-        return _run_layers_fused_linear(weights, x, group, attention, packing, level)
-    B, T, to_grid = _attention_grid(x, attention, packing, level)
-    d = x.shape[-1]
+    B, T, d = x.shape
+    # Packed tokens go to an attention that reads them packed (its ``packing`` is this step's) as one row of
+    # all of them; otherwise into the (B, T) grid and back.
+    to_grid = packing is not None and getattr(attention, "packing", None) is not packing
+    if to_grid:
+        B, T = packing.rows, packing.frames * packing.tokens_per_frame[level]
     heads = group.spec.num_heads
     layers = weights.layers
     if not layers:
@@ -345,57 +326,6 @@ def _run_layers(
     return x
 
 
-def _takes_fused_linear(weights: DecoderGroup, x: torch.Tensor, fused_rows: int) -> bool:
-    """Whether a group's layers on ``x`` run :func:`_run_layers_fused_linear`: a step with at most
-    ``fused_rows`` token rows, the weights in ``x``'s dtype, a dtype the kernel takes, and a row count
-    known when the step is traced (not a symbolic size under ``torch.compile``)."""
-    rows = x.shape[0] * x.shape[1]
-    if not fused_rows or not weights.layers or not isinstance(rows, int) or rows > fused_rows:
-        return False
-    return x.dtype in FUSED_LINEAR_DTYPES and weights.layers[0].in_proj.weight.dtype == x.dtype
-
-
-def _run_layers_fused_linear(
-    weights: DecoderGroup,
-    x: torch.Tensor,
-    group: GroupStep,
-    attention: AttentionBackend,
-    packing: TokenPacking | None,
-    level: int,
-) -> torch.Tensor:
-    """:func:`_run_layers` for a small step: each layer is four :func:`~.ops.fused_linear.fused_linear`
-    projections and the attention. LayerNorm 1 is folded into the QKV projection (and RoPE, when the
-    attention offers ``token_rope``: ``attention.AttentionBackend``), the first residual add
-    into the out-projection, LayerNorm 2 and the GELU into ``linear1``, the second residual add into
-    ``linear2`` (the same roundings as the separate passes; the products accumulate in the kernel's order).
-    ``x`` is ``(B, T, d)`` or packed ``(1, N, d)`` as in :func:`_run_layers`."""
-    B, T, to_grid = _attention_grid(x, attention, packing, level)
-    d = x.shape[-1]
-    heads = group.spec.num_heads
-    # RoPE in the QKV projection where the attention hands out its tables in the projections' row order.
-    token_rope = None if to_grid else getattr(attention, "token_rope", None)
-    rope = (*token_rope(group), d // heads) if token_rope is not None else None
-    rotated = {"rotated": True} if rope is not None else {}
-    for i, layer in enumerate(weights.layers):
-        norm = layer.norm1
-        qkv = fused_linear(x, layer.in_proj.weight, norm=(norm.weight, norm.bias, norm.eps), rope=rope)
-        if to_grid:
-            qkv = packing.to_rows(level, qkv)
-        qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        attn = attention(group, group.first_layer + i, qkv, **rotated)
-        attn = attn.to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
-        del qkv
-        if to_grid:
-            attn = packing.to_tokens(level, attn)
-        x = fused_linear(attn, layer.out_proj.weight, residual=x, layer_scale=layer.layer_scale_1)
-        del attn
-        norm = layer.norm2
-        hidden = fused_linear(x, layer.linear1.weight, norm=(norm.weight, norm.bias, norm.eps), gelu=True)
-        x = fused_linear(hidden, layer.linear2.weight, residual=x, layer_scale=layer.layer_scale_2)
-        del hidden
-    return x
-
-
 def _upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
     """``(B, L, C*h)`` -> ``(B, L*h, C)``: output channel c at time ``l*h + k`` reads input channel ``c*h + k``."""
     if factor == 1:
@@ -425,13 +355,12 @@ def run_decoder(
     x = embed_codes(decoder, codes)
     # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
     fused = decoder.fused_glue and x.is_cuda
-    fused_rows = decoder.fused_linear_rows if fused else 0
     for level, (group, weights) in enumerate(zip(plan.groups, decoder.groups)):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
         inputs = [x]
         del x  # _run_layers takes the only reference (see its docstring)
-        x = _run_layers(weights, inputs, group, plan.attention, fused, packing, level, fused_rows)
+        x = _run_layers(weights, inputs, group, plan.attention, fused, packing, level)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)

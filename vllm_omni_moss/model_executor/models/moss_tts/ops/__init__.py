@@ -25,10 +25,6 @@ against. No module imports another's private name.
   of a decoder layer in one pass (CUDA; CPU decodes with its reference).
 * :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32
   ``erf`` (CUDA; CPU decodes with ``aten.gelu_``).
-* :mod:`.fused_linear` - ``fused_linear``: a projection of a few token rows with the glue around it folded in
-  (LayerNorm before; RoPE, the GELU or the residual add after), so a small step's layer is four kernels and
-  its attention (CUDA, groups of at most ``FUSED_LINEAR_MAX_ROWS`` token rows; CPU decodes with the
-  references).
 
 :mod:`.dispatch` holds what every family shares: the optional Triton import, the dispatch between
 kernel and reference, the device guard of a launch and the shape check.

@@ -12,7 +12,7 @@ more instructions than the bytes allow.
 :func:`gelu_` computes the same formula in float32 (``x * 0.5 * (1 + erf(x * M_SQRT1_2))``, then one
 rounding to the tensor's dtype, as ``aten/src/ATen/native/cuda/ActivationGeluKernel.cu`` does) with its own
 ``erf``: ``erf(z) = sign(z) * (1 - 2 ** p(min(|z| / 4, 1)))``, where ``p`` is a degree-8 polynomial with
-``p(0) = 0`` fitted here (``ERFC_LOG2``, weighted least squares of ``log2(erfc(t))`` on ``[0, 4]``, the
+``p(0) = 0`` fitted here (``_ERFC_LOG2``, weighted least squares of ``log2(erfc(t))`` on ``[0, 4]``, the
 weight ``erfc(t)`` making it a fit of ``erf`` itself) and evaluated by fused multiply-adds; beyond
 ``|z| = 4``, ``erfc < 1.6e-8`` and ``erf`` rounds to ``+-1`` in float32, as the exact value does. Its error
 is at most about ``1.1e-7`` with an exact ``exp2`` (float32 evaluation emulated in float64), the size of
@@ -37,16 +37,15 @@ import torch
 
 from .dispatch import HAS_TRITON, device_guard, runs_triton_kernel, tl, triton
 
-__all__ = ["ERFC_LOG2", "GELU_DTYPES", "erf_constexprs", "gelu_", "gelu_float32", "gelu_reference_"]
+__all__ = ["GELU_DTYPES", "gelu_", "gelu_reference_"]
 
 #: Dtypes the kernel takes (16-bit activations under autocast, float32 otherwise).
 GELU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Elements per program: 16 per thread at 8 warps, i.e. two 16-byte accesses per thread in bf16.
 _BLOCK = 4096
 #: Coefficients c1..c8 of p(s) = sum c_k s**k, s = min(|z| / 4, 1), with 2 ** p(s) ~ erfc(4 s) (module
-#: docstring); float32 values of the least-squares fit, c0 = 0. A kernel that calls :func:`gelu_float32`
-#: passes them as its constexprs ``C1``..``C8``.
-ERFC_LOG2 = (
+#: docstring); float32 values of the least-squares fit, c0 = 0.
+_ERFC_LOG2 = (
     -6.511638641357422,
     -14.694437980651855,
     -9.50684642791748,
@@ -66,12 +65,15 @@ def gelu_reference_(x: torch.Tensor) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def gelu_float32(
-        xf, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
+    def _gelu_kernel(
+        x_ptr, numel, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """The exact GELU of float32 ``xf`` with this module's ``erf`` (coefficients :data:`ERFC_LOG2`),
-        in float32; a kernel calling it is launched with ``enable_fp_fusion=False``."""
+        # Program: elements [pid * BLOCK, pid * BLOCK + BLOCK) of the flat, contiguous tensor.
+        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = index < numel
+        x = tl.load(x_ptr + index, mask=ok, other=0.0)
+        xf = x.to(tl.float32)
         z = xf * 0.7071067811865476
         s = tl.minimum(tl.abs(z) * 0.25, 1.0)
         p = tl.fma(C8, s, C7)
@@ -83,24 +85,8 @@ if HAS_TRITON:
         p = tl.fma(p, s, C1)
         erf_abs = 1.0 - tl.exp2(p * s)  # p(0) = 0: erf(0) = 0 exactly
         erf = tl.where(z < 0.0, -erf_abs, erf_abs)
-        return (xf * 0.5) * (1.0 + erf)
-
-    @triton.jit
-    def _gelu_kernel(
-        x_ptr, numel, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Program: elements [pid * BLOCK, pid * BLOCK + BLOCK) of the flat, contiguous tensor.
-        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = index < numel
-        x = tl.load(x_ptr + index, mask=ok, other=0.0)
-        y = gelu_float32(x.to(tl.float32), C1, C2, C3, C4, C5, C6, C7, C8)
+        y = (xf * 0.5) * (1.0 + erf)
         tl.store(x_ptr + index, y.to(x.dtype), mask=ok)
-
-
-def erf_constexprs() -> dict[str, float]:
-    """:data:`ERFC_LOG2` as the keyword constexprs ``C1``..``C8`` of a kernel that calls :func:`gelu_float32`."""
-    return {f"C{k}": c for k, c in enumerate(ERFC_LOG2, start=1)}
 
 
 def _launch_triton(x: torch.Tensor) -> None:
@@ -110,7 +96,7 @@ def _launch_triton(x: torch.Tensor) -> None:
     if numel == 0:
         return
     with device_guard(x):
-        coefficients = erf_constexprs()
+        coefficients = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"), _ERFC_LOG2))
         _gelu_kernel[(triton.cdiv(numel, _BLOCK),)](
             x, numel, **coefficients, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False
         )

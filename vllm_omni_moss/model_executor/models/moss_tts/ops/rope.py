@@ -168,8 +168,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _tables_kernel(
-        offsets_ptr, cos_ptr, sin_ptr, num_tokens, half, log_step, two_pi,
-        BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+        offsets_ptr, cos_ptr, sin_ptr, num_tokens, half,
+        LOG_STEP: tl.constexpr, TWO_PI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
     ):  # fmt: skip
         # Program (row, token tile): angles (offsets[row] + t) * f_i in float64, reduced mod 2 pi (fmod: both
         # are non-negative, so it is torch.remainder), their cos and sin rounded once to float32.
@@ -178,9 +178,11 @@ if HAS_TRITON:
         i = tl.arange(0, BLOCK_I)[None, :]
         ok = (t < num_tokens) & (i < half)
         # libdevice's float64 functions are the CUDA math library's, which PyTorch's CUDA kernels call.
-        freq = libdevice.exp(i.to(tl.float64) * log_step)
+        # The two constants as float64 (a float argument would arrive as float32): the Python doubles the
+        # reference computes with.
+        freq = libdevice.exp(i.to(tl.float64) * tl.full((1, BLOCK_I), LOG_STEP, tl.float64))
         position = (tl.load(offsets_ptr + row) + t).to(tl.float64)
-        angle = libdevice.fmod(freq * position, two_pi)
+        angle = libdevice.fmod(freq * position, tl.full((BLOCK_T, BLOCK_I), TWO_PI, tl.float64))
         at = (row * num_tokens + t) * half + i
         tl.store(cos_ptr + at, libdevice.cos(angle).to(tl.float32), mask=ok)
         tl.store(sin_ptr + at, libdevice.sin(angle).to(tl.float32), mask=ok)
@@ -197,8 +199,8 @@ def _tables_op(offsets: torch.Tensor, num_tokens: int, head_dim: int, max_period
         grid = (rows, triton.cdiv(num_tokens, _BLOCK_T))
         with device_guard(offsets):
             _tables_kernel[grid](
-                offsets, cos, sin, num_tokens, half, -math.log(max_period) * 2 / head_dim, 2 * math.pi,
-                BLOCK_T=_BLOCK_T, BLOCK_I=max(16, triton.next_power_of_2(half)), num_warps=4,
+                offsets, cos, sin, num_tokens, half, LOG_STEP=-math.log(max_period) * 2 / head_dim,
+                TWO_PI=2 * math.pi, BLOCK_T=_BLOCK_T, BLOCK_I=max(16, triton.next_power_of_2(half)), num_warps=4,
             )  # fmt: skip
     return [cos, sin]
 
