@@ -274,3 +274,29 @@ def test_step_tables_kernel_compiles_for_the_device(monkeypatch, head_dim, max_p
     _compile_recorded_launch(
         monkeypatch, ops, "_tables_kernel", lambda: ops._launch_tables(offsets, 9, head_dim, max_period)
     )
+
+
+@cpu
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (
+            dict(offsets=torch.arange(3, dtype=torch.int32)),
+            ValueError,
+            r"int64 tensor, got shape \(3,\) and torch.int32",
+        ),
+        (dict(offsets=[0, 1]), ValueError, r"int64 tensor, got list"),
+        (dict(num_tokens=4.5), ValueError, r"`num_tokens` must be an int >= 0, got 4.5"),
+        (dict(num_tokens=-1), ValueError, r"`num_tokens` must be an int >= 0, got -1"),
+        (dict(num_tokens=True), ValueError, r"`num_tokens` must be an int >= 0, got True"),
+        (dict(head_dim="8"), ValueError, r"`head_dim` must be an int, got str '8'"),
+        (dict(head_dim=8.0), ValueError, r"`head_dim` must be an int, got float 8.0"),
+        (dict(max_period=0.0), ValueError, r"`max_period` must be a finite number > 0, got 0.0"),
+        (dict(max_period=float("inf")), ValueError, r"`max_period` must be a finite number > 0, got inf"),
+    ],
+)
+def test_step_tables_name_a_bad_argument_and_its_limit(change, error, message):
+    args = dict(offsets=torch.arange(3), num_tokens=4, head_dim=8, max_period=10000.0)
+    args.update(change)
+    with pytest.raises(error, match=f"step_rope_tables: .*{message}"):
+        ops.step_rope_tables(**args)

@@ -230,15 +230,32 @@ def step_rope_tables(
     Returns:
         ``(cos, sin)``, each ``(B, 1, T, Dh / 2)`` float32, contiguous.
     Raises:
-        ValueError: ``offsets`` not a 1-D int64 tensor, or an odd ``head_dim`` (the message names it).
+        ValueError: ``offsets`` not a 1-D int64 tensor, ``num_tokens`` not an int ``>= 0``, ``head_dim`` not an
+            even int ``>= 2``, or ``max_period`` not a finite number ``> 0`` (the message names the argument).
     """
-    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
-        raise ValueError(
-            f"step_rope_tables: `offsets` must be a (B,) int64 tensor, got {getattr(offsets, 'shape', offsets)}"
-        )
-    if head_dim < 2 or head_dim % 2:
-        raise ValueError(f"step_rope_tables: RoPE needs an even head dim, got Dh = {head_dim}")
+    _check_table_args(offsets, num_tokens, head_dim, max_period)
     cos, sin = torch.ops.vllm_omni_moss.rope_tables(
         offsets.contiguous(), int(num_tokens), int(head_dim), float(max_period)
     )
     return cos, sin
+
+
+def _check_table_args(offsets, num_tokens, head_dim, max_period) -> None:
+    # Sizes traced symbolically (torch.SymInt) are the compiler's; only Python ints are checked here.
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int64:
+        got = f"shape {tuple(offsets.shape)} and {offsets.dtype}" if isinstance(offsets, torch.Tensor) else None
+        raise ValueError(
+            f"step_rope_tables: `offsets` must be a (B,) int64 tensor, got {got or type(offsets).__name__}"
+        )
+    if (
+        isinstance(num_tokens, bool)
+        or not isinstance(num_tokens, (int, torch.SymInt))
+        or (isinstance(num_tokens, int) and num_tokens < 0)
+    ):
+        raise ValueError(f"step_rope_tables: `num_tokens` must be an int >= 0, got {num_tokens!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, torch.SymInt)):
+        raise ValueError(f"step_rope_tables: `head_dim` must be an int, got {type(head_dim).__name__} {head_dim!r}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"step_rope_tables: RoPE needs an even head dim, got Dh = {head_dim}")
+    if isinstance(max_period, bool) or not isinstance(max_period, (int, float)) or not 0 < max_period < math.inf:
+        raise ValueError(f"step_rope_tables: `max_period` must be a finite number > 0, got {max_period!r}")
