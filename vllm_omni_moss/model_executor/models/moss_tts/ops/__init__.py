@@ -20,7 +20,8 @@ against. No module imports another's private name.
   paged ring those references read and write.
 * :mod:`.rope` - ``rope``: RoPE of a layer's queries and keys as one pass, bitwise
   ``step_metadata.apply_rope``; the triton backend runs it before the attention kernel, which then
-  reads ready keys.
+  reads ready keys. ``step_rope_tables``: a step's RoPE tables of one resolution group in one kernel,
+  bitwise ``step_metadata.rope_tables`` (CUDA; CPU runs that formula).
 * :mod:`.residual_norm` - ``residual_layer_norm``: LayerScale, residual add and the next LayerNorm
   of a decoder layer in one pass (CUDA; CPU decodes with its reference).
 * :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32

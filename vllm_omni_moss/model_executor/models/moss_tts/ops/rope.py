@@ -18,6 +18,9 @@ words apart, a plane ``H x Dh / 2``).
 
 Dispatch is ``ops/dispatch.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference unless the
 Triton interpreter is active at import, then the kernel runs interpreted (bfloat16 excepted).
+
+:func:`step_rope_tables` builds the tables themselves (``step_metadata.rope_tables``) in one kernel per resolution
+group on CUDA; on CPU, interpreter or not, it runs ``rope_tables`` (the interpreter has no libdevice ``fmod``).
 """
 
 from __future__ import annotations
