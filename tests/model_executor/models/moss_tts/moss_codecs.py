@@ -114,6 +114,36 @@ def cuda_kernel_test(fn):
     return pytest.mark.cuda(fn)
 
 
+def compile_recorded_launch(monkeypatch, module, name: str, launch) -> None:
+    """Compile for an H200 (sm_90, offline: no device needed) the launch that ``launch()`` makes of
+    ``module.<name>``, with the argument types Triton's launcher would give them (a Python float is
+    float32, an int int32 or int64, a tensor a pointer to its dtype)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton has no CUDA backend here")
+    kernel, calls = getattr(module, name), []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((args, dict(kwargs)))
+
+    monkeypatch.setattr(module, name, Recorder())
+    launch()
+    ((args, kwargs),) = calls
+    signature, constants = {}, {}
+    for i, param in enumerate(kernel.params):
+        value = args[i] if i < len(args) else kwargs.pop(param.name)
+        signature[param.name] = "constexpr" if param.is_constexpr else mangle_type(value)
+        if param.is_constexpr:
+            constants[param.name] = value
+    triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=kwargs)
+
+
 def build_decoder(raw: dict, tmp_path, *, version: str | None = None, seed: int = 17, device: str = "cpu"):
     """Write a random official-format checkpoint for ``raw`` and load it back."""
     config = parse_config(copy.deepcopy(raw), version)

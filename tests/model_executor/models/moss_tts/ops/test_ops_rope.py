@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moss_codecs import cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
+from moss_codecs import compile_recorded_launch, cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
 
 from vllm_omni_moss.model_executor.models.moss_tts.ops import rope as ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import TRITON_INTERPRET_AT_IMPORT
@@ -234,36 +234,6 @@ def test_cuda_step_tables_are_bitwise_rope_tables(rows, tokens, head_dim):
             assert g.is_contiguous() and torch.equal(g, e), (high, (g - e).abs().max().item())
 
 
-def _compile_recorded_launch(monkeypatch, module, name: str, launch) -> None:
-    """Compile for an H200 (sm_90, offline: no device needed) the launch that ``launch()`` makes of
-    ``module.<name>``, with the argument types Triton's launcher would give them (a Python float is
-    float32, an int int32 or int64, a tensor a pointer to its dtype)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
-
-    if "nvidia" not in backends:
-        pytest.skip("Triton has no CUDA backend here")
-    kernel, calls = getattr(module, name), []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((args, dict(kwargs)))
-
-    monkeypatch.setattr(module, name, Recorder())
-    launch()
-    ((args, kwargs),) = calls
-    signature, constants = {}, {}
-    for i, param in enumerate(kernel.params):
-        value = args[i] if i < len(args) else kwargs.pop(param.name)
-        signature[param.name] = "constexpr" if param.is_constexpr else mangle_type(value)
-        if param.is_constexpr:
-            constants[param.name] = value
-    triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=kwargs)
-
-
 @cpu
 @pytest.mark.skipif(TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here: the parent process compiles")
 @pytest.mark.parametrize("head_dim,max_period", [(64, 10000.0), (16, 500.0)])
@@ -271,7 +241,7 @@ def test_step_tables_kernel_compiles_for_the_device(monkeypatch, head_dim, max_p
     """The tables kernel's launch as ``step_rope_tables`` makes it on CUDA compiles for sm_90 (its float64
     arithmetic needs float64 operands; a float launch argument arrives as float32)."""
     offsets = torch.tensor([0, 5, 123456789])
-    _compile_recorded_launch(
+    compile_recorded_launch(
         monkeypatch, ops, "_tables_kernel", lambda: ops._launch_tables(offsets, 9, head_dim, max_period)
     )
 
