@@ -19,6 +19,9 @@ padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
 * ``v2-unfused`` - the V2 pool with the layer glue unfused (``CodecDecoder.fused_glue = False``: PyTorch's
   LayerScale, residual add and LayerNorm kernels instead of ``ops/residual_norm.py``); what the fused ops
   save. On request only.
+* ``v2-splitk`` - the V2 pool with the projections of steps of at most 32 token rows on
+  ``ops/splitk_linear.py``'s split-K kernel instead of cuBLAS (``CodecDecoder.splitk_projections = True``);
+  what that kernel saves. On request only.
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
@@ -85,15 +88,28 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool 
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors  # noqa: E402
 from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
-ARMS = ("legacy", "v2", "upstream", "v2-sdpa", "v2-triton", "v2-exact", "upstream-triton", "v2-paged", "v2-unfused")
+ARMS = (
+    "legacy",
+    "v2",
+    "upstream",
+    "v2-sdpa",
+    "v2-triton",
+    "v2-exact",
+    "upstream-triton",
+    "v2-paged",
+    "v2-unfused",
+    "v2-splitk",
+)
 #: Arms of the default ``--arms``.
-DEFAULT_ARMS = ARMS[:-2]
-#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics, fused layer ops) of a V2 pool.
+DEFAULT_ARMS = ARMS[:-3]
+#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics, decoder flags) of a V2 pool; the
+#: flags are set on a shallow copy of the decoder (it shares the weights).
 TRITON_ARMS = {
-    "v2-sdpa": ("sdpa", None, True),
-    "v2-triton": ("triton", None, True),
-    "v2-exact": ("triton", "exact", True),
-    "v2-unfused": ("triton", None, False),
+    "v2-sdpa": ("sdpa", None, {}),
+    "v2-triton": ("triton", None, {}),
+    "v2-exact": ("triton", "exact", {}),
+    "v2-unfused": ("triton", None, {"fused_glue": False}),
+    "v2-splitk": ("triton", None, {"splitk_projections": True}),
 }
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
 MODES = ("eager", "graph", "compiled")
@@ -182,11 +198,12 @@ class Arm:
 
 def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
     if kind in TRITON_ARMS:
-        backend, semantics, fused = TRITON_ARMS[kind]
-        if not fused:
-            # A shallow copy shares the weights; only its flag differs (CodecDecoder.fused_glue).
+        backend, semantics, flags = TRITON_ARMS[kind]
+        if flags:
+            # A shallow copy shares the weights; only its flags differ (CodecDecoder.fused_glue and the like).
             decoder = copy.copy(decoder)
-            decoder.fused_glue = False
+            for name, value in flags.items():
+                setattr(decoder, name, value)
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
         return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)

@@ -314,6 +314,29 @@ def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
 
 @pytest.mark.cuda
 @pytest.mark.slow
+def test_cuda_bf16_splitk_projections_error_no_larger_than_cublas():
+    """``CodecDecoder.splitk_projections``: 2 streams x 10 chunks ([1, 15]; the one-frame chunks are steps of
+    2 to 64 token rows, so groups of at most 32 run the split-K kernel); the bf16 audio's relative RMS error
+    against the float32 reference is within 1% of cuBLAS's (they differ only in the order of float32 sums)."""
+    fp32 = random_real_decoder("cuda")
+    fp32.fused_glue = False
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16.fused_glue = True
+    splitk = copy.copy(bf16)
+    splitk.splitk_projections = True
+    codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
+    reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
+    cublas_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
+    splitk_audio = stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15])
+    assert not torch.equal(splitk_audio, cublas_audio), "the flag must switch the small steps' projections"
+    assert torch.equal(splitk_audio, stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15]))
+    splitk_error, cublas_error = _rel_rms(splitk_audio, reference), _rel_rms(cublas_audio, reference)
+    print(f"bf16 relative RMS vs fp32: split-K {splitk_error:.4e}, cuBLAS {cublas_error:.4e}")
+    assert splitk_error <= 1.01 * cublas_error, f"split-K {splitk_error:.4e} > cuBLAS {cublas_error:.4e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_bf16_ffn_row_slices_write_in_place(monkeypatch):
     """Under bf16 autocast each FFN slice's second GEMM writes its rows of the output in place
     (``torch.mm(out=)``): with every group's FFN in 7-row pieces the bf16 audio is as close to the float32

@@ -39,6 +39,8 @@ from .ops.residual_norm import (
     residual_layer_norm,
     residual_layer_norm_reference,
 )
+from .ops.splitk_linear import MAX_ROWS as SPLITK_MAX_ROWS
+from .ops.splitk_linear import splitk_linear
 from .step_metadata import check_ring_semantics
 from .token_packing import TokenPacking
 
@@ -123,6 +125,11 @@ class CodecDecoder(nn.Module):
     #: references (the unfused PyTorch ops), as CPU always does. Read when a step
     #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
     fused_glue: bool = True
+    #: Whether fused CUDA steps of at most ``ops.splitk_linear.MAX_ROWS`` token rows run their layers'
+    #: projections with ``ops/splitk_linear.py``'s kernel instead of cuBLAS. Off until measured on a GPU
+    #: (``benchmarks/RESULTS.md``); read when a step runs or is captured; ``bench_codec_step.py``'s
+    #: ``v2-splitk`` arm sets it on a shallow copy.
+    splitk_projections: bool = False
 
     def __init__(self, config: CodecConfig):
         super().__init__()
@@ -232,21 +239,32 @@ def _fused_gelu_(x: torch.Tensor) -> torch.Tensor:
     return gelu_(x) if x.dtype in GELU_DTYPES else torch.ops.aten.gelu_(x)
 
 
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+def _project(linear: nn.Linear, x: torch.Tensor, splitk: bool) -> torch.Tensor:
+    """``linear(x)`` on ``(..., in)``; with ``splitk``, inputs of at most ``SPLITK_MAX_ROWS`` token rows in
+    the weight's dtype run :func:`~.ops.splitk_linear.splitk_linear` (one kernel, the weight read once)."""
+    if splitk and x.dtype == linear.weight.dtype and x.is_contiguous():
+        rows = x.numel() // x.shape[-1]
+        if 0 < rows <= SPLITK_MAX_ROWS:
+            return splitk_linear(x.reshape(rows, x.shape[-1]), linear.weight).view(*x.shape[:-1], -1)
+    return linear(x)
+
+
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False, splitk: bool = False) -> torch.Tensor:
     """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU (``ops/gelu.py``'s kernel when
     ``fused``, else ``aten.gelu_``; both in place), in slices of at most
     :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
     GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
-    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``)."""
+    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``).
+    ``splitk``: small steps project with :func:`_project`'s split-K kernel."""
     B, T, d = h.shape
     rows = B * T
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
     if torch.compiler.is_compiling():
-        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
+        return _project(layer.linear2, torch.ops.aten.gelu_(_project(layer.linear1, h, splitk)), splitk)
     gelu = _fused_gelu_ if fused else torch.ops.aten.gelu_
     if rows <= FFN_ROW_CHUNK:
-        return layer.linear2(gelu(layer.linear1(h)))
+        return _project(layer.linear2, gelu(_project(layer.linear1, h, splitk)), splitk)
     flat = h.reshape(rows, d)
     weight = layer.linear2.weight
     out = None
@@ -270,9 +288,8 @@ def _run_layers(
     group: GroupStep,
     attention: AttentionBackend,
     fused: bool,
-    packing: TokenPacking | None = None,
-    level: int = 0,
-) -> torch.Tensor:
+    packing: TokenPacking | None = None, level: int = 0, splitk: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """A group's pre-norm layers on ``(B, T, d)``.
 
     ``inputs`` is a one-element list holding the group's input; it is emptied, so that no reference
@@ -281,9 +298,9 @@ def _run_layers(
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
     ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
-    layer ops (CUDA); otherwise their references. With ``packing`` (:mod:`.token_packing`) ``x`` is the
-    ``(1, N, d)`` packed real tokens of level ``level``: an attention whose ``packing`` is it reads them so,
-    any other reads them in the ``(B, T)`` grid.
+    layer ops (CUDA); otherwise their references; ``splitk``: :func:`_project`'s. With ``packing``
+    (:mod:`.token_packing`) ``x`` is the ``(1, N, d)`` packed real tokens of level ``level``: an attention
+    whose ``packing`` is it reads them so, any other reads them in the ``(B, T)`` grid.
     """
     x = inputs.pop()
     B, T, d = x.shape
@@ -302,7 +319,7 @@ def _run_layers(
     for i, layer in enumerate(layers):
         # Each activation is dropped as soon as it is consumed: the step's transient memory is bounded
         # by the widest two of them, not by everything a layer makes.
-        qkv = layer.in_proj(h)
+        qkv = _project(layer.in_proj, h, splitk)
         del h
         if to_grid:
             qkv = packing.to_rows(level, qkv)
@@ -312,12 +329,12 @@ def _run_layers(
         del qkv
         if to_grid:
             attn = packing.to_tokens(level, attn)
-        update = layer.out_proj(attn)
+        update = _project(layer.out_proj, attn, splitk)
         del attn
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h, fused)
+        update = _feed_forward(layer, h, fused, splitk)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
@@ -355,12 +372,13 @@ def run_decoder(
     x = embed_codes(decoder, codes)
     # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
     fused = decoder.fused_glue and x.is_cuda
+    splitk = fused and decoder.splitk_projections
     for level, (group, weights) in enumerate(zip(plan.groups, decoder.groups)):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
         inputs = [x]
         del x  # _run_layers takes the only reference (see its docstring)
-        x = _run_layers(weights, inputs, group, plan.attention, fused, packing, level)
+        x = _run_layers(weights, inputs, group, plan.attention, fused, packing, level, splitk)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)
