@@ -168,3 +168,61 @@ def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypat
         assert calls == {"fused": expected, "reference": 0, "gelu": layers}
     else:
         assert calls == {"fused": 0, "reference": expected, "gelu": 0}
+
+
+def _linear(in_features, out_features, dtype=torch.float32, bias=False, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    with torch.no_grad():
+        for p in linear.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype))
+    return linear
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float64", "bias", "transposed_weight", "zero_width"],
+)
+def test_project_with_splitk_keeps_linear_where_the_kernel_does_not_apply(case):
+    """``_project(..., splitk=True)`` (fused CUDA steps with ``CodecDecoder.splitk_projections``) is
+    ``linear(x)`` for every input: what ``splitk_linear`` rejects (float64, a non-contiguous weight) or does
+    not compute (a bias; ``in_features == 0``) goes to ``linear`` instead of failing or dropping a term."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    dtype = torch.float64 if case == "float64" else torch.float32
+    linear = _linear(0 if case == "zero_width" else 8, 6, dtype, bias=case == "bias")
+    if case == "transposed_weight":
+        linear.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous().t())
+    x = torch.randn(2, 3, linear.in_features, dtype=dtype, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(decoder_mod._project(linear, x, True), linear(x))
+
+
+def test_project_with_splitk_keeps_autograd():
+    """Gradients flow through ``_project`` when they are asked for (the kernel has no backward)."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    linear = _linear(8, 6)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    decoder_mod._project(linear, x, True).square().sum().backward()
+    expected = 2 * linear(x).detach().flatten(0, 1) @ linear.weight.detach()
+    torch.testing.assert_close(x.grad.flatten(0, 1), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("splitk", [True, False])
+def test_project_takes_splitk_for_small_contiguous_steps_only(monkeypatch, splitk):
+    """``splitk``: inputs of 1 to 32 token rows (any leading shape) run ``splitk_linear`` on ``(rows, in)``;
+    larger or non-contiguous inputs, or ``splitk=False``, run ``linear``; the result is ``linear(x)``."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    shapes = []
+    real = decoder_mod.splitk_linear
+    monkeypatch.setattr(decoder_mod, "splitk_linear", lambda x, w: shapes.append(tuple(x.shape)) or real(x, w))
+    linear = _linear(8, 6)
+    gen = torch.Generator().manual_seed(8)
+    inputs = [torch.randn(s, generator=gen) for s in [(1, 1, 8), (1, 32, 8), (4, 8, 8), (3, 11, 8), (0, 5, 8)]]
+    inputs.append(torch.randn(8, 2, 8, generator=gen).transpose(0, 1))
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.equal(decoder_mod._project(linear, x, splitk), linear(x))
+    assert shapes == ([(1, 8), (32, 8), (32, 8)] if splitk else [])
