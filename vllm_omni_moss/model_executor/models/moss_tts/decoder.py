@@ -23,6 +23,7 @@ Architecture facts: docs/codec_architecture.md.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from .ops.residual_norm import (
     residual_layer_norm_reference,
 )
 from .ops.splitk_linear import MAX_ROWS as SPLITK_MAX_ROWS
-from .ops.splitk_linear import splitk_linear
+from .ops.splitk_linear import SPLITK_DTYPES, splitk_linear
 from .step_metadata import check_ring_semantics
 from .token_packing import TokenPacking
 
@@ -241,11 +242,24 @@ def _fused_gelu_(x: torch.Tensor) -> torch.Tensor:
 
 def _project(linear: nn.Linear, x: torch.Tensor, splitk: bool) -> torch.Tensor:
     """``linear(x)`` on ``(..., in)``; with ``splitk``, inputs of at most ``SPLITK_MAX_ROWS`` token rows in
-    the weight's dtype run :func:`~.ops.splitk_linear.splitk_linear` (one kernel, the weight read once)."""
-    if splitk and x.dtype == linear.weight.dtype and x.is_contiguous():
-        rows = x.numel() // x.shape[-1]
+    the weight's dtype run :func:`~.ops.splitk_linear.splitk_linear` (one kernel, the weight read once).
+    Whatever that op rejects or does not compute runs ``linear``: a dtype outside ``SPLITK_DTYPES``
+    (float64), a non-contiguous input or weight, a bias, no input features, or gradients asked for (the
+    op has no backward)."""
+    weight = linear.weight
+    if (
+        splitk
+        and x.dtype == weight.dtype
+        and x.dtype in SPLITK_DTYPES
+        and linear.bias is None
+        and x.shape[-1] > 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        rows = math.prod(x.shape[:-1])
         if 0 < rows <= SPLITK_MAX_ROWS:
-            return splitk_linear(x.reshape(rows, x.shape[-1]), linear.weight).view(*x.shape[:-1], -1)
+            return splitk_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], -1)
     return linear(x)
 
 
