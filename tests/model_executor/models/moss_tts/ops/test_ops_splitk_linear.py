@@ -77,6 +77,25 @@ def test_launch_config_fills_the_device_within_k():
 
 
 @cpu
+def test_launch_without_splits_takes_any_number_of_column_tiles(monkeypatch):
+    """The counters serve only launches of several splits: one of a single split (every launch of more
+    than 4096 column tiles: ``splitk_launch_config`` splits ``K`` only below 256 tiles) launches whatever ``N``."""
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: grids.append((grid, kwargs["SPLITS"]))
+
+    monkeypatch.setattr(ops, "_splitk_kernel", Recorder())
+    x, w = torch.ones(2, 4), torch.ones(64 * 4097, 4)
+    config = ops.splitk_launch_config(2, w.shape[0], 4)
+    ops._launch_triton(x, w, torch.empty(2, w.shape[0]), config)
+    assert grids == [((4097, 1), 1)]
+    with pytest.raises(ValueError, match=r"^splitk_linear: 4097 column tiles exceed the 4096 counters$"):
+        ops._launch_triton(x, w, torch.empty(2, w.shape[0]), dict(config, splits=2))
+
+
+@cpu
 def test_traces_fullgraph_with_the_fake_impl():
     def project(x, w):
         return ops.splitk_linear(x, w) * 2
