@@ -42,7 +42,7 @@ __all__ = ["MAX_ROWS", "SPLITK_DTYPES", "splitk_launch_config", "splitk_linear",
 MAX_ROWS = 32
 #: Dtypes the kernel takes (activation and weight alike).
 SPLITK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Column tiles the counter buffer of a stream holds (v2: at most 5120 / 16 = 320).
+#: Column tiles the counter buffer of a stream holds, for launches of several splits (v2: at most 5120 / 16 = 320).
 _MAX_TILES = 4096
 
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -131,7 +131,8 @@ def _launch_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, con
     N = weight.shape[0]
     splits, block_n, block_k = config["splits"], config["block_n"], config["block_k"]
     tiles = triton.cdiv(N, block_n)
-    if tiles > _MAX_TILES:
+    # Only launches of several splits count arrivals (splitk_launch_config splits K below 256 tiles only).
+    if splits > 1 and tiles > _MAX_TILES:
         raise ValueError(f"splitk_linear: {tiles} column tiles exceed the {_MAX_TILES} counters")
     k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     partial = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
