@@ -96,6 +96,20 @@ def test_launch_without_splits_takes_any_number_of_column_tiles(monkeypatch):
 
 
 @cpu
+@pytest.mark.parametrize(
+    "x_shape,w_shape,message",
+    [
+        ((32, 2**26), (8, 2**26), r"`x` has 2147483648 elements"),
+        ((32, 8), (2**26, 8), r"the output has 2147483648 elements"),
+    ],
+)
+def test_rejects_sizes_past_the_kernels_int32_offsets(x_shape, w_shape, message):
+    x, w = torch.empty(x_shape, device="meta"), torch.empty(w_shape, device="meta")
+    with pytest.raises(ValueError, match=message + r"; the kernel's int32 offsets take at most 2147483647$"):
+        ops.splitk_linear(x, w)
+
+
+@cpu
 def test_traces_fullgraph_with_the_fake_impl():
     def project(x, w):
         return ops.splitk_linear(x, w) * 2
