@@ -45,6 +45,9 @@ SPLITK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Column tiles the counter buffer of a stream holds, for launches of several splits (v2: at most 5120 / 16 = 320).
 _MAX_TILES = 4096
 
+#: Largest element offset of ``x`` and of the output: the kernel computes them in int32.
+_MAX_OFFSET = 2**31 - 1
+
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -169,8 +172,8 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and rounded once.
     Raises:
         TypeError: an argument is not a tensor.
-        ValueError: a shape, dtype, device or layout outside the above (the message names the argument
-            and the limit).
+        ValueError: a shape, dtype, device or layout outside the above, or ``x`` or the output of more
+            than ``2**31 - 1`` elements (the message names the argument and the limit).
         RuntimeError: a CUDA tensor without Triton installed.
     """
     op = "splitk_linear"
@@ -180,6 +183,10 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{op}: `x` must have one of the dtypes {SPLITK_DTYPES}, got {x.dtype}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{op}: `x` has {x.shape[0]} rows; the kernel takes at most {MAX_ROWS}")
+    # The kernel addresses x, the output and its float32 partials with int32 offsets (the weight's are int64).
+    for what, size in (("`x`", x.shape[0] * x.shape[1]), ("the output", x.shape[0] * weight.shape[0])):
+        if size > _MAX_OFFSET:
+            raise ValueError(f"{op}: {what} has {size} elements; the kernel's int32 offsets take at most {_MAX_OFFSET}")
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_contiguous():
             raise ValueError(f"{op}: `{name}` must be contiguous, got strides {tuple(t.stride())}")
