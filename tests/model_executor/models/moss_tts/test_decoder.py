@@ -216,8 +216,9 @@ def test_project_takes_splitk_for_small_contiguous_steps_only(monkeypatch, split
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
     shapes = []
-    real = decoder_mod.splitk_linear
-    monkeypatch.setattr(decoder_mod, "splitk_linear", lambda x, w: shapes.append(tuple(x.shape)) or real(x, w))
+    # The op's own result is its tests' concern (under TRITON_INTERPRET=1 it runs the kernel): F.linear here.
+    linear_2d = torch.nn.functional.linear
+    monkeypatch.setattr(decoder_mod, "splitk_linear", lambda x, w: shapes.append(tuple(x.shape)) or linear_2d(x, w))
     linear = _linear(8, 6)
     gen = torch.Generator().manual_seed(8)
     inputs = [torch.randn(s, generator=gen) for s in [(1, 1, 8), (1, 32, 8), (4, 8, 8), (3, 11, 8), (0, 5, 8)]]
