@@ -13,6 +13,7 @@ import pytest
 import torch
 from moss_codecs import compile_recorded_launch, cuda_kernel_test, interpreter_subprocess_test, needs_interpreter
 
+from vllm_omni_moss.model_executor.models.moss_tts.ops import dispatch
 from vllm_omni_moss.model_executor.models.moss_tts.ops import splitk_linear as ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import TRITON_INTERPRET_AT_IMPORT
 
@@ -28,7 +29,9 @@ def _operands(rows, out_features, in_features, dtype=torch.float32, device="cpu"
 
 @cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_runs_the_reference_bitwise(dtype):
+def test_cpu_runs_the_reference_bitwise(monkeypatch, dtype):
+    # Also under TRITON_INTERPRET=1, where CPU float32 would otherwise run the interpreted kernel.
+    monkeypatch.setattr(dispatch, "ALLOW_CPU_TRITON_INTERPRETER", False)
     x, w = _operands(5, 24, 40, dtype)
     assert torch.equal(ops.splitk_linear(x, w), torch.nn.functional.linear(x, w))
 
