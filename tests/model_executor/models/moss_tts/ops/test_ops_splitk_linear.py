@@ -133,6 +133,19 @@ def test_kernel_compiles_for_the_device(monkeypatch, rows, n, k):
     compile_recorded_launch(monkeypatch, ops, "_splitk_kernel", lambda: ops._launch_triton(x, w, out, config))
 
 
+@cpu
+def test_first_launch_inside_a_capture_is_refused(monkeypatch):
+    # Counters created inside a capture would be zeroed only when that graph replays (module docstring).
+    device = torch.device("cuda", 7)
+    monkeypatch.setattr(ops, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"the first launch on cuda:7 runs inside CUDA graph capture"):
+        ops._counters(device)
+    existing = torch.zeros(4, dtype=torch.int32)
+    ops._COUNTERS[device] = existing
+    assert ops._counters(device) is existing
+
+
 test_triton_interpreter_subprocess = interpreter_subprocess_test(__file__, timeout=600)
 
 
@@ -192,3 +205,21 @@ def test_cuda_graph_replay_recomputes():
         static.copy_(fresh)
         graph.replay()
         assert torch.equal(out, ops.splitk_linear(fresh, w))
+
+
+@cuda_kernel_test
+def test_cuda_graphs_share_the_counters_in_any_replay_order():
+    x, w = _operands(4, 3840, 1280, torch.bfloat16, device="cuda")
+    ops.splitk_linear(x, w)  # the first launch, eager: the counters exist and are zero
+    graphs, outputs = [], []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs.append(ops.splitk_linear(x, w))
+        graphs.append(graph)
+    expected = ops.splitk_linear(x, w)
+    for index in (1, 0, 1):
+        outputs[index].zero_()
+        graphs[index].replay()
+        assert torch.equal(outputs[index], expected)
+    assert not ops._counters(x.device).any()

@@ -18,10 +18,12 @@ resets the counter to zero for the next launch. The order of the sum never depen
 arrives last, so results are bitwise repeatable; they differ from cuBLAS's by the order of float32
 accumulation only (its kernels also split ``K`` for these shapes).
 
-The counters live in one zeroed int32 buffer per (device, stream) that every launch on that stream
-shares: launches on one stream run in order, and each leaves its counters at zero. A CUDA graph captured on
-a stream holds that stream's buffer, so two graphs holding this op must not replay at the same time on
-different streams (the decoder replays its graphs on one stream).
+The counters live in one zeroed int32 buffer per device that every launch on it shares, each launch
+leaving its counters at zero; so launches of this op on one device must run one after another (the decoder
+runs its steps, eager or replayed, on one stream at a time). The buffer is created, zeroed, by the first
+launch on a device, which must run outside CUDA graph capture: created inside a capture, it would be zeroed
+only when that graph replays, and another graph replayed first would read whatever the memory held. The
+decoder's graph runners step once eagerly before they capture; a first launch inside a capture raises.
 
 Dispatch is ``ops/dispatch.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference
 (``torch.nn.functional.linear``) unless the Triton interpreter is active at import (bfloat16 excepted).
@@ -48,7 +50,7 @@ _MAX_TILES = 4096
 #: Largest element offset of ``x`` and of the output: the kernel computes them in int32.
 _MAX_OFFSET = 2**31 - 1
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def splitk_launch_config(rows: int, out_features: int, in_features: int) -> dict:
@@ -117,14 +119,19 @@ if HAS_TRITON:
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The zeroed arrival counters of the current stream of ``device`` (module docstring)."""
-    if device.type == "cuda":
-        key = (device.index, torch.cuda.current_stream(device).stream_id)
-    else:
-        key = (-1, 0)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    """The zeroed arrival counters of ``device`` (module docstring).
+
+    Raises:
+        RuntimeError: the first launch on a CUDA device runs inside CUDA graph capture.
+    """
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"splitk_linear: the first launch on {device} runs inside CUDA graph capture; its arrival counters "
+                "must be created and zeroed outside a capture (launch it once eagerly before capturing)"
+            )
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _launch_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict) -> None:
