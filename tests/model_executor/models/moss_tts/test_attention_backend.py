@@ -289,20 +289,27 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
     assert triton_error <= 1.001 * sdpa_error, f"triton {triton_error:.4e} > sdpa {sdpa_error:.4e}"
 
 
+def _bf16_decoder_and_reference():
+    """The bf16 decoder (fused glue) of a random real-geometry float32 one, 2 streams x 136 frames of codes
+    (10 chunks of [1, 15]) on CUDA, and the float32 decoder's audio of them (sdpa, unfused): the reference
+    the accuracy criteria of the fused paths are held to."""
+    fp32 = random_real_decoder("cuda")
+    fp32.fused_glue = False
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16.fused_glue = True
+    codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
+    return bf16, codes, stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
+
+
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
     """The accuracy criterion set for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
     2 streams x 10 chunks ([1, 15]) through the triton backend; the bf16 decoder's relative RMS error
     against the float32 reference (sdpa, unfused) is no larger with the fused ops than without."""
-    fp32 = random_real_decoder("cuda")
-    fp32.fused_glue = False
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-    bf16.fused_glue = True
+    bf16, codes, reference = _bf16_decoder_and_reference()
     unfused = copy.copy(bf16)
     unfused.fused_glue = False
-    codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
-    reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
     fused_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
     unfused_audio = stream_pool(fresh_pool(unfused, None, "triton"), codes, [1, 15])
     # The flag switches paths: the fused kernel rounds x + scale * update once, PyTorch twice.
@@ -318,14 +325,9 @@ def test_cuda_bf16_splitk_projections_error_no_larger_than_cublas():
     """``CodecDecoder.splitk_projections``: 2 streams x 10 chunks ([1, 15]; the one-frame chunks are steps of
     2 to 64 token rows, so groups of at most 32 run the split-K kernel); the bf16 audio's relative RMS error
     against the float32 reference is within 1% of cuBLAS's (they differ only in the order of float32 sums)."""
-    fp32 = random_real_decoder("cuda")
-    fp32.fused_glue = False
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-    bf16.fused_glue = True
+    bf16, codes, reference = _bf16_decoder_and_reference()
     splitk = copy.copy(bf16)
     splitk.splitk_projections = True
-    codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
-    reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
     cublas_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
     splitk_audio = stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15])
     assert not torch.equal(splitk_audio, cublas_audio), "the flag must switch the small steps' projections"
