@@ -44,7 +44,7 @@ __all__ = ["MAX_ROWS", "SPLITK_DTYPES", "splitk_launch_config", "splitk_linear",
 MAX_ROWS = 32
 #: Dtypes the kernel takes (activation and weight alike).
 SPLITK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Column tiles the counter buffer of a stream holds, for launches of several splits (v2: at most 5120 / 16 = 320).
+#: Column tiles the counter buffer of a device holds, for launches of several splits (v2: at most 5120 / 16 = 320).
 _MAX_TILES = 4096
 
 #: Largest element offset of ``x`` and of the output: the kernel computes them in int32.
