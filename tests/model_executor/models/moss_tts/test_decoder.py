@@ -209,21 +209,28 @@ def test_project_with_splitk_keeps_autograd():
     torch.testing.assert_close(x.grad.flatten(0, 1), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("gelu", [False, True])
 @pytest.mark.parametrize("splitk", [True, False])
-def test_project_takes_splitk_for_small_contiguous_steps_only(monkeypatch, splitk):
-    """``splitk``: inputs of 1 to 32 token rows (any leading shape) run ``splitk_linear`` on ``(rows, in)``;
-    larger or non-contiguous inputs, or ``splitk=False``, run ``linear``; the result is ``linear(x)``."""
+def test_project_takes_splitk_for_small_contiguous_steps_only(monkeypatch, splitk, gelu):
+    """``splitk``: inputs of 1 to 32 token rows (any leading shape) run ``splitk_linear`` on ``(rows, in)``,
+    handing it ``gelu``; larger or non-contiguous inputs, or ``splitk=False``, run ``linear`` (then with
+    ``gelu`` the in-place GELU); the result is ``linear(x)``, or its GELU."""
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
-    shapes = []
-    # The op's own result is its tests' concern (under TRITON_INTERPRET=1 it runs the kernel): F.linear here.
-    linear_2d = torch.nn.functional.linear
-    monkeypatch.setattr(decoder_mod, "splitk_linear", lambda x, w: shapes.append(tuple(x.shape)) or linear_2d(x, w))
+    calls = []
+
+    def splitk_linear(x, w, g):  # the op's own result is its tests' concern: F.linear and the GELU pass here
+        calls.append((*x.shape, g))
+        y = torch.nn.functional.linear(x, w)
+        return decoder_mod._fused_gelu_(y) if g else y
+
+    monkeypatch.setattr(decoder_mod, "splitk_linear", splitk_linear)
     linear = _linear(8, 6)
     gen = torch.Generator().manual_seed(8)
     inputs = [torch.randn(s, generator=gen) for s in [(1, 1, 8), (1, 32, 8), (4, 8, 8), (3, 11, 8), (0, 5, 8)]]
     inputs.append(torch.randn(8, 2, 8, generator=gen).transpose(0, 1))
     with torch.no_grad():
         for x in inputs:
-            assert torch.equal(decoder_mod._project(linear, x, splitk), linear(x))
-    assert shapes == ([(1, 8), (32, 8), (32, 8)] if splitk else [])
+            expected = decoder_mod._fused_gelu_(linear(x)) if gelu else linear(x)
+            assert torch.equal(decoder_mod._project(linear, x, splitk, gelu), expected)
+    assert calls == ([(1, 8, gelu), (32, 8, gelu), (32, 8, gelu)] if splitk else [])

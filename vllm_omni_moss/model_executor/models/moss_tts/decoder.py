@@ -240,12 +240,13 @@ def _fused_gelu_(x: torch.Tensor) -> torch.Tensor:
     return gelu_(x) if x.dtype in GELU_DTYPES else torch.ops.aten.gelu_(x)
 
 
-def _project(linear: nn.Linear, x: torch.Tensor, splitk: bool) -> torch.Tensor:
-    """``linear(x)`` on ``(..., in)``; with ``splitk``, inputs of at most ``SPLITK_MAX_ROWS`` token rows in
-    the weight's dtype run :func:`~.ops.splitk_linear.splitk_linear` (one kernel, the weight read once).
-    Whatever that op rejects or does not compute runs ``linear``: a dtype outside ``SPLITK_DTYPES``
-    (float64), a non-contiguous input or weight, a bias, no input features, or gradients asked for (the
-    op has no backward)."""
+def _project(linear: nn.Linear, x: torch.Tensor, splitk: bool, gelu: bool = False) -> torch.Tensor:
+    """``linear(x)`` on ``(..., in)``, then with ``gelu`` :func:`_fused_gelu_` in place; with ``splitk``,
+    inputs of at most ``SPLITK_MAX_ROWS`` token rows in the weight's dtype run
+    :func:`~.ops.splitk_linear.splitk_linear` (one kernel, the weight read once, the GELU in its epilogue:
+    bitwise the two passes). Whatever that op rejects or does not compute runs ``linear``: a dtype outside
+    ``SPLITK_DTYPES`` (float64), a non-contiguous input or weight, a bias, no input features, or gradients
+    asked for (the op has no backward)."""
     weight = linear.weight
     if (
         splitk
@@ -259,8 +260,8 @@ def _project(linear: nn.Linear, x: torch.Tensor, splitk: bool) -> torch.Tensor:
     ):
         rows = math.prod(x.shape[:-1])
         if 0 < rows <= SPLITK_MAX_ROWS:
-            return splitk_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], -1)
-    return linear(x)
+            return splitk_linear(x.reshape(rows, x.shape[-1]), weight, gelu).view(*x.shape[:-1], -1)
+    return _fused_gelu_(linear(x)) if gelu else linear(x)
 
 
 def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False, splitk: bool = False) -> torch.Tensor:
@@ -276,9 +277,11 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False, spl
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
     if torch.compiler.is_compiling():
         return _project(layer.linear2, torch.ops.aten.gelu_(_project(layer.linear1, h, splitk)), splitk)
-    gelu = _fused_gelu_ if fused else torch.ops.aten.gelu_
     if rows <= FFN_ROW_CHUNK:
-        return _project(layer.linear2, gelu(_project(layer.linear1, h, splitk)), splitk)
+        if fused:  # the split-K kernel, where it runs, applies the GELU in its epilogue
+            return _project(layer.linear2, _project(layer.linear1, h, splitk, gelu=True), splitk)
+        return _project(layer.linear2, torch.ops.aten.gelu_(layer.linear1(h)), splitk)
+    gelu = _fused_gelu_ if fused else torch.ops.aten.gelu_
     flat = h.reshape(rows, d)
     weight = layer.linear2.weight
     out = None

@@ -16,6 +16,7 @@ from moss_codecs import compile_recorded_launch, cuda_kernel_test, interpreter_s
 from vllm_omni_moss.model_executor.models.moss_tts.ops import dispatch
 from vllm_omni_moss.model_executor.models.moss_tts.ops import splitk_linear as ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import TRITON_INTERPRET_AT_IMPORT
+from vllm_omni_moss.model_executor.models.moss_tts.ops.gelu import gelu_
 
 cpu = pytest.mark.cpu
 
@@ -34,6 +35,14 @@ def test_cpu_runs_the_reference_bitwise(monkeypatch, dtype):
     monkeypatch.setattr(dispatch, "ALLOW_CPU_TRITON_INTERPRETER", False)
     x, w = _operands(5, 24, 40, dtype)
     assert torch.equal(ops.splitk_linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(ops.splitk_linear(x, w, gelu=True), torch.ops.aten.gelu_(torch.nn.functional.linear(x, w)))
+
+
+@cpu
+def test_rejects_a_gelu_flag_that_is_not_a_bool():
+    x, w = _operands(2, 4, 8)
+    with pytest.raises(TypeError, match=r"^splitk_linear: `gelu` must be a bool, got int$"):
+        ops.splitk_linear(x, w, gelu=1)
 
 
 @cpu
@@ -115,7 +124,7 @@ def test_rejects_sizes_past_the_kernels_int32_offsets(x_shape, w_shape, message)
 @cpu
 def test_traces_fullgraph_with_the_fake_impl():
     def project(x, w):
-        return ops.splitk_linear(x, w) * 2
+        return ops.splitk_linear(x, w) * 2 + ops.splitk_linear(x, w, gelu=True)
 
     compiled = torch.compile(project, fullgraph=True, dynamic=False, backend="aot_eager")
     x, w = _operands(3, 16, 24)
@@ -124,13 +133,14 @@ def test_traces_fullgraph_with_the_fake_impl():
 
 @cpu
 @pytest.mark.skipif(TRITON_INTERPRET_AT_IMPORT, reason="kernels are interpreted here: the parent process compiles")
-@pytest.mark.parametrize("rows,n,k", [(1, 3840, 1280), (32, 1280, 5120), (17, 768, 768)])
-def test_kernel_compiles_for_the_device(monkeypatch, rows, n, k):
-    """The kernel's bfloat16 launch as the op makes it on CUDA (its atomics and ordered sum) compiles for sm_90."""
+@pytest.mark.parametrize("rows,n,k,gelu", [(1, 3840, 1280, False), (32, 1280, 5120, False), (17, 768, 768, True)])
+def test_kernel_compiles_for_the_device(monkeypatch, rows, n, k, gelu):
+    """The kernel's bfloat16 launch as the op makes it on CUDA (its atomics and ordered sum, the GELU
+    epilogue) compiles for sm_90."""
     x, w = _operands(rows, n, k, torch.bfloat16)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     config = ops.splitk_launch_config(rows, n, k)
-    compile_recorded_launch(monkeypatch, ops, "_splitk_kernel", lambda: ops._launch_triton(x, w, out, config))
+    compile_recorded_launch(monkeypatch, ops, "_splitk_kernel", lambda: ops._launch_triton(x, w, out, config, gelu))
 
 
 @cpu
@@ -170,6 +180,22 @@ def test_kernel_interpreted_matches_linear_and_resets_its_counters(rows, n, k, s
 
 @cpu
 @needs_interpreter
+@pytest.mark.parametrize("rows,n,k,splits", [(1, 70, 300, 1), (17, 33, 130, 3), (32, 96, 64, 4)])
+def test_kernel_interpreted_gelu_epilogue_is_the_gemm_then_the_gelu_pass(rows, n, k, splits):
+    # Inputs scaled so that the products cover GELU's whole range, the cancelling tail below -3 included.
+    x, w = _operands(rows, n, k, seed=rows)
+    x = x * 4
+    config = dict(splits=splits, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    fused, plain = torch.empty(rows, n), torch.empty(rows, n)
+    ops._launch_triton(x, w, fused, config, gelu=True)
+    ops._launch_triton(x, w, plain, config)
+    assert plain.min() < -3 and plain.max() > 3
+    assert torch.equal(fused, gelu_(plain))
+    assert not ops._counters(x.device).any()
+
+
+@cpu
+@needs_interpreter
 def test_kernel_interpreted_through_the_op():
     x, w = _operands(9, 50, 200)
     got = ops.splitk_linear(x, w)
@@ -190,6 +216,17 @@ def test_cuda_bf16_error_no_larger_than_cublas(rows, n, k):
     assert (got.double() - exact).abs().max().item() <= max(bound, exact.abs().max().item() * 2.0**-8)
     assert torch.equal(got, ops.splitk_linear(x, w)), "repeated launches must agree bit for bit"
     assert not ops._counters(x.device).any()
+
+
+@cuda_kernel_test
+@pytest.mark.parametrize("rows", [1, 4, 16, 32])
+@pytest.mark.parametrize("n,k", [(5120, 1280), (3072, 768)])
+def test_cuda_bf16_gelu_epilogue_is_bitwise_the_gelu_pass(rows, n, k):
+    x, w = _operands(rows, n, k, torch.bfloat16, device="cuda", seed=rows)
+    x = x * 4
+    plain = ops.splitk_linear(x, w)
+    assert plain.min() < -3 and plain.max() > 3
+    assert torch.equal(ops.splitk_linear(x, w, gelu=True), gelu_(plain))
 
 
 @cuda_kernel_test

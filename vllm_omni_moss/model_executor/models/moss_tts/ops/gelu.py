@@ -37,7 +37,7 @@ import torch
 
 from .dispatch import HAS_TRITON, device_guard, runs_triton_kernel, tl, triton
 
-__all__ = ["GELU_DTYPES", "gelu_", "gelu_reference_"]
+__all__ = ["GELU_COEFFICIENTS", "GELU_DTYPES", "gelu_", "gelu_reference_"]
 
 #: Dtypes the kernel takes (16-bit activations under autocast, float32 otherwise).
 GELU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,18 +62,19 @@ def gelu_reference_(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_(x)
 
 
+#: ``_ERFC_LOG2`` as the constexpr arguments ``C1``..``C8`` of :func:`gelu_f32` and the kernels that call it.
+GELU_COEFFICIENTS = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"), _ERFC_LOG2))
+
+
 if HAS_TRITON:
 
     @triton.jit
-    def _gelu_kernel(
-        x_ptr, numel, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, BLOCK: tl.constexpr,
+    def gelu_f32(
+        xf, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+        C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
     ):  # fmt: skip
-        # Program: elements [pid * BLOCK, pid * BLOCK + BLOCK) of the flat, contiguous tensor.
-        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = index < numel
-        x = tl.load(x_ptr + index, mask=ok, other=0.0)
-        xf = x.to(tl.float32)
+        # The exact GELU of float32 ``xf`` with this module's ``erf`` (module docstring), in float32. Every
+        # kernel that calls it launches with enable_fp_fusion=False, so all of them round alike.
         z = xf * 0.7071067811865476
         s = tl.minimum(tl.abs(z) * 0.25, 1.0)
         p = tl.fma(C8, s, C7)
@@ -85,7 +86,18 @@ if HAS_TRITON:
         p = tl.fma(p, s, C1)
         erf_abs = 1.0 - tl.exp2(p * s)  # p(0) = 0: erf(0) = 0 exactly
         erf = tl.where(z < 0.0, -erf_abs, erf_abs)
-        y = (xf * 0.5) * (1.0 + erf)
+        return (xf * 0.5) * (1.0 + erf)
+
+    @triton.jit
+    def _gelu_kernel(
+        x_ptr, numel, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Program: elements [pid * BLOCK, pid * BLOCK + BLOCK) of the flat, contiguous tensor.
+        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = index < numel
+        x = tl.load(x_ptr + index, mask=ok, other=0.0)
+        y = gelu_f32(x.to(tl.float32), C1, C2, C3, C4, C5, C6, C7, C8)
         tl.store(x_ptr + index, y.to(x.dtype), mask=ok)
 
 
@@ -96,9 +108,8 @@ def _launch_triton(x: torch.Tensor) -> None:
     if numel == 0:
         return
     with device_guard(x):
-        coefficients = dict(zip(("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"), _ERFC_LOG2))
         _gelu_kernel[(triton.cdiv(numel, _BLOCK),)](
-            x, numel, **coefficients, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False
+            x, numel, **GELU_COEFFICIENTS, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False
         )
 
 

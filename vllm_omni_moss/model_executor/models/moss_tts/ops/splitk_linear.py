@@ -18,6 +18,10 @@ resets the counter to zero for the next launch. The order of the sum never depen
 arrives last, so results are bitwise repeatable; they differ from cuBLAS's by the order of float32
 accumulation only (its kernels also split ``K`` for these shapes).
 
+For the FFN's first projection (``gelu=True``) the store applies ``ops/gelu.py``'s exact GELU to the rounded
+value and rounds again, as that op's separate pass over the output would: the result is bitwise
+``gelu_(splitk_linear(x, weight))`` and the step launches one kernel fewer per layer.
+
 The counters live in one zeroed int32 buffer per device that every launch on it shares, each launch
 leaving its counters at zero; so launches of this op on one device must run one after another (the decoder
 runs its steps, eager or replayed, on one stream at a time). The buffer is created, zeroed, by the first
@@ -37,6 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
+from .gelu import GELU_COEFFICIENTS, gelu_reference_
+
+if HAS_TRITON:
+    from .gelu import gelu_f32
 
 __all__ = ["MAX_ROWS", "SPLITK_DTYPES", "splitk_launch_config", "splitk_linear", "splitk_linear_reference"]
 
@@ -68,17 +76,33 @@ def splitk_launch_config(rows: int, out_features: int, in_features: int) -> dict
     return dict(splits=splits, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
 
 
-def splitk_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """PyTorch oracle for :func:`splitk_linear`: ``F.linear(x, weight)``."""
-    return F.linear(x, weight)
+def splitk_linear_reference(x: torch.Tensor, weight: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """PyTorch oracle for :func:`splitk_linear`: ``F.linear(x, weight)``, then with ``gelu``
+    ``ops/gelu.py``'s reference (``aten.gelu_``) in place."""
+    out = F.linear(x, weight)
+    return gelu_reference_(out) if gelu else out
 
 
 if HAS_TRITON:
 
     @triton.jit
+    def _epilogue(
+        total, out_ptr, GELU: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+        C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
+    ):  # fmt: skip
+        # The tile's float32 sum rounded once to the output dtype; with GELU, ops/gelu.py's GELU of that
+        # rounded value, rounded again: bitwise the GEMM followed by gelu_'s pass.
+        y = total.to(out_ptr.dtype.element_ty)
+        if GELU:
+            y = gelu_f32(y.to(tl.float32), C1, C2, C3, C4, C5, C6, C7, C8).to(out_ptr.dtype.element_ty)
+        return y
+
+    @triton.jit
     def _splitk_kernel(
         x_ptr, w_ptr, partial_ptr, out_ptr, counter_ptr, M, N, K, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GELU: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
     ):  # fmt: skip
         # Program (column tile n, split s): rows [0, M) x columns [n * BLOCK_N, + BLOCK_N) over K in
         # [s * k_per_split, + k_per_split); the last split of the tile to arrive sums all splits in order.
@@ -101,7 +125,7 @@ if HAS_TRITON:
         ok = row_ok[:, None] & col_ok[None, :]
         out = out_ptr + rows[:, None] * N + cols[None, :]
         if SPLITS == 1:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out, _epilogue(acc, out_ptr, GELU, C1, C2, C3, C4, C5, C6, C7, C8), mask=ok)
         else:
             partial = partial_ptr + rows[:, None] * N + cols[None, :]
             tl.store(partial + split * M * N, acc, mask=ok)
@@ -114,7 +138,7 @@ if HAS_TRITON:
                 for s in tl.static_range(SPLITS):
                     # .cg: read past this SM's L1, which may hold nothing of the other programs' stores.
                     total += tl.load(partial + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.store(out, _epilogue(total, out_ptr, GELU, C1, C2, C3, C4, C5, C6, C7, C8), mask=ok)
                 tl.atomic_xchg(counter_ptr + tile, 0)
 
 
@@ -134,7 +158,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def _launch_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict) -> None:
+def _launch_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict, gelu: bool = False) -> None:
     if not HAS_TRITON:
         raise RuntimeError("splitk_linear: the Triton kernel needs the `triton` package")
     M, K = x.shape
@@ -149,36 +173,39 @@ def _launch_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, con
     with device_guard(x):
         _splitk_kernel[(tiles, splits)](
             x, weight, partial, out, _counters(x.device), M, N, K, k_per_split, SPLITS=splits,
-            BLOCK_M=16 if M <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            BLOCK_M=16 if M <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, GELU=gelu, **GELU_COEFFICIENTS,
+            num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=False,
         )  # fmt: skip
 
 
 @torch.library.custom_op("vllm_omni_moss::splitk_linear", mutates_args=())
-def _splitk_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _splitk_op(x: torch.Tensor, weight: torch.Tensor, gelu: bool) -> torch.Tensor:
     if not runs_triton_kernel(x) or x.shape[0] == 0:
-        return splitk_linear_reference(x, weight)
+        return splitk_linear_reference(x, weight, gelu)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch_triton(x, weight, out, splitk_launch_config(x.shape[0], weight.shape[0], weight.shape[1]))
+    _launch_triton(x, weight, out, splitk_launch_config(x.shape[0], weight.shape[0], weight.shape[1]), gelu)
     return out
 
 
 @_splitk_op.register_fake
-def _splitk_fake(x, weight):
+def _splitk_fake(x, weight, gelu):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for at most :data:`MAX_ROWS` rows, as one split-K kernel on CUDA (module docstring).
+def splitk_linear(x: torch.Tensor, weight: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``x @ weight.T`` for at most :data:`MAX_ROWS` rows, as one split-K kernel on CUDA (module docstring);
+    with ``gelu``, the exact GELU of the product in the same kernel.
 
     Args:
         x: ``(M, K)`` contiguous activations, ``M <= MAX_ROWS``, dtype in :data:`SPLITK_DTYPES`.
         weight: ``(N, K)`` contiguous weight (``nn.Linear``'s layout), ``x``'s dtype and device.
+        gelu: apply ``ops/gelu.py``'s GELU to the rounded product before storing it (the FFN's first
+            projection): bitwise ``gelu_(splitk_linear(x, weight))``, one kernel instead of two.
     Returns:
         ``(M, N)`` in ``x``'s dtype: float32 products accumulated per split, the splits summed in order
-        and rounded once.
+        and rounded once (then, with ``gelu``, the GELU of that value in float32, rounded again).
     Raises:
-        TypeError: an argument is not a tensor.
+        TypeError: ``x`` or ``weight`` is not a tensor, or ``gelu`` is not a bool.
         ValueError: a shape, dtype, device or layout outside the above, or ``x`` or the output of more
             than ``2**31 - 1`` elements (the message names the argument and the limit).
         RuntimeError: a CUDA tensor without Triton installed.
@@ -197,4 +224,6 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_contiguous():
             raise ValueError(f"{op}: `{name}` must be contiguous, got strides {tuple(t.stride())}")
-    return torch.ops.vllm_omni_moss.splitk_linear(x, weight)
+    if not isinstance(gelu, bool):
+        raise TypeError(f"{op}: `gelu` must be a bool, got {type(gelu).__name__}")
+    return torch.ops.vllm_omni_moss.splitk_linear(x, weight, gelu)
