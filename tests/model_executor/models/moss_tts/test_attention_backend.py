@@ -326,9 +326,9 @@ def test_cuda_bf16_splitk_projections_error_no_larger_than_cublas():
     2 to 64 token rows, so groups of at most 32 run the split-K kernel); the bf16 audio's relative RMS error
     against the float32 reference is within 1% of cuBLAS's (they differ only in the order of float32 sums)."""
     bf16, codes, reference = _bf16_decoder_and_reference()
-    splitk = copy.copy(bf16)
-    splitk.splitk_projections = True
-    cublas_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
+    splitk, cublas = copy.copy(bf16), copy.copy(bf16)
+    splitk.splitk_projections, cublas.splitk_projections = True, False
+    cublas_audio = stream_pool(fresh_pool(cublas, None, "triton"), codes, [1, 15])
     splitk_audio = stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15])
     assert not torch.equal(splitk_audio, cublas_audio), "the flag must switch the small steps' projections"
     assert torch.equal(splitk_audio, stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15]))
