@@ -127,8 +127,9 @@ class CodecDecoder(nn.Module):
     #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
     fused_glue: bool = True
     #: Whether fused CUDA steps of at most ``ops.splitk_linear.MAX_ROWS`` token rows run their layers'
-    #: projections with ``ops/splitk_linear.py``'s kernel instead of cuBLAS. Off until measured on a GPU
-    #: (``benchmarks/RESULTS.md``); read when a step runs or is captured; ``bench_codec_step.py``'s
+    #: projections with ``ops/splitk_linear.py``'s kernel instead of cuBLAS. Off: measured on an H100 it
+    #: launched 184 kernels fewer a B1/T1 step in the same time (``benchmarks/history/7df736a.md``, Run BB);
+    #: read when a step runs or is captured; ``bench_codec_step.py``'s
     #: ``v2-splitk`` arm sets it on a shallow copy.
     splitk_projections: bool = False
 
