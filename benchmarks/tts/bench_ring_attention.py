@@ -13,8 +13,17 @@ launch sweep")::
 
 Grid (``--grid launch``, the default): ``block_q`` in {16, 32} below 64 tokens per row and {64, 128} from 64
 tokens, ``block_k`` in {64, 128}, ``num_warps`` in {4, 8}, ``num_stages`` in {2, 3}, ``pv`` in {"tf32", "low"};
-for ``T = 1`` only ``block_k = 64`` and two stages. ``--grid default`` times the default configuration only,
-and prints each shape's time summed over the group's layers and the step's total.
+for ``T = 1`` only ``block_k = 64`` and two stages. ``--grid deep`` is the grid for bandwidth-bound steps
+(a few frames per row, many rows): ``block_q`` as above, ``block_k`` in {32, 64, 128}, ``num_warps`` in
+{4, 8}, ``num_stages`` in {2, 3, 4}, ``pv`` "low" only (the faster one in every shape of the launch sweep).
+``--grid default`` times the default configuration only, and prints each shape's time summed over the
+group's layers and the step's total.
+
+Every timing also reports the bytes the launch must move (the rows' rings once, the chunk's queries, keys
+and values read, the output written; with ``--write`` the chunk's cells written too) and the rate that gives,
+``gb_s``; the JSON's ``run.copy_gb_s`` is the device-to-device copy rate measured at the start of the same
+command (``step_floor.copy_bandwidth_gb_s``, bytes read plus written), the rate the step table's floor
+assumes for reading ring state.
 
 ``--write`` times ``ring_attention_write`` (attention and ring write, the op a decoder step runs) instead of
 ``ring_attention``; every launch then stores the same chunk into the same cells, which no query of a launch
@@ -34,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import step_floor  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
@@ -46,6 +56,11 @@ GRID = [
     dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st, pv=pv)
     for bq, bk, w, st, pv in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (2, 3), ("tf32", "low"))
 ]
+DEEP_GRID = [
+    dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st, pv="low")
+    for bq, bk, w, st in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+]
+GRIDS = {"launch": GRID, "deep": DEEP_GRID, "default": []}
 
 
 def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
@@ -53,6 +68,17 @@ def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
     if (num_tokens >= 64) != (config["block_q"] >= 64):
         return False
     return frames != 1 or (config["num_stages"] == 2 and config["block_k"] == 64)
+
+
+def moved_bytes(batch: int, heads: int, capacity: int, head_dim: int, num_tokens: int, write: bool) -> int:
+    """Bytes one bf16 launch must move at least: every row's ring (keys and values) read once, the chunk's
+    queries, keys and values read, the output written, and with ``write`` the kept chunk tokens' keys and
+    values written into the ring."""
+    per_token = heads * head_dim * 2  # one token's vector over all heads, bf16
+    ring = 2 * batch * capacity * per_token
+    chunk = 4 * batch * num_tokens * per_token  # q, k, v read; out written
+    stored = 2 * batch * min(num_tokens, capacity) * per_token if write else 0
+    return ring + chunk + stored
 
 
 def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=GRID, write=False, rope=True) -> dict:
@@ -81,6 +107,11 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
         return float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
     default = ring_ops.attention_launch_config(num_tokens, torch.bfloat16, batch * heads)
+    nbytes = moved_bytes(batch, heads, capacity, head_dim, num_tokens, write)
+
+    def timed(ms, out):
+        return dict(ms=ms, gb_s=round(nbytes / (ms * 1e-3) / 1e9, 1), rel_rms=rel_rms(out))
+
     record = {
         "batch": batch,
         "frames": frames,
@@ -90,7 +121,8 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
         "layers": group.num_layers,
         "write": write,
         "rope": rope,
-        "default": dict(default, ms=common.graph_launch_ms(lambda: run(None), launches=10), rel_rms=rel_rms(run(None))),
+        "bytes": nbytes,
+        "default": dict(default, **timed(common.graph_launch_ms(lambda: run(None), launches=10), run(None))),
         "grid": [],
     }
     for config in grid:
@@ -102,7 +134,7 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
         except Exception as exc:  # a configuration the device cannot launch (shared memory, registers)
             record["grid"].append(dict(config, error=f"{type(exc).__name__}: {exc}"[:200]))
             continue
-        record["grid"].append(dict(config, ms=ms, rel_rms=rel_rms(out)))
+        record["grid"].append(dict(config, **timed(ms, out)))
     return record
 
 
@@ -113,7 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("--frames", default="15,1", help="comma-separated frames per step (15,1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random rings, queries, keys and values")
     p.add_argument(
-        "--grid", choices=("launch", "default"), default="launch", help="the launch grid, or the default only"
+        "--grid",
+        choices=tuple(GRIDS),
+        default="launch",
+        help="the launch grid, the grid for bandwidth-bound steps, or the default only",
     )
     p.add_argument("--write", action="store_true", help="time ring_attention_write instead of ring_attention")
     p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
@@ -127,8 +162,10 @@ def main(argv=None) -> int:
     config = preset_config(args.preset)
     semantics = config.abilities.default_ring_semantics
     run = common.run_block(args.preset, semantics=semantics)
+    run["copy_gb_s"] = round(step_floor.copy_bandwidth_gb_s(torch.device("cuda")), 1)
+    print(f"device-to-device copy: {run['copy_gb_s']:.0f} GB/s (bytes read plus written)", flush=True)
     records = []
-    grid = GRID if args.grid == "launch" else []
+    grid = GRIDS[args.grid]
     for batch, frames in itertools.product(batches, frame_counts):
         step_ms = 0.0
         for index, group in enumerate(config.groups):
@@ -139,13 +176,14 @@ def main(argv=None) -> int:
             step_ms += default_ms * group.num_layers
             line = (
                 f"B{batch} T{frames} group {index} ({rec['tokens']} tokens, ring {rec['capacity']}): "
-                f"default {default_ms * 1e3:.1f} us ({default_ms * group.num_layers:.2f} ms over {group.num_layers} layers)"
+                f"default {default_ms * 1e3:.1f} us, {rec['default']['gb_s']:.0f} GB/s "
+                f"({default_ms * group.num_layers:.2f} ms over {group.num_layers} layers)"
             )
             timed = [g for g in rec["grid"] if "ms" in g]
             if timed:
                 best = min(timed, key=lambda g: g["ms"])
                 knobs = {k: best[k] for k in ("block_q", "block_k", "num_warps", "num_stages", "pv")}
-                line += f", best {best['ms'] * 1e3:.1f} us {knobs}"
+                line += f", best {best['ms'] * 1e3:.1f} us, {best['gb_s']:.0f} GB/s {knobs}"
             print(line, flush=True)
             common.write_json(args.json, {"run": run, "records": records})
         print(f"B{batch} T{frames} step: {step_ms:.2f} ms with the default configuration", flush=True)

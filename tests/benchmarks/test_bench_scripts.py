@@ -277,6 +277,11 @@ def test_gemm_shapes_are_every_projection_of_a_step(preset, batch, frames):
     [
         ("bench_gemm_shapes", [], "this script times cuBLAS GEMMs on a CUDA device; none is available"),
         (
+            "bench_gemm_epilogue",
+            ["--batch", "512", "--frames", "5"],
+            "this script times Triton and cuBLAS GEMMs on a CUDA device; none is available",
+        ),
+        (
             "bench_ring_attention",
             ["--grid", "default", "--write", "--prerotated"],
             "this script times Triton kernels on a CUDA device; none is available",
@@ -536,3 +541,19 @@ def test_plot_results_names_files_after_the_device_and_skips_empty_modes(tmp_pat
     bars = [c for c in ax.containers if isinstance(c, BarContainer)]
     colors = {tuple(p.get_facecolor()) for c in bars for p in c.patches}
     assert len(colors) == len(step["arms"]) == 4  # one colour per arm
+
+
+def test_ring_attention_sweep_counts_the_bytes_a_launch_moves_and_its_deep_grid():
+    bench = _load("bench_ring_attention")
+    # v2's last group at B512 x T5: 160 tokens a row, 12 heads of 64, ring of 400 cells, bf16.
+    per_token = 12 * 64 * 2
+    ring, chunk, stored = 2 * 512 * 400 * per_token, 4 * 512 * 160 * per_token, 2 * 512 * 160 * per_token
+    assert bench.moved_bytes(512, 12, 400, 64, 160, write=False) == ring + chunk == 1_132_462_080
+    assert bench.moved_bytes(512, 12, 400, 64, 160, write=True) == ring + chunk + stored == 1_384_120_320
+    # A chunk longer than the ring stores only the ring's worth of tokens.
+    assert bench.moved_bytes(1, 1, 4, 2, 10, write=True) - bench.moved_bytes(1, 1, 4, 2, 10, write=False) == 2 * 4 * 4
+    assert len(bench.DEEP_GRID) == 4 * 3 * 2 * 3 and {c["pv"] for c in bench.DEEP_GRID} == {"low"}
+    # 40 tokens a row (T5 in group 3) run 16- and 32-query blocks, 160 tokens 64- and 128-query blocks.
+    assert {c["block_q"] for c in bench.DEEP_GRID if bench._in_grid(c, 40, 5)} == {16, 32}
+    assert {c["block_q"] for c in bench.DEEP_GRID if bench._in_grid(c, 160, 5)} == {64, 128}
+    assert sorted(bench.GRIDS) == ["deep", "default", "launch"]
