@@ -429,3 +429,27 @@ def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
         assert torch.isfinite(got).all() and _rel_rms(got, ref) <= 2.5e-2, f"step {i}"
         assert torch.equal(eager.frames_decoded, compiled.frames_decoded)
     torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splitk", [False, True], ids=["cublas", "splitk"])
+def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder, splitk):
+    """Bad state on the fused path (``fused_glue``, triton backend, and with ``splitk`` the split-K projections
+    with their GELU epilogue): slot 1's rings filled with NaN after two clean steps. The next step's audio is
+    NaN in row 1 only; rows 0 and 2 and every slot but 1 are bitwise those of the same step on clean rings."""
+    dec = copy.copy(cuda_tiny_decoder)
+    dec.fused_glue, dec.splitk_projections = True, splitk
+    clean, dirty = fresh_pool(dec, None, "triton", 3), fresh_pool(dec, None, "triton", 3)
+    ids = torch.arange(3, device="cuda")
+    live = torch.ones(3, dtype=torch.bool, device="cuda")
+    for i, T in enumerate((3, 2, 2)):
+        codes = random_codes(dec, 3, T, seed=70 + i).cuda()
+        lengths = torch.full((3,), T, device="cuda")
+        if i == 2:
+            for ring in dirty.rings:
+                ring[:, 1] = float("nan")
+        a, _ = decode_batch(clean, codes, lengths, ids, live)
+        b, _ = decode_batch(dirty, codes, lengths, ids, live)
+    assert torch.isfinite(a).all() and b[1].isnan().any()
+    assert torch.equal(b[0], a[0]) and torch.equal(b[2], a[2])
+    assert_slot_state_equal(clean, dirty, [0, 2])
