@@ -57,6 +57,14 @@ alone plus one read of its rows' ring state at the copy bandwidth measured once 
 (``copy_gb_s``); each result carries ``floor: {gemm_ms, state_read_ms, total_ms, copy_gb_s, state_bytes}`` and
 every arm's ``step_over_floor``.
 
+Ring fill. The pool is built once per command and its slots start at position 0; every step a command runs
+(warmup, profile, timing, over all of its shapes) advances the slots it uses by ``T`` frames. So a step reads only
+the positions its slots decoded so far, up to each group's window (125 frames fill the v2 codec's first group),
+while the floor counts a read of the rows' whole rings: with fresh streams a short command times steps that read
+less than the floor assumes. ``--context-frames N`` starts every slot at ``N`` frames decoded instead (compact-pool
+arms only; ``N`` at least the longest window in frames, 125 for v2, times every step with full rings, as streams
+past their first 10 s run); the JSON's ``context_frames`` records it (null: fresh streams).
+
 ``--mixed 1,2,4,6`` adds, for every ``--batch`` ``B``, a mixed step as one ragged step serves an engine call: ``B``
 rows whose valid frames cycle through those lengths, ``T`` the longest, timed as the grid step (``<arm>``) and as
 the packed step (``<arm>+packed``: ``decode_tensors(total_frames=<the rows' real frames>)``), our arms only. Each
@@ -112,6 +120,8 @@ TRITON_ARMS = {
     "v2-splitk": ("triton", None, {"splitk_projections": True}),
 }
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
+#: Arms on the compact pool, whose slots ``--context-frames`` can start past position 0.
+COMPACT_ARMS = ("v2", *TRITON_ARMS)
 MODES = ("eager", "graph", "compiled")
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
@@ -153,6 +163,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="CUDA: also profile one eager step per (arm, B, T) and report kernel time by category",
     )
+    parser.add_argument(
+        "--context-frames",
+        type=int,
+        default=None,
+        help="start every slot at this many frames decoded (compact-pool arms only); default: fresh streams",
+    )
     args = parser.parse_args(argv)
     for name in ("repeats", "steps_per_round", "code_sets"):
         if getattr(args, name) < 1:
@@ -169,6 +185,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     common.check_seed(parser, args.seed)
     args.mode_names = common.str_list_flag(parser, "--modes", args.modes, MODES)
     args.arm_names = common.str_list_flag(parser, "--arms", args.arms, ARMS)
+    if args.context_frames is not None:
+        if args.context_frames < 0:
+            parser.error(f"--context-frames must be >= 0, got {args.context_frames}")
+        common.check_at_most(parser, "--context-frames", [args.context_frames], common.MAX_STREAM_FRAMES)
+        other = [a for a in args.arm_names if a not in COMPACT_ARMS]
+        if other:
+            parser.error(f"--context-frames applies to the compact-pool arms {COMPACT_ARMS} only, not {other}")
     try:
         args.device = common.resolve_device(args.device)
     except RuntimeError:
@@ -196,7 +219,10 @@ class Arm:
         self._close()
 
 
-def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
+def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = None) -> Arm:
+    """One of our arms on a pool of ``max_batch`` slots; ``context_frames`` (compact pool only) starts every slot
+    at that many frames decoded, so that each step reads ``min(context, window)`` positions of every ring (the
+    rings' contents are whatever the pool was initialised with: time does not depend on them)."""
     if kind in TRITON_ARMS:
         backend, semantics, flags = TRITON_ARMS[kind]
         if flags:
@@ -206,9 +232,13 @@ def _our_arm(decoder, kind: str, max_batch: int) -> Arm:
                 setattr(decoder, name, value)
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
+        if context_frames:
+            pool.frames_decoded[:max_batch] = context_frames
         return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
     pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
+    if context_frames:
+        pool.frames_decoded[:max_batch] = context_frames
     if kind == "v2-paged":
         # Steps address slots 0..B-1 directly: give each the pages of a full ring (any context longer
         # than the longest window) so that no step needs a page and the tables are what they will be.
@@ -686,7 +716,7 @@ def _build_arms(args, arm_names: list[str], device, result: dict[str, Any], mode
         if name in UPSTREAM_ARMS:
             arm = _upstream_arm(models[name], max_batch, name)
         else:
-            arm = _our_arm(models["ours"], name, max_batch)
+            arm = _our_arm(models["ours"], name, max_batch, args.context_frames)
         arms.append(arm)
         result["state_bytes"][name] = arm.state_bytes
     return arms
@@ -713,6 +743,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "steps_per_round": args.steps_per_round,
         "pool_capacity": max(args.batches),
+        "context_frames": args.context_frames,
         "skipped": skipped,
         "weights_bytes": {},
         "build_s": {},

@@ -461,6 +461,10 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
         ("bench_codec_step", ["--frames", "1000000000"], "--frames 1000000000: at most 4096"),
         ("bench_codec_step", ["--code-sets", "1000000000000"], "--code-sets 1000000000000: at most 1024"),
         ("bench_codec_step", ["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
+        ("bench_codec_step", ["--context-frames", "-1"], "--context-frames must be >= 0, got -1"),
+        ("bench_codec_step", ["--context-frames", "45001"], "--context-frames 45001: at most 45000"),
+        ("bench_codec_step", ["--context-frames", "9", "--arms", "v2,legacy"], "compact-pool arms ('v2', 'v2-sdpa', 'v2-triton', 'v2-exact', 'v2-unfused', 'v2-splitk') only, not ['legacy']"),
+        ("bench_codec_step", ["--context-frames", "9", "--arms", "v2-paged"], "only, not ['v2-paged']"),
         ("bench_fidelity", ["--frames", "1000000000000"], "--frames 1000000000000: at most 45000"),
         ("bench_fidelity", ["--streams", "1000000000"], "--streams 1000000000: at most 65536"),
         ("bench_fidelity", ["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
@@ -557,3 +561,23 @@ def test_ring_attention_sweep_counts_the_bytes_a_launch_moves_and_its_deep_grid(
     assert {c["block_q"] for c in bench.DEEP_GRID if bench._in_grid(c, 40, 5)} == {16, 32}
     assert {c["block_q"] for c in bench.DEEP_GRID if bench._in_grid(c, 160, 5)} == {64, 128}
     assert sorted(bench.GRIDS) == ["deep", "default", "launch"]
+
+
+def test_step_context_frames_start_every_slot_there(tmp_path):
+    # The compact pool's slots start at the context; a step advances them by T; the null slot stays at 0.
+    bench = _load("bench_codec_step")
+    decoder = bench.common.random_decoder("tiny-v2", "cpu")
+    for kind in ("v2", "v2-exact"):
+        arm = bench._our_arm(decoder, kind, 3, context_frames=7)
+        pool = arm.step.args[0]
+        assert pool.frames_decoded.tolist() == [7, 7, 7, 0]
+        codes = bench.common.random_codes(1, 12, 3, 2, decoder.config.codebook_size, "cpu", 0)[0]
+        arm.step(codes, torch.full((3,), 2), torch.arange(3), torch.ones(3, dtype=torch.bool))
+        assert pool.frames_decoded.tolist() == [9, 9, 9, 0]
+        arm.close()
+    fresh = bench._our_arm(decoder, "v2", 3)
+    assert fresh.step.args[0].frames_decoded.tolist() == [0, 0, 0, 0]
+    argv = ["--preset", "tiny-v2", "--device", "cpu", "--arms", "v2", "--batch", "2", "--frames", "1"]
+    argv += ["--modes", "eager", "--repeats", "1", "--steps-per-round", "1", "--no-floor", "--context-frames", "30"]
+    result = bench.main([*argv, "--json", str(tmp_path / "step.json")])
+    assert result["context_frames"] == 30 and len(result["results"]) == 1
