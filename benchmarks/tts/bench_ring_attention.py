@@ -19,8 +19,9 @@ for ``T = 1`` only ``block_k = 64`` and two stages. ``--grid deep`` is the grid 
 ``--grid default`` times the default configuration only, and prints each shape's time summed over the
 group's layers and the step's total.
 
-Every timing also reports the bytes the launch must move (the rows' rings once, the chunk's queries, keys
-and values read, the output written; with ``--write`` the chunk's cells written too) and the rate that gives,
+Every timing also reports the bytes the launch must move (:func:`moved_bytes`: the ring cells its queries may
+see, once; the chunk's queries, keys and values read, the output written; with ``--write`` the chunk's cells
+written too) and the rate that gives,
 ``gb_s``; the JSON's ``run.copy_gb_s`` is the device-to-device copy rate measured at the start of the same
 command (``step_floor.copy_bandwidth_gb_s``, bytes read plus written), the rate the step table's floor
 assumes for reading ring state.
@@ -70,12 +71,16 @@ def _in_grid(config: dict, num_tokens: int, frames: int) -> bool:
     return frames != 1 or (config["num_stages"] == 2 and config["block_k"] == 64)
 
 
-def moved_bytes(batch: int, heads: int, capacity: int, head_dim: int, num_tokens: int, write: bool) -> int:
-    """Bytes one bf16 launch must move at least: every row's ring (keys and values) read once, the chunk's
-    queries, keys and values read, the output written, and with ``write`` the kept chunk tokens' keys and
-    values written into the ring."""
+def moved_bytes(
+    batch: int, heads: int, capacity: int, head_dim: int, num_tokens: int, write: bool, semantics: str = "upstream"
+) -> int:
+    """Bytes one bf16 launch on full rings must move at least: the ring cells its queries may see, each read once
+    (under ``"upstream"`` the ``max(C - T, 0)`` positions the post-write ring still holds, under ``"exact"`` the
+    ``C - 1`` before the first query; ``ops/ring_attention.py``), the chunk's queries, keys and values read, the
+    output written, and with ``write`` the kept chunk tokens' keys and values written into the ring."""
     per_token = heads * head_dim * 2  # one token's vector over all heads, bf16
-    ring = 2 * batch * capacity * per_token
+    cells = max(capacity - num_tokens, 0) if semantics == "upstream" else capacity - 1
+    ring = 2 * batch * cells * per_token
     chunk = 4 * batch * num_tokens * per_token  # q, k, v read; out written
     stored = 2 * batch * min(num_tokens, capacity) * per_token if write else 0
     return ring + chunk + stored
@@ -107,7 +112,7 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
         return float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
     default = ring_ops.attention_launch_config(num_tokens, torch.bfloat16, batch * heads)
-    nbytes = moved_bytes(batch, heads, capacity, head_dim, num_tokens, write)
+    nbytes = moved_bytes(batch, heads, capacity, head_dim, num_tokens, write, semantics)
 
     def timed(ms, out):
         return dict(ms=ms, gb_s=round(nbytes / (ms * 1e-3) / 1e9, 1), rel_rms=rel_rms(out))
@@ -156,6 +161,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     batches = common.int_list_flag(p, "--batch", args.batch)
     frame_counts = common.int_list_flag(p, "--frames", args.frames)
+    common.check_at_most(p, "--batch", batches, common.MAX_ROWS)
+    common.check_at_most(p, "--frames", frame_counts, common.MAX_STEP_FRAMES)
+    common.check_seed(p, args.seed)
     if not torch.cuda.is_available():
         p.error("this script times Triton kernels on a CUDA device; none is available")
     common.check_output(p, "--json", args.json)
@@ -184,6 +192,8 @@ def main(argv=None) -> int:
                 best = min(timed, key=lambda g: g["ms"])
                 knobs = {k: best[k] for k in ("block_q", "block_k", "num_warps", "num_stages", "pv")}
                 line += f", best {best['ms'] * 1e3:.1f} us, {best['gb_s']:.0f} GB/s {knobs}"
+                if best["ms"] > default_ms:  # the grid may not hold the default's block (64 queries below 64 tokens)
+                    line += " (the default is faster)"
             print(line, flush=True)
             common.write_json(args.json, {"run": run, "records": records})
         print(f"B{batch} T{frames} step: {step_ms:.2f} ms with the default configuration", flush=True)

@@ -469,6 +469,10 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
         ("bench_fidelity", ["--streams", "1000000000"], "--streams 1000000000: at most 65536"),
         ("bench_fidelity", ["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
         ("bench_ring_attention", ["--frames", "x"], "--frames 'x': 'x' is not an integer"),
+        ("bench_ring_attention", ["--seed", "-5"], "--seed must be in 0..9223372036854775807, got -5"),
+        ("bench_ring_attention", ["--batch", "100000000"], "--batch 100000000: at most 65536"),
+        ("bench_gemm_epilogue", ["--frames", "100000"], "--frames 100000: at most 4096"),
+        ("bench_gemm_epilogue", ["--seed", "-1"], "--seed must be in 0..9223372036854775807, got -1"),
     ],
 )  # fmt: skip
 def test_benchmarks_name_a_bad_flag_and_exit_2(name, argv, message, tmp_path, capsys):
@@ -549,12 +553,16 @@ def test_plot_results_names_files_after_the_device_and_skips_empty_modes(tmp_pat
 
 def test_ring_attention_sweep_counts_the_bytes_a_launch_moves_and_its_deep_grid():
     bench = _load("bench_ring_attention")
-    # v2's last group at B512 x T5: 160 tokens a row, 12 heads of 64, ring of 400 cells, bf16.
+    # v2's last group at B512 x T5: 160 tokens a row, 12 heads of 64, ring of 400 cells, bf16. Under "upstream"
+    # the queries see the 400 - 160 positions the post-write ring keeps; under "exact" the 399 before the chunk.
     per_token = 12 * 64 * 2
-    ring, chunk, stored = 2 * 512 * 400 * per_token, 4 * 512 * 160 * per_token, 2 * 512 * 160 * per_token
-    assert bench.moved_bytes(512, 12, 400, 64, 160, write=False) == ring + chunk == 1_132_462_080
-    assert bench.moved_bytes(512, 12, 400, 64, 160, write=True) == ring + chunk + stored == 1_384_120_320
-    # A chunk longer than the ring stores only the ring's worth of tokens.
+    chunk, stored = 4 * 512 * 160 * per_token, 2 * 512 * 160 * per_token
+    upstream, exact = 2 * 512 * 240 * per_token, 2 * 512 * 399 * per_token
+    assert bench.moved_bytes(512, 12, 400, 64, 160, write=False) == upstream + chunk == 880_803_840
+    assert bench.moved_bytes(512, 12, 400, 64, 160, write=True) == upstream + chunk + stored == 1_132_462_080
+    assert bench.moved_bytes(512, 12, 400, 64, 160, False, "exact") == exact + chunk == 1_130_889_216
+    # A chunk longer than the ring: no ring cell is read under "upstream", and only C tokens are stored.
+    assert bench.moved_bytes(1, 1, 4, 2, 10, write=False) == 4 * 10 * 4
     assert bench.moved_bytes(1, 1, 4, 2, 10, write=True) - bench.moved_bytes(1, 1, 4, 2, 10, write=False) == 2 * 4 * 4
     assert len(bench.DEEP_GRID) == 4 * 3 * 2 * 3 and {c["pv"] for c in bench.DEEP_GRID} == {"low"}
     # 40 tokens a row (T5 in group 3) run 16- and 32-query blocks, 160 tokens 64- and 128-query blocks.
@@ -581,3 +589,12 @@ def test_step_context_frames_start_every_slot_there(tmp_path):
     argv += ["--modes", "eager", "--repeats", "1", "--steps-per-round", "1", "--no-floor", "--context-frames", "30"]
     result = bench.main([*argv, "--json", str(tmp_path / "step.json")])
     assert result["context_frames"] == 30 and len(result["results"]) == 1
+
+
+def test_gemm_epilogue_pointer_launch_refuses_a_k_outside_whole_blocks():
+    # The pointer kernel has no mask on K: a K that is not a multiple of block_k is refused before any launch.
+    pytest.importorskip("triton")
+    bench = _load("bench_gemm_epilogue")
+    x, w, out = torch.zeros(4, 32), torch.zeros(8, 32), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="pointer loads need K a multiple of block_k: K = 32, block_k = 64"):
+        bench.launch(x, w, out, (128, 128, 64, 8, 4, 4), gelu=True, tma=False)
