@@ -6,8 +6,8 @@ For every batch size ``B``, frames per step ``T`` and resolution group of the pr
 group's RoPE tables, for the default configuration (``ops.ring_attention.attention_launch_config``) and for
 every point of the grid below. Each timing is the median of 5 replays of a CUDA graph holding 10 launches.
 Each configuration's error is the relative RMS of its output against the same kernel on float32 copies of
-the inputs. This is how the default configuration was chosen (``benchmarks/RESULTS.md``, "Ring attention
-launch sweep")::
+the inputs. This is how the default configuration was chosen (``benchmarks/history/46cae21.md``, "Ring
+attention launch sweep")::
 
     python benchmarks/tts/bench_ring_attention.py --preset v2 --batch 64,128 --frames 15,1 --json sweep.json
 
@@ -31,7 +31,7 @@ assumes for reading ring state.
 reads under the v2 codec's "upstream" semantics. ``--prerotated`` passes no RoPE tables, so the kernels
 rotate nothing (as the decoder launches them since RoPE became a pass of its own, ``ops/rope.py``): the
 difference to a run with tables is what rotating queries and keys inside the kernels
-costs (``benchmarks/RESULTS.md``, Run AE).
+costs (``benchmarks/history/2983f94.md``, Run AE).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         "--grid",
         choices=tuple(GRIDS),
         default="launch",
-        help="the launch grid, the grid for bandwidth-bound steps, or the default only",
+        help="launch (the default): the launch grid; deep: the grid for bandwidth-bound steps; default: the default only",
     )
     p.add_argument("--write", action="store_true", help="time ring_attention_write instead of ring_attention")
     p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
