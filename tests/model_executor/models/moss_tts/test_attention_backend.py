@@ -18,6 +18,7 @@ import torch
 from moss_codecs import assert_slot_state_equal, build_decoder, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts import attention as attention_mod
+from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 from vllm_omni_moss.model_executor.models.moss_tts.compile import compile_decode
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
@@ -433,12 +434,15 @@ def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("splitk", [False, True], ids=["cublas", "splitk"])
-def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder, splitk):
+def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder, splitk, monkeypatch):
     """Bad state on the fused path (``fused_glue``, triton backend, and with ``splitk`` the split-K projections
     with their GELU epilogue): slot 1's rings filled with NaN after two clean steps. The next step's audio is
     NaN in row 1 only; rows 0 and 2 and every slot but 1 are bitwise those of the same step on clean rings."""
     dec = copy.copy(cuda_tiny_decoder)
     dec.fused_glue, dec.splitk_projections = True, splitk
+    launches = []
+    original = decoder_mod.splitk_linear
+    monkeypatch.setattr(decoder_mod, "splitk_linear", lambda *a, **k: launches.append(1) or original(*a, **k))
     clean, dirty = fresh_pool(dec, None, "triton", 3), fresh_pool(dec, None, "triton", 3)
     ids = torch.arange(3, device="cuda")
     live = torch.ones(3, dtype=torch.bool, device="cuda")
@@ -453,3 +457,4 @@ def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder, splitk):
     assert torch.isfinite(a).all() and b[1].isnan().any()
     assert torch.equal(b[0], a[0]) and torch.equal(b[2], a[2])
     assert_slot_state_equal(clean, dirty, [0, 2])
+    assert bool(launches) == splitk, "the split-K projections ran exactly when asked for"
