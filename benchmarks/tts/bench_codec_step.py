@@ -175,12 +175,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    args.batches = common.int_list_flag(parser, "--batch", args.batch)
-    args.frames_list = common.int_list_flag(parser, "--frames", args.frames)
+    args.batches, args.frames_list = common.step_shape_flags(parser, args.batch, args.frames)
     args.mix = [] if args.mixed is None else common.int_list_flag(parser, "--mixed", args.mixed)
     common.check_at_most(parser, "--mixed", args.mix, common.MAX_STEP_FRAMES)
-    common.check_at_most(parser, "--batch", args.batches, common.MAX_ROWS)
-    common.check_at_most(parser, "--frames", args.frames_list, common.MAX_STEP_FRAMES)
     common.check_at_most(parser, "--code-sets", args.code_sets, 1024)
     common.check_seed(parser, args.seed)
     args.mode_names = common.str_list_flag(parser, "--modes", args.modes, MODES)
@@ -188,7 +185,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.context_frames is not None:
         if args.context_frames < 0:
             parser.error(f"--context-frames must be >= 0, got {args.context_frames}")
-        common.check_at_most(parser, "--context-frames", [args.context_frames], common.MAX_STREAM_FRAMES)
+        common.check_at_most(parser, "--context-frames", args.context_frames, common.MAX_STREAM_FRAMES)
         other = [a for a in args.arm_names if a not in COMPACT_ARMS]
         if other:
             parser.error(f"--context-frames applies to the compact-pool arms {COMPACT_ARMS} only, not {other}")
@@ -219,6 +216,12 @@ class Arm:
         self._close()
 
 
+def _start_at(pool, max_batch: int, context_frames: int | None) -> None:
+    # Slots 0..max_batch-1 (the ones steps address) start at ``context_frames`` frames decoded; None or 0: fresh.
+    if context_frames:
+        pool.frames_decoded[:max_batch] = context_frames
+
+
 def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = None) -> Arm:
     """One of our arms on a pool of ``max_batch`` slots; ``context_frames`` (compact pool only) starts every slot
     at that many frames decoded, so that each step reads ``min(context, window)`` positions of every ring (the
@@ -232,13 +235,11 @@ def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = No
                 setattr(decoder, name, value)
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
-        if context_frames:
-            pool.frames_decoded[:max_batch] = context_frames
+        _start_at(pool, max_batch, context_frames)
         return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
     pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
-    if context_frames:
-        pool.frames_decoded[:max_batch] = context_frames
+    _start_at(pool, max_batch, context_frames)
     if kind == "v2-paged":
         # Steps address slots 0..B-1 directly: give each the pages of a full ring (any context longer
         # than the longest window) so that no step needs a page and the tables are what they will be.

@@ -192,10 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     p.add_argument("--json", type=Path, help="write the results here (rewritten after each step)")
     args = p.parse_args(argv)
-    batches = common.int_list_flag(p, "--batch", args.batch)
-    frame_counts = common.int_list_flag(p, "--frames", args.frames)
-    common.check_at_most(p, "--batch", batches, common.MAX_ROWS)
-    common.check_at_most(p, "--frames", frame_counts, common.MAX_STEP_FRAMES)
+    batches, frame_counts = common.step_shape_flags(p, args.batch, args.frames)
     common.check_seed(p, args.seed)
     if not torch.cuda.is_available() or not HAS_TRITON:
         p.error("this script times Triton and cuBLAS GEMMs on a CUDA device; none is available")

@@ -159,10 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
     p.add_argument("--json", type=Path, help='write {"run": ..., "records": [...]} here (rewritten after each shape)')
     args = p.parse_args(argv)
-    batches = common.int_list_flag(p, "--batch", args.batch)
-    frame_counts = common.int_list_flag(p, "--frames", args.frames)
-    common.check_at_most(p, "--batch", batches, common.MAX_ROWS)
-    common.check_at_most(p, "--frames", frame_counts, common.MAX_STEP_FRAMES)
+    batches, frame_counts = common.step_shape_flags(p, args.batch, args.frames)
     common.check_seed(p, args.seed)
     if not torch.cuda.is_available():
         p.error("this script times Triton kernels on a CUDA device; none is available")

@@ -134,6 +134,16 @@ def check_at_most(parser, flag: str, values, maximum: int) -> None:
             parser.error(f"{flag} {value}: at most {maximum}")
 
 
+def step_shape_flags(parser, batch: str, frames: str) -> tuple[list[int], list[int]]:
+    """``--batch`` and ``--frames`` of a step benchmark: each parsed (:func:`int_list_flag`) and bounded
+    (:data:`MAX_ROWS` rows, :data:`MAX_STEP_FRAMES` frames; :func:`check_at_most`), usage errors as those give."""
+    batches = int_list_flag(parser, "--batch", batch)
+    frame_counts = int_list_flag(parser, "--frames", frames)
+    check_at_most(parser, "--batch", batches, MAX_ROWS)
+    check_at_most(parser, "--frames", frame_counts, MAX_STEP_FRAMES)
+    return batches, frame_counts
+
+
 def check_n_vq(parser, preset: str, n_vq: int) -> None:
     """A usage error (exit 2) unless ``n_vq`` is in ``1..`` the codebooks of ``preset``."""
     codebooks = preset_config(preset).num_quantizers
