@@ -93,10 +93,8 @@ def _state_arrays(prefix: str, pool, out: dict[str, np.ndarray]) -> None:
         out[f"{prefix}/raw_offsets{i}"] = t.numpy()
 
 
-def _session_trace(name: str, decoder, kind, backend, semantics, fraction, out, ragged: bool = False) -> None:
+def _session_trace(name: str, decoder, kind, backend, semantics, fraction, out) -> None:
     extra = {} if fraction is None else {"page_fraction": fraction}
-    if ragged:
-        extra["ragged_steps"] = True
     session = CodecStreamSession(
         decoder,
         SLOTS,
@@ -181,11 +179,6 @@ def _pool_trace(name: str, decoder, kind, backend, semantics, out) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the .npz to write (every array of the trace)")
-    p.add_argument(
-        "--ragged-steps",
-        action="store_true",
-        help="sessions with ragged steps: one step per round (the audio then differs within the GEMMs' rounding)",
-    )
     args = p.parse_args(argv)
     target = Path(args.out)
     if target.is_dir() or not target.parent.is_dir():
@@ -201,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{preset}/{kind}/{backend}/{semantics}"
         before = len(out)
         with torch.no_grad():
-            _session_trace(name, decoder, kind, backend, semantics, fraction, out, args.ragged_steps)
+            _session_trace(name, decoder, kind, backend, semantics, fraction, out)
             _pool_trace(name, decoder, kind, backend, semantics, out)
         digest = hashlib.sha256(b"".join(out[k].tobytes() for k in list(out)[before:])).hexdigest()
         print(f"{name}: {len(out) - before} arrays, sha256 {digest[:16]}")

@@ -24,10 +24,11 @@ Arms (one process, the same request trace for every arm at a given load):
   whose whole pool (null slot or scratch slots and offsets included) fits it (the other streams wait in the
   session's queue). ``--expected-stream-seconds`` (only with a budget) splits the paged budget by fill.
 
-CUDA graphs (CUDA, without ``--eager``): our arms capture the package's ladder of batch buckets,
-``graph_ladder.batch_buckets(slots)`` (powers of two up to 64, then buckets at most 1.25x apart, ending at the
-slot count), times the schedule's distinct chunk sizes; upstream keeps its deploy file's buckets below C plus
-C. Each run records its ladder (``details.<arm>.<key>.graph_batch_sizes``) and the graphs captured.
+CUDA graphs (CUDA, without ``--eager``): every step of our arms is one packed (ragged) step per round, and they
+capture the package's ladder of packed frame totals, ``graph_ladder.frame_totals(slots x the largest chunk
+size)`` (every total to 64 frames, then totals at most 1/32 apart); upstream keeps its deploy file's batch
+buckets below C plus C, times the schedule's chunk sizes. Each run records its ladder
+(``details.<arm>.<key>.graph_ladder``: our frame totals, upstream's batch buckets) and the graphs captured.
 
 Traffic. Request lengths are SYNTHETIC: log-normal, median 4.0 s, sigma 0.45, clipped to 13..256 frames (1.04
 to 20.48 s), chosen to resemble the Seed-TTS test-en set of vLLM-Omni's MOSS-TTS benchmarks; codes uniform
@@ -95,7 +96,7 @@ their steps'), ``step_ms`` {p50, p99, max}, ``slowest_step``,
 ``setup_seconds``, ``preemptions``, ``preemptions_per_stream`` {max, mean} (our arms: over the streams that
 ended in the run, by ``session.stats()["streams_by_preemptions"]``), ``session_wait_ms_max`` (the longest a
 measured request's chunk stayed queued in the arm, for a slot or state pages: from the call that left it queued
-to the call that returned its audio, simulated clock), ``slots``, ``state_bytes``, ``graphs``, ``graph_batch_sizes``,
+to the call that returned its audio, simulated clock), ``slots``, ``state_bytes``, ``graphs``, ``graph_ladder``,
 ``peak_state_bytes`` (the most decoder state the live streams needed after any decode call:
 ``pool.state_in_use_bytes()``), ``state_bytes_over_time`` (``[seconds, bytes]`` after each decode call, cut to
 at most 200 points keeping each run of calls' largest value), ``wall_seconds``; with ``--time-replays`` (CUDA,

@@ -2,11 +2,11 @@
 """Seconds from a cold process to a codec session ready to serve: imports, checkpoint load, graph capture.
 
 Run it as a fresh process (it is the measurement): it loads the decoder of a checkpoint directory the way
-the stage does (``checkpoint.load_checkpoint``, bf16 on CUDA), builds a :class:`CodecStreamSession` with CUDA
-graphs for every (batch bucket, frame size) pair, and decodes one chunk per stream of the largest bucket.
-Each phase is timed on the wall clock, with a device synchronisation at its end. The defaults are the stage-1
-settings of ``deploy/moss_tts_local_h200.yaml`` (384 slots; the stage's ladder ``graph_ladder.batch_buckets(384)``,
-16 buckets from 1 to 384; chunks of 1 and 15 frames).
+the stage does (``checkpoint.load_checkpoint``, bf16 on CUDA), builds a :class:`CodecStreamSession` with a CUDA
+graph for every step shape of its ladder, and decodes one chunk per slot. Each phase is timed on the wall clock,
+with a device synchronisation at its end. The defaults are the stage-1 settings of
+``deploy/moss_tts_local_h200.yaml`` with upstream's chunks of 1 and 15 frames (384 slots; the stage's ladder
+``graph_ladder.frame_totals(384 x 15)``).
 A second run in a new process measures a restart: Triton's on-disk kernel cache (``~/.triton/cache``) and the
 operating system's file cache then hold what the first run compiled and read::
 
@@ -35,7 +35,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
 
 
@@ -51,13 +51,15 @@ def _process_start_seconds_ago() -> float | None:
 
 
 def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device]:
-    """(flags, graph buckets, graph frame sizes, device); a bad flag is a usage error (exit 2) naming it."""
+    """(flags, graph frame totals, graph frame sizes, device); a bad flag is a usage error (exit 2) naming it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--capacity", type=int, default=384, help="live streams (slots) of the session (384)")
     p.add_argument(
-        "--graph-batch-sizes", default=None, help="CUDA-graph buckets (the stage's: batch_buckets(--capacity))"
+        "--graph-frame-totals",
+        default=None,
+        help="packed frame totals of the step shapes (the stage's: frame_totals(--capacity x the largest frame size))",
     )
     p.add_argument("--graph-frame-sizes", default="1,15", help="CUDA-graph frame sizes (1,15)")
     p.add_argument("--json", type=Path, help="write the phases here")
@@ -65,16 +67,14 @@ def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device
     if args.capacity < 1:
         p.error(f"--capacity {args.capacity}: must be >= 1")
     common.check_at_most(p, "--capacity", args.capacity, common.MAX_ROWS)
-    if args.graph_batch_sizes is None:
-        buckets = batch_buckets(args.capacity)
-    else:
-        buckets = common.int_list_flag(p, "--graph-batch-sizes", args.graph_batch_sizes)
     frame_sizes = common.int_list_flag(p, "--graph-frame-sizes", args.graph_frame_sizes)
+    if args.graph_frame_totals is None:
+        totals = frame_totals(args.capacity * max(frame_sizes))
+    else:
+        totals = common.int_list_flag(p, "--graph-frame-totals", args.graph_frame_totals)
     if not (args.checkpoint / "config.json").is_file():
         what = "no such directory" if not args.checkpoint.is_dir() else "no config.json in it"
         p.error(f"--checkpoint {str(args.checkpoint)!r}: {what} (make one with vllm-omni-moss make-checkpoint)")
-    if args.capacity < max(buckets):
-        p.error(f"--capacity {args.capacity} is below the largest bucket {max(buckets)}")
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -82,11 +82,11 @@ def _parse(argv) -> tuple[argparse.Namespace, list[int], list[int], torch.device
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device is available")
     common.check_output(p, "--json", args.json)
-    return args, buckets, frame_sizes, device
+    return args, totals, frame_sizes, device
 
 
 def main(argv=None) -> int:
-    args, buckets, frame_sizes, device = _parse(argv)
+    args, totals, frame_sizes, device = _parse(argv)
 
     def sync() -> float:
         if device.type == "cuda":
@@ -107,13 +107,13 @@ def main(argv=None) -> int:
 
     decoder = load_checkpoint(args.checkpoint, device=device)
     lap("load checkpoint")
-    session = CodecStreamSession(decoder, args.capacity, graph_batch_sizes=buckets, graph_frame_sizes=frame_sizes)
+    session = CodecStreamSession(decoder, args.capacity, graph_frame_totals=totals, graph_frame_sizes=frame_sizes)
     lap("session (pool, graph capture)")
-    rows = max(buckets)
+    rows = args.capacity
     n_vq = session.n_vq
     codes = torch.randint(0, decoder.config.codebook_size, (n_vq, rows, max(frame_sizes)))
     session.decode([ChunkRequest(f"r{i}", codes[:, i], True) for i in range(rows)])
-    lap("first step (largest bucket)")
+    lap("first step (every slot)")
     total = time.time() - _T0 + (before_import or 0.0)
     stats = session.stats()
     graphs = len(session.runner.graphs) if session.runner is not None else 0
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         "checkpoint": str(args.checkpoint),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "capacity": args.capacity,
-        "graph_batch_sizes": buckets,
+        "graph_frame_totals": totals,
         "graph_frame_sizes": frame_sizes,
         "graphs": graphs,
         "steps_by_path": stats.get("steps_by_path"),

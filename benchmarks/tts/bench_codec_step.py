@@ -2,7 +2,8 @@
 """Streaming decode-step latency: legacy pool vs V2 pool vs upstream vLLM-Omni 0.30.0, in one process.
 
 One step = one ``step.decode_tensors`` call on ``B`` live rows (slots ``0..B-1``, all valid, no
-padding) of ``T`` code frames with ``--n-vq`` codebooks. Arms:
+padding) of ``T`` code frames (for our arms the ``(n_vq, B, T)`` grid packed first, ``token_packing.pack_codes``:
+every frame real, or with ``--mixed`` the frames past each row's length as dummies) with ``--n-vq`` codebooks. Arms:
 
 * ``legacy``   - our legacy pool (``initialize(maxB, maxB)``), per-layer metadata, whole-ring write-back.
 * ``v2``       - our V2 pool (``initialize(maxB, maxB)`` = maxB live + 1 null slot) with its default attention
@@ -66,8 +67,9 @@ arms only; ``N`` at least the longest window in frames, 125 for v2, times every 
 past their first 10 s run); the JSON's ``context_frames`` records it (null: fresh streams).
 
 ``--mixed 1,2,4,6`` adds, for every ``--batch`` ``B``, a mixed step as one ragged step serves an engine call: ``B``
-rows whose valid frames cycle through those lengths, ``T`` the longest, timed as the grid step (``<arm>``) and as
-the packed step (``<arm>+packed``: ``decode_tensors(total_frames=<the rows' real frames>)``), our arms only. Each
+rows whose valid frames cycle through those lengths, ``T`` the longest, timed packed to the full ``B x T`` grid
+(``<arm>``: the frames past each row's length as dummies) and packed to its real frames (``<arm>+packed``), our arms
+only. Each
 such record (JSON ``mixed``) carries ``chunk_cost_ms``: what its chunks cost at their own ``T`` in the full step,
 ``{mode: {arm: sum over rows of step(B_max, T_row) / B_max}}`` from this run's table in the same mode (present when
 ``--frames`` holds every mixed length), and each arm's ``over_chunk_cost``.
@@ -94,6 +96,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes  # noqa: E402
 from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
 
 ARMS = (
@@ -222,6 +225,18 @@ def _start_at(pool, max_batch: int, context_frames: int | None) -> None:
         pool.frames_decoded[:max_batch] = context_frames
 
 
+def _our_step(pool) -> Callable:
+    """Our step on a ``(n_vq, B, T)`` grid of codes: packed to ``total_frames`` (default ``B x T``, every grid
+    frame) and decoded (``step.decode_tensors``); returns the ``(channels, F x spf)`` packed audio."""
+
+    def step(codes, lengths, slots, valid, total_frames: int | None = None):
+        _, B, T = codes.shape
+        packed = pack_codes(codes, torch.where(valid, lengths, 0), B * T if total_frames is None else total_frames)
+        return decode_tensors(pool, packed, lengths, slots, valid, T)
+
+    return step
+
+
 def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = None) -> Arm:
     """One of our arms on a pool of ``max_batch`` slots; ``context_frames`` (compact pool only) starts every slot
     at that many frames decoded, so that each step reads ``min(context, window)`` positions of every ring (the
@@ -236,7 +251,7 @@ def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = No
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
         _start_at(pool, max_batch, context_frames)
-        return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
+        return Arm(kind, _our_step(pool), pool.state_bytes(), pool.close)
     pool = make_state_pool(decoder, common.pool_kind(kind))
     pool.initialize(max_batch, max_batch)
     _start_at(pool, max_batch, context_frames)
@@ -247,7 +262,7 @@ def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = No
         slots = [pool.acquire() for _ in range(max_batch)]  # 0..B-1, the ids the steps address
         pool.reserve(dict.fromkeys(slots, longest), strict=True)
         pool.commit_page_tables()
-    return Arm(kind, functools.partial(decode_tensors, pool), pool.state_bytes(), pool.close)
+    return Arm(kind, _our_step(pool), pool.state_bytes(), pool.close)
 
 
 def _upstream_arm(codec: common.UpstreamCodecArm, max_batch: int, name: str = "upstream") -> Arm:

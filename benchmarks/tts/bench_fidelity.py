@@ -87,6 +87,7 @@ import upstream_stage  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import official_decoder_names  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
 
 CHUNKS = (1, 15)  # frames: the first chunk, then the steady chunk size
@@ -480,7 +481,7 @@ def run_ours(spec: ArmSpec, decoder: CodecDecoder, codes: torch.Tensor, args, la
         codes.shape[1],
         pool_kind=spec.pool_kind,
         ring_semantics=spec.ring_semantics,
-        graph_batch_sizes=(codes.shape[1],) if graphs else (),
+        graph_frame_totals=frame_totals(codes.shape[1] * max(CHUNKS)) if graphs else (),
         graph_frame_sizes=CHUNKS,
         max_step_frames=max(CHUNKS),
         n_vq=args.n_vq,
@@ -651,7 +652,7 @@ def _run_block(args, command: str, skipped: dict[str, str], estimate) -> dict[st
         "n_vq": args.n_vq,
         "seed": args.seed,
         "cuda_graphs": args.device.type == "cuda",
-        "graph_batch_sizes": [args.streams] if args.device.type == "cuda" else [],
+        "graph_frame_totals": frame_totals(args.streams * max(CHUNKS)) if args.device.type == "cuda" else [],
         "graph_frame_sizes": list(CHUNKS),
         "tf32": False if args.device.type == "cuda" else None,
         "estimated_seconds": None if estimate is None else round(estimate["total"], 1),

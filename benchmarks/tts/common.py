@@ -322,9 +322,9 @@ def random_codes(
 
 
 def pool_kind(arm: str) -> str:
-    """Pool kind of one of our benchmark arms: ``"v2"`` and ``"v2-ragged"`` -> ``"compact"`` (the V2 pool),
-    ``"legacy"`` -> legacy, ``"v2-paged"`` -> ``"paged"``."""
-    kinds = {"v2": "compact", "v2-ragged": "compact", "legacy": "legacy", "v2-paged": "paged"}
+    """Pool kind of one of our benchmark arms: ``"v2"`` -> ``"compact"`` (the V2 pool), ``"legacy"`` -> legacy,
+    ``"v2-paged"`` -> ``"paged"``."""
+    kinds = {"v2": "compact", "legacy": "legacy", "v2-paged": "paged"}
     if arm not in kinds:
         raise ValueError(f"no pool of ours is called {arm!r}; expected one of {sorted(kinds)}")
     return kinds[arm]

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The arms of the stage benchmark behind one driver interface: ``decode(chunks) -> {request id: audio}``.
 
-* :class:`OurArm` - this package's :class:`CodecStreamSession` (``v2``, ``legacy``, ``v2-paged``, and
-  ``v2-ragged``: ``v2`` with ragged steps), CUDA-graph batch buckets from the package's ladder
-  (``graph_ladder.batch_buckets`` of its slot count).
+* :class:`OurArm` - this package's :class:`CodecStreamSession` (``v2``, ``legacy``, ``v2-paged``), steps shaped
+  and CUDA graphs captured by the package's ladder (``graph_ladder.frame_totals`` of its slots x the largest
+  chunk size).
 * :class:`UpstreamArm` - vLLM-Omni 0.30.0's model under ``upstream_stage.UpstreamStage``, upstream's buckets.
 * :class:`IdealArm` - no codec: zero audio of the right shape at once, and the driver adds no time for it.
 
@@ -21,7 +21,7 @@ import common
 import torch
 import upstream_stage
 
-from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 
@@ -41,11 +41,11 @@ __all__ = [
     "upstream_batch_sizes",
 ]
 
-ARMS = ("v2", "legacy", "upstream", "ideal", "v2-paged", "v2-ragged")
-#: Arms of ``--arms auto`` (v2-paged and v2-ragged only on request).
+ARMS = ("v2", "legacy", "upstream", "ideal", "v2-paged")
+#: Arms of ``--arms auto`` (v2-paged only on request).
 AUTO_ARMS = ("v2", "legacy", "upstream", "ideal")
 #: Arms that are this package's session.
-OUR_ARMS = ("v2", "legacy", "v2-paged", "v2-ragged")
+OUR_ARMS = ("v2", "legacy", "v2-paged")
 # Stage 1's cudagraph_capture_sizes in upstream's moss_tts_local_h200.yaml (vLLM-Omni 0.30.0).
 UPSTREAM_H200_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256)
 
@@ -126,7 +126,7 @@ class StatePlan:
 def _pool_bytes(meta_decoder, kind: str, dtype: torch.dtype, slots: int, graphs: bool) -> int:
     """Bytes of the pool a session of ``slots`` slots allocates (on the meta device: nothing is allocated)."""
     pool = make_state_pool(meta_decoder, kind, dtype)
-    scratch = pool.scratch_slots_for(batch_buckets(slots)[-1]) if graphs else 0
+    scratch = pool.scratch_slots_for(slots) if graphs else 0
     pool.initialize(slots, scratch)
     try:
         return int(pool.state_bytes())
@@ -186,8 +186,8 @@ def state_plan(
 
 class OurArm(Arm):
     """Our session, built as our stage builds it (``stage.py``): graph frame sizes = the schedule's distinct chunk
-    sizes on every device (the session pads each step to them with or without graphs), batch buckets
-    ``batch_buckets(slots)`` (captured only where graphs are), ``max_step_frames`` = the largest chunk size."""
+    sizes, frame totals ``frame_totals(slots x the largest)`` where graphs are (steps pad to them and replay
+    their graphs; without graphs every step is shaped exactly), ``max_step_frames`` = the largest chunk size."""
 
     def __init__(
         self,
@@ -206,13 +206,12 @@ class OurArm(Arm):
         self.replay_s = 0.0
         self.peak_state = self.state_now = 0
         slots = concurrency if slots is None else slots
-        self.ladder = batch_buckets(slots)
+        self.ladder = frame_totals(slots * max(chunk_sizes))
         self.session = CodecStreamSession(
             decoder,
             slots,
-            pool_kind=None if kind in ("v2", "v2-ragged") else common.pool_kind(kind),
-            ragged_steps=kind == "v2-ragged",
-            graph_batch_sizes=self.ladder if graphs else (),
+            pool_kind=None if kind == "v2" else common.pool_kind(kind),
+            graph_frame_totals=self.ladder if graphs else (),
             graph_frame_sizes=sorted(set(chunk_sizes)),
             max_step_frames=max(chunk_sizes),
             n_vq=n_vq,
@@ -234,10 +233,10 @@ class OurArm(Arm):
         # stages a step's inputs into the graph's buffers, then calls the runner's replay (serving/step_runner.py).
         replay, device = runner.replay, self.session.device
 
-        def timed(key, rows):
+        def timed(shape):
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            out = replay(key, rows)
+            out = replay(shape)
             torch.cuda.synchronize(device)
             self.replay_s += time.perf_counter() - t0
             return out
@@ -300,6 +299,8 @@ class OurArm(Arm):
             "slots": int(self.session.pool.num_slots),
             "state_bytes": int(self.session.pool.state_bytes()),
             "graphs": len(runner.graphs) if runner is not None else 0,
+            "graph_memory_bytes": int(runner.memory_bytes) if runner is not None else 0,
+            "graph_capture_seconds": round(runner.capture_seconds, 3) if runner is not None else 0.0,
         }
 
     def close(self) -> None:

@@ -259,7 +259,7 @@ def _select_arms(args, p, cfg, device) -> tuple[list[str], dict[str, str]]:
     except ValueError as exc:
         p.error(f"--arms {args.arms!r}: {exc}")
     skipped: dict[str, str] = {}
-    for name in ("v2", "v2-paged", "v2-ragged"):
+    for name in ("v2", "v2-paged"):
         if name in names and not cfg.abilities.compact_pool:
             skipped[name] = f"preset {args.preset!r} is a {cfg.version} codec; the compact pool serves v2 codecs"
     if "upstream" in names:

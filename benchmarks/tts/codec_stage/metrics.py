@@ -127,7 +127,20 @@ def summarize(run: Run, stats: dict[str, Any], peak: int | None) -> tuple[dict[s
     return figures, details
 
 
+def _collector(run: Run, details: dict[str, Any]) -> None:
+    # Python's garbage collector, per decode call: inside it (the session pauses collection there) and between the
+    # previous call and it (counted on the simulated clock, docs/serving.md "Steps").
+    if run.step_gc:
+        details["collector_ms"] = {
+            "in_call_max": round(max(run.step_gc) * 1e3, 3),
+            "in_call_sum": round(sum(run.step_gc) * 1e3, 3),
+            "between_calls_max": round(max(run.step_gc_between) * 1e3, 3),
+            "between_calls_sum": round(sum(run.step_gc_between) * 1e3, 3),
+        }
+
+
 def _slowest_step(run: Run, details: dict[str, Any]) -> None:
+    _collector(run, details)
     walls = run.step_wall
     slowest = int(np.argmax(walls))
     if slowest < len(run.step_chunks):

@@ -13,6 +13,7 @@ O(chunks of the call) (heaps and per-request lists, no scan over the live stream
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -46,6 +47,10 @@ class Run:
     step_decoded: list[int] = field(default_factory=list)  # frames of every chunk of each step, summed
     step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
     step_trace: list[Any] = field(default_factory=list)  # session.CallTrace of each step (--trace-calls)
+    # Seconds Python's garbage collector ran during each decode call, and between the previous call and it (in
+    # the driver, as in an engine's loop between forward calls: counted on the simulated clock before the call).
+    step_gc: list[float] = field(default_factory=list)
+    step_gc_between: list[float] = field(default_factory=list)
     state_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock s, state bytes) after each step
     # The longest a measured request's chunk stayed queued in the arm (for a slot or state pages): from the call
     # that left it queued to the call that returned its audio.
@@ -55,6 +60,25 @@ class Run:
     requests: int = 0  # measured requests
     finished_requests: int = 0  # measured requests whose last audio came back
     stopped_early: bool = False
+
+
+class CollectorTime:
+    """Seconds Python's garbage collector runs, from its ``gc.callbacks`` start and stop events, read in laps."""
+
+    def __init__(self) -> None:
+        self.seconds, self._started = 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def lap(self) -> float:
+        """Collector seconds since the last lap."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def warm_up(arm, concurrency: int, chunk_sizes: list[int], n_vq: int, codebook_size: int) -> None:
@@ -103,6 +127,7 @@ class Driver:
         self.queued_since: dict[int, float] = {}  # request -> clock of the call that first left it queued
         self.playback = Playback(len(trace))
         self.run = Run(requests=trace.measured_count)
+        self.collector = CollectorTime()
         self.run.window = trace.window or (0.0, math.inf)
         self.run.live_trace.append((0.0, 0))
 
@@ -157,6 +182,15 @@ class Driver:
 
     def simulate(self) -> Run:
         self._admit(0.0)
+        gc.callbacks.append(self.collector)
+        try:
+            self._drive()
+        finally:
+            gc.callbacks.remove(self.collector)
+        self._close()
+        return self.run
+
+    def _drive(self) -> None:
         while not self._done():
             if not self._advance():
                 raise AssertionError("streams are left but no chunk, arrival or queued stream remains")
@@ -169,8 +203,6 @@ class Driver:
                 self.run.stopped_early = True
                 break
             self._admit(self.clock)
-        self._close()
-        return self.run
 
     def _call(self, batch: list[tuple[float, int, int]]) -> bool:
         """One decode call of ``batch``; True when a chunk's codec-added latency exceeded the give-up."""
@@ -179,10 +211,15 @@ class Driver:
             a, b = self.streams[r].schedule[k]
             last = k == len(self.streams[r].schedule) - 1
             chunks.append(upstream_stage.StageChunk(f"req-{r}", self.codes.take(r)[:, a:b], last))
+        between = self.collector.lap()
+        if self.arm.timed:
+            self.clock += between  # the engine pays collections between calls before it calls again
         called_at, t0 = self.clock, time.perf_counter()
         audio = self.arm.decode(chunks)
         self.sync()
         wall = time.perf_counter() - t0 if self.arm.timed else 0.0
+        self.run.step_gc.append(self.collector.lap())
+        self.run.step_gc_between.append(between)
         self._record_step(wall, chunks)
         missing = {c.request_id for c in chunks} - set(audio)
         if missing:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import platform
 import sys
 import time
@@ -65,11 +66,15 @@ def run_arm(name: str, make_arm, trace: Trace, load: Load, sizes: list[int], set
     arm = make_arm(load.concurrency, sizes)
     try:
         warm_up(arm, load.concurrency, sizes, settings.n_vq, cfg.codebook_size)
+        # What is alive once the arm is built leaves the collector's generations, as the stage does after startup
+        # (stage.py); unfrozen when the arm closes.
+        gc.collect()
+        gc.freeze()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         setup_s = time.perf_counter() - t0
-        described = {**arm.describe(), "graph_batch_sizes": list(arm.ladder)}
+        described = {**arm.describe(), "graph_ladder": list(arm.ladder)}
         arm.reset_state_peak()
         before = arm.stats()
         label = f"{name} {load.key if settings.poisson else 'C=' + load.key}"
@@ -78,6 +83,7 @@ def run_arm(name: str, make_arm, trace: Trace, load: Load, sizes: list[int], set
         described["peak_state_bytes"] = arm.state_peak_bytes()
         peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     finally:
+        gc.unfreeze()
         arm.close()
         del arm
         common.free_memory(device)

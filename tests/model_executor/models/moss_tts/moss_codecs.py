@@ -187,17 +187,14 @@ def assert_close_to_solo(got: torch.Tensor, ref: torch.Tensor, what: str) -> Non
     assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
 
 
-def count_steps(session, monkeypatch, packed: list | None = None) -> list[tuple[int, int]]:
-    """Record ``(B, T)`` of every eager pool step of ``session`` (and each one's packed length, or None, in
-    ``packed`` when given)."""
+def count_steps(session, monkeypatch) -> list[tuple[int, int, int]]:
+    """Record ``(rows, T, packed frames)`` of every eager pool step of ``session``."""
     steps = []
     real = session._steps.eager_step
 
-    def spy(codes, lengths, slot_ids, valid, **kwargs):
-        steps.append((codes.shape[1], codes.shape[2]))
-        if packed is not None:
-            packed.append(kwargs.get("total_frames"))
-        return real(codes, lengths, slot_ids, valid, **kwargs)
+    def spy(codes, lengths, slot_ids, valid, frames):
+        steps.append((lengths.shape[0], frames, codes.shape[1]))
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(session._steps, "eager_step", spy)
     return steps

@@ -21,7 +21,13 @@ Backends here:
 * :class:`FixedWidthAttention` - the reference streaming path: execution row ``b`` is
   state row ``b``, each layer with its own ring and offsets.
 * :class:`CompactTritonRingAttention` - the compact pool with attention backend
-  ``"triton"``: rings read in place by ``ops/ring_attention.py``, no gather, no mask.
+  ``"triton"``: rings read in place by ``ops/ring_attention.py``, no gather, no mask, each row read
+  from its first packed token.
+* :class:`GridAttention` - a pool step's packed tokens through a grid backend (the ``"sdpa"`` and legacy
+  references, which parity tests use as oracles).
+
+Every pool step is packed (``token_packing.py``): its plan is built with its packing, and its backend reads
+packed tokens.
 
 The ``"sdpa"`` backends compute attention with the reference attention,
 :func:`~.ops.ring_reference.attend_gathered_rows` (native
@@ -59,6 +65,7 @@ __all__ = [
     "CompactRingAttention",
     "CompactTritonRingAttention",
     "FixedWidthAttention",
+    "GridAttention",
     "GroupStep",
     "LegacyRingAttention",
     "OfflineAttention",
@@ -230,24 +237,25 @@ class CompactRingAttention:
 
 
 class CompactTritonRingAttention:
-    """Compact pool, ``"triton"`` backend: rings read in place, chunk tokens written once.
+    """Compact pool, ``"triton"`` backend: rings read in place, chunk tokens written once, on packed tokens.
 
-    Per layer: :func:`~.ops.rope.rope` rotates queries and keys in one pass (bitwise
+    Per layer: :func:`~.ops.rope.rope` rotates the packed queries and keys in one pass (bitwise
     :func:`apply_rope`, so the stored keys are the reference path's), then
-    :func:`~.ops.ring_attention.ring_attention_write` runs attention over the slot's ring and the
-    chunk and writes each row's last ``min(valid tokens, C)`` tokens (on CUDA inside the attention
-    kernel for rows of at most 32 tokens). The attention kernel can rotate as it loads, but that variant
-    ran far slower on some H200s than the kernel on rotated inputs (docs/ring_semantics.md). Needs
-    no :class:`~.step_metadata.RingMetadata`: the offsets and RoPE tables of each group are built once
-    here, at construction.
+    :func:`~.ops.ring_attention_packed.ring_attention_write_packed` runs attention over each row's ring and
+    chunk, reading the row from its first packed token, and writes each row's last ``min(valid tokens, C)``
+    tokens (on CUDA inside the attention kernel for rows of at most 32 tokens). The attention kernel can rotate
+    as it loads, but that variant ran far slower on some H200s than the kernel on rotated inputs
+    (docs/ring_semantics.md). Needs no :class:`~.step_metadata.RingMetadata`: each group's offsets, row starts and
+    RoPE tables (gathered at the packed tokens) are built once here, at construction.
 
     Args:
         config: the codec.
         rings: the pool's per-layer rings ``(2, S, H, C, Dh)``.
         ring_semantics: the pool's ring semantics.
-        slots: ``(B,)`` int64 slot of each execution row (padding rows on the null slot).
-        frames_decoded: ``(B,)`` int64 frames each row decoded before this step.
-        num_frames: ``T`` frames per row in this step.
+        slots: ``(R,)`` int64 slot of each row (padding rows on the null slot).
+        frames_decoded: ``(R,)`` int64 frames each row decoded before this step.
+        packing: the step's :class:`~.token_packing.TokenPacking`; every layer takes ``(3, 1, H, N, Dh)``
+            packed projections and answers ``(1, H, N, Dh)``.
         page_tables: for a paged pool, each group's ``(S, pages per ring)`` page table keyed by the
             group's first layer (``ops.ring_attention``'s ``page_table``); rings are then pages.
     """
@@ -259,56 +267,56 @@ class CompactTritonRingAttention:
         ring_semantics: str,
         slots: torch.Tensor,
         frames_decoded: torch.Tensor,
-        num_frames: int,
+        packing: TokenPacking,
         page_tables: dict[int, torch.Tensor] | None = None,
     ):
         self.rings, self.ring_semantics, self.slots = rings, ring_semantics, slots
         self.page_tables = page_tables or {}
-        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._levels: dict[int, int] = {}
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for level, (spec, first_layer) in enumerate(zip(config.groups, config.group_first_layers)):
             offsets = frames_decoded * spec.tokens_per_frame
-            cos, sin = step_rope_tables(offsets, num_frames * spec.tokens_per_frame, spec.head_dim, spec.max_period)
-            self.tables[first_layer] = (offsets, cos, sin)
-            self._levels[first_layer] = level
-        #: The step's token packing once :meth:`pack` was called: queries, keys and values then come packed.
-        self.packing: TokenPacking | None = None
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def pack(self, packing: TokenPacking) -> None:
-        """Take this step's projections packed (``packing``): each group's RoPE tables are gathered at the
-        packed tokens once, and its rows start at ``packing.row_starts x tokens per frame``; every layer then
-        attends with :func:`~.ops.ring_attention_packed.ring_attention_write_packed`, on ``(3, 1, H, N, Dh)``
-        projections, and answers ``(1, H, N, Dh)``."""
-        self.packing = packing
-        for first_layer, (_, cos, sin) in self.tables.items():
-            level = self._levels[first_layer]
-            read = packing.read[level]
-            half = cos.shape[-1]
-            cos_p, sin_p = (t.reshape(-1, half).index_select(0, read).view(1, 1, -1, half) for t in (cos, sin))
-            self._packed[first_layer] = (packing.row_starts * packing.tokens_per_frame[level], cos_p, sin_p)
+            num_tokens = packing.frames * spec.tokens_per_frame
+            cos, sin = step_rope_tables(offsets, num_tokens, spec.head_dim, spec.max_period)
+            half, read = cos.shape[-1], packing.read[level]
+            cos, sin = (t.reshape(-1, half).index_select(0, read).view(1, 1, -1, half) for t in (cos, sin))
+            self.tables[first_layer] = (offsets, packing.token_starts(level), cos, sin)
 
     def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        offsets, cos, sin = self.tables[group.first_layer]
-        packed = self._packed.get(group.first_layer)
-        if packed is not None:
-            token_start, cos, sin = packed
-        ring, written = self.rings[layer], group.valid_tokens
+        offsets, token_start, cos, sin = self.tables[group.first_layer]
+        ring = self.rings[layer]
         # Rotation rounds to the projection dtype first, then keys and values go to the ring dtype (a
         # no-op when they match): as the reference path.
         qk = rope_op(qkv[:2], cos, sin)
         q, keys, values = qk[0], qk[1].to(ring.dtype), qkv[2].to(ring.dtype)
-        table = self.page_tables.get(group.first_layer)
-        if packed is not None:
-            out = ring_attention_write_packed(
-                q, keys, values, ring, self.slots, offsets, written, token_start, group.num_tokens,
-                self.ring_semantics, page_table=table,
-            )  # fmt: skip
-        else:
-            out = ring_ops.ring_attention_write(
-                q, keys, values, ring, self.slots, offsets, written, self.ring_semantics, page_table=table
-            )
+        out = ring_attention_write_packed(
+            q, keys, values, ring, self.slots, offsets, group.valid_tokens, token_start, group.num_tokens,
+            self.ring_semantics, page_table=self.page_tables.get(group.first_layer),
+        )  # fmt: skip
         return out.transpose(1, 2)
+
+
+class GridAttention:
+    """A backend of the ``(R, H, T, Dh)`` grid (the ``"sdpa"`` and legacy references) on a packed step: each
+    layer's packed projections go into the grid of the step's rows, and the answer comes back packed.
+
+    Args:
+        inner: the grid backend.
+        packing: the step's :class:`~.token_packing.TokenPacking`.
+        levels: the level (group index) of each group's first layer.
+    """
+
+    def __init__(self, inner: AttentionBackend, packing: TokenPacking, levels: dict[int, int]):
+        self.inner, self.packing, self.levels = inner, packing, levels
+
+    def __call__(self, group: GroupStep, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        level, p = self.levels[group.first_layer], self.packing
+        _, _, H, N, Dh = qkv.shape
+        tokens = qkv[:, 0].permute(2, 0, 1, 3).reshape(1, N, 3 * H * Dh)
+        rows = p.to_rows(level, tokens)  # (R, T, 3 H Dh)
+        R, T = rows.shape[:2]
+        out = self.inner(group, layer, rows.view(R, T, 3, H, Dh).permute(2, 0, 3, 1, 4))  # (R, H, T, Dh)
+        packed = p.to_tokens(level, out.transpose(1, 2).reshape(R, T, H * Dh))  # (1, N, H Dh)
+        return packed.view(1, N, H, Dh).transpose(1, 2)
 
 
 class LegacyRingAttention:
@@ -367,16 +375,23 @@ class FixedWidthAttention:
 # --------------------------------------------------------------------------- plan builders
 #
 # A pool's step plan, chosen once per pool from (pool kind, attention backend): each builder reads the pool's
-# rings and offsets and returns the StepPlan of one step over routed ``slots`` (B,), ``valid_frames`` (B,) int64
-# (0 for invalid rows) and ``num_frames`` = T.
+# rings and offsets and returns the StepPlan of one packed step over routed ``slots`` (R,), ``valid_frames`` (R,)
+# int64 (0 for invalid rows) and the step's ``packing`` (its T is ``packing.frames``). Every backend reads the
+# packed tokens: the Triton one from each row's start, the grid references through :class:`GridAttention`.
 
 
-def legacy_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+def _levels(config: CodecConfig) -> dict[int, int]:
+    return {first: level for level, first in enumerate(config.group_first_layers)}
+
+
+def legacy_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, packing: TokenPacking) -> StepPlan:
     offsets = pool.offsets
     attention = LegacyRingAttention(
         pool.rings, offsets.offset_table, offsets.layer_rows, offsets.group_rows, pool.ring_semantics, slots
     )
-    return StepPlan(group_steps(pool.config, num_frames, valid_frames), attention)
+    return StepPlan(
+        group_steps(pool.config, packing.frames, valid_frames), GridAttention(attention, packing, _levels(pool.config))
+    )
 
 
 def _compact_finish(pool, frames_decoded, valid_frames, slots):
@@ -386,27 +401,29 @@ def _compact_finish(pool, frames_decoded, valid_frames, slots):
     )
 
 
-def compact_sdpa_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+def compact_sdpa_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, packing: TokenPacking) -> StepPlan:
     # Ring metadata (cells, sources, masks) once per group; gathered rows, masked commits.
     frames_decoded = pool.frames_decoded.index_select(0, slots)
-    groups = group_steps(pool.config, num_frames, valid_frames, pool.ring_semantics, frames_decoded)
-    attention = CompactRingAttention(pool.rings, pool.ring_semantics, slots)
-    return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
-
-
-def compact_triton_plan(pool, slots, valid_frames, num_frames: int, tables=None) -> StepPlan:
-    # No ring metadata: the kernels derive positions from offsets and valid token counts.
-    frames_decoded = pool.frames_decoded.index_select(0, slots)
-    groups = group_steps(pool.config, num_frames, valid_frames)
-    attention = CompactTritonRingAttention(
-        pool.config, pool.rings, pool.ring_semantics, slots, frames_decoded, num_frames, page_tables=tables
+    groups = group_steps(pool.config, packing.frames, valid_frames, pool.ring_semantics, frames_decoded)
+    attention = GridAttention(
+        CompactRingAttention(pool.rings, pool.ring_semantics, slots), packing, _levels(pool.config)
     )
     return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
 
 
-def paged_triton_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int) -> StepPlan:
+def compact_triton_plan(pool, slots, valid_frames, packing: TokenPacking, tables=None) -> StepPlan:
+    # No ring metadata: the kernels derive positions from offsets, row starts and valid token counts.
+    frames_decoded = pool.frames_decoded.index_select(0, slots)
+    groups = group_steps(pool.config, packing.frames, valid_frames)
+    attention = CompactTritonRingAttention(
+        pool.config, pool.rings, pool.ring_semantics, slots, frames_decoded, packing, page_tables=tables
+    )
+    return StepPlan(groups, attention, _compact_finish(pool, frames_decoded, valid_frames, slots))
+
+
+def paged_triton_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, packing: TokenPacking) -> StepPlan:
     # The compact plan over pages: every group's page table, keyed by its first layer.
-    return compact_triton_plan(pool, slots, valid_frames, num_frames, pool.store.tables_by_first_layer())
+    return compact_triton_plan(pool, slots, valid_frames, packing, pool.store.tables_by_first_layer())
 
 
 #: Step-plan builders by the plan name a pool kind gives for its backend (``pool_kinds.PoolKind.plans``).
@@ -420,7 +437,7 @@ PLAN_BUILDERS: dict[str, Callable] = {
 
 def plan_builder(kind: str, backend: str) -> Callable:
     """The step-plan builder of a pool of ``kind`` with attention ``backend``: ``(pool, slots, valid_frames,
-    num_frames) -> StepPlan``; the kind's record (``pool_kinds.pool_kind_record``) names it.
+    packing) -> StepPlan``; the kind's record (``pool_kinds.pool_kind_record``) names it.
 
     Raises:
         ValueError: a combination no pool runs (the state spec refuses it first).

@@ -2,8 +2,9 @@
 """``torch.compile`` boundary of a streaming step.
 
 A step is ``step.decode_tensors(pool, codes, valid_frames, state_slot_ids,
-valid_rows)``: tensor-only, no host syncs, no Python branching on tensor values, so it
-compiles with ``fullgraph=True`` and dynamic batch and frame dimensions.
+valid_rows, frames)``: tensor-only, no host syncs, no Python branching on tensor values, so it
+compiles with ``fullgraph=True`` and dynamic row and packed-frame dimensions (``frames``, the
+most frames of a row, is a Python int: one compiled variant per value, one per session).
 
 The adapters are ``nn.Module`` s because vLLM's ``support_torch_compile`` decorates
 module classes, and its compile cache keys artifacts on the decorated class. The
@@ -33,7 +34,7 @@ __all__ = [
 
 #: Dynamic dimensions of the adapter's forward arguments (``support_torch_compile`` format).
 DYNAMIC_ARG_DIMS: dict[str, dict[int, str]] = {
-    "codes": {1: "batch", 2: "frames"},
+    "codes": {1: "packed_frames"},
     "valid_frames": {0: "batch"},
     "state_slot_ids": {0: "batch"},
     "valid_rows": {0: "batch"},
@@ -59,8 +60,8 @@ class _DecodeCompileAdapter(nn.Module):
         self.decoder = pool.decoder
         self.pool = pool
 
-    def _step(self, codes, valid_frames, state_slot_ids, valid_rows):
-        return decode_tensors(self.pool, codes, valid_frames, state_slot_ids, valid_rows)
+    def _step(self, codes, valid_frames, state_slot_ids, valid_rows, frames):
+        return decode_tensors(self.pool, codes, valid_frames, state_slot_ids, valid_rows, frames)
 
 
 # Each concrete class defines its own ``forward``: vLLM's AOT cache hashes
@@ -79,10 +80,11 @@ class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
         valid_frames: torch.Tensor,
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``codes (n_vq, B, T)`` int64, ``valid_frames (B,)`` int64, ``state_slot_ids (B,)`` int64,
-        ``valid_rows (B,)`` bool -> ``audio (B, channels, T * spf)`` float32, ``audio_lengths (B,)`` int64."""
-        return self._step(codes, valid_frames, state_slot_ids, valid_rows)
+        frames: int,
+    ) -> torch.Tensor:
+        """``codes (n_vq, F)`` int64 packed, ``valid_frames (R,)`` int64, ``state_slot_ids (R,)`` int64,
+        ``valid_rows (R,)`` bool, ``frames`` = ``T`` -> ``audio (channels, F * spf)`` float32 packed."""
+        return self._step(codes, valid_frames, state_slot_ids, valid_rows, frames)
 
 
 class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
@@ -96,10 +98,11 @@ class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
         valid_frames: torch.Tensor,
         state_slot_ids: torch.Tensor,
         valid_rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``codes (n_vq, B, T)`` int64, ``valid_frames (B,)`` int64, ``state_slot_ids (B,)`` int64,
-        ``valid_rows (B,)`` bool -> ``audio (B, channels, T * spf)`` float32, ``audio_lengths (B,)`` int64."""
-        return self._step(codes, valid_frames, state_slot_ids, valid_rows)
+        frames: int,
+    ) -> torch.Tensor:
+        """``codes (n_vq, F)`` int64 packed, ``valid_frames (R,)`` int64, ``state_slot_ids (R,)`` int64,
+        ``valid_rows (R,)`` bool, ``frames`` = ``T`` -> ``audio (channels, F * spf)`` float32 packed."""
+        return self._step(codes, valid_frames, state_slot_ids, valid_rows, frames)
 
 
 def adapter_class_for(pool: DecoderStatePool) -> type[_DecodeCompileAdapter]:
@@ -125,9 +128,9 @@ def compile_decode(pool: DecoderStatePool, backend: str = "inductor") -> Callabl
     """``torch.compile(adapter, dynamic=True, fullgraph=True, backend=backend)`` for ``pool``.
 
     Returns a callable with the signature of ``step.decode_tensors`` less the pool that
-    marks the batch and frame dimensions dynamic on every call (cheap: it only tags the
+    marks the row and packed-frame dimensions dynamic on every call (cheap: it only tags the
     tensors) before calling the compiled module. Compilation happens on the first call;
-    a batch or frame size of 1 specialises and compiles once more. ``backend="aot_eager"``
+    a row count or packed length of 1 specialises and compiles once more. ``backend="aot_eager"``
     traces the same full graph (Dynamo, functionalisation of the state mutations) without
     Inductor's code generation, which takes minutes on CPU.
     """
@@ -135,10 +138,10 @@ def compile_decode(pool: DecoderStatePool, backend: str = "inductor") -> Callabl
     compiled = torch.compile(adapter, dynamic=True, fullgraph=True, backend=backend)
     names = tuple(DYNAMIC_ARG_DIMS)
 
-    def decode(codes, valid_frames, state_slot_ids, valid_rows):
+    def decode(codes, valid_frames, state_slot_ids, valid_rows, frames):
         for name, tensor in zip(names, (codes, valid_frames, state_slot_ids, valid_rows)):
             _mark_dynamic(tensor, DYNAMIC_ARG_DIMS[name])
-        return compiled(codes, valid_frames, state_slot_ids, valid_rows)
+        return compiled(codes, valid_frames, state_slot_ids, valid_rows, frames)
 
     decode.adapter = adapter  # type: ignore[attr-defined]
     return decode

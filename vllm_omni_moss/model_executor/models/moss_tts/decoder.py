@@ -306,8 +306,8 @@ def _run_layers(
     group: GroupStep,
     attention: AttentionBackend,
     fused: bool,
-    packing: TokenPacking | None = None, level: int = 0, splitk: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    splitk: bool = False,
+) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
     ``inputs`` is a one-element list holding the group's input; it is emptied, so that no reference
@@ -316,17 +316,11 @@ def _run_layers(
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
     ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
-    layer ops (CUDA); otherwise their references; ``splitk``: :func:`_project`'s. With ``packing``
-    (:mod:`.token_packing`) ``x`` is the ``(1, N, d)`` packed real tokens of level ``level``: an attention
-    whose ``packing`` is it reads them so, any other reads them in the ``(B, T)`` grid.
+    layer ops (CUDA); otherwise their references; ``splitk``: :func:`_project`'s. A packed step's ``x`` is
+    ``(1, N, d)``, its ``N`` packed tokens as one row, and its attention reads them so (:mod:`.token_packing`).
     """
     x = inputs.pop()
     B, T, d = x.shape
-    # Packed tokens go to an attention that reads them packed (its ``packing`` is this step's) as one row of
-    # all of them; otherwise into the (B, T) grid and back.
-    to_grid = packing is not None and getattr(attention, "packing", None) is not packing
-    if to_grid:
-        B, T = packing.rows, packing.frames * packing.tokens_per_frame[level]
     heads = group.spec.num_heads
     layers = weights.layers
     if not layers:
@@ -339,14 +333,10 @@ def _run_layers(
         # by the widest two of them, not by everything a layer makes.
         qkv = _project(layer.in_proj, h, splitk)
         del h
-        if to_grid:
-            qkv = packing.to_rows(level, qkv)
         qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
         # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
         attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
         del qkv
-        if to_grid:
-            attn = packing.to_tokens(level, attn)
         update = _project(layer.out_proj, attn, splitk)
         del attn
         norm = layer.norm2
@@ -379,32 +369,33 @@ def to_audio(config: CodecConfig, x: torch.Tensor) -> torch.Tensor:
 def run_decoder(
     decoder: CodecDecoder, codes: torch.Tensor, plan: StepPlan, packing: TokenPacking | None = None
 ) -> torch.Tensor:
-    """One decode step: codes ``(n_vq, B, T)`` int64 -> audio ``(B, channels, T * hop)`` float32.
+    """One decode step: codes ``(n_vq, B, T)`` int64 -> audio ``(B, channels, T * hop)`` float32, or with
+    ``packing`` (a packed step, :mod:`.token_packing`) packed codes ``(n_vq, F)`` -> packed audio
+    ``(channels, F * hop)``.
 
     ``plan`` holds one :class:`~.attention.GroupStep` per resolution group and the
-    attention backend; ``plan.finish`` runs after the last group. Pure tensor code: no
-    Python branching on tensor values.
+    attention backend (which reads the packed tokens of a packed step); ``plan.finish`` runs after the last
+    group. Pure tensor code: no Python branching on tensor values.
     """
     if packing is not None:
-        codes = packing.pack_codes(codes)
+        codes = codes.view(codes.shape[0], 1, -1)
     x = embed_codes(decoder, codes)
     # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
     fused = decoder.fused_glue and x.is_cuda
     splitk = fused and decoder.splitk_projections
-    for level, (group, weights) in enumerate(zip(plan.groups, decoder.groups)):
+    for group, weights in zip(plan.groups, decoder.groups):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
         inputs = [x]
         del x  # _run_layers takes the only reference (see its docstring)
-        x = _run_layers(weights, inputs, group, plan.attention, fused, packing, level, splitk)
+        x = _run_layers(weights, inputs, group, plan.attention, fused, splitk)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)
     if plan.finish is not None:
         plan.finish()
-    if packing is not None:
-        x = packing.to_rows(len(plan.groups), x)
-    return to_audio(decoder.config, x)
+    audio = to_audio(decoder.config, x)
+    return audio if packing is None else audio[0]
 
 
 def decode_autocast(decoder: CodecDecoder):

@@ -1,79 +1,148 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The batch buckets of the codec's CUDA graphs: one ladder for the stage, the session and the benchmarks.
+"""The shape of every serving step: one function for the session, the graph runner, the stage and the benchmarks.
 
-A step of ``B`` rows replays the graph of the smallest bucket ``>= B``; its ``bucket - B`` extra rows are
-padding rows (they read the null slot and write nothing) and cost what real rows cost. The ladder bounds
-that waste: powers of two up to :data:`DENSE_UP_TO` rows (where a step's time is dominated by its fixed
-cost, not its rows), then buckets that grow by at most :data:`GROWTH`, so that a batch of more than
-``DENSE_UP_TO`` rows never replays a graph of more than ``GROWTH`` times its rows. The last bucket is the
-slot count, so that every batch the pool can hold is one replay.
+Every step is ragged (docs/serving.md, "Steps"): its rows hold any number of valid frames up to the step's frame
+size, and every op but the ring attention runs on their frames packed one after another. A step's cost therefore
+follows its packed frames, not its rows, and its CUDA graph is keyed by them, as vLLM keys its graphs by token
+count: :func:`frame_totals` is the ladder of packed frame totals, fine enough that a step pads at most
+``1 / GROWTH_DIVISOR`` of its frames (every total up to ``2 x GROWTH_DIVISOR`` is on it). A step of ``F`` real
+frames replays the graph of the smallest total ``>= F``; its extra frames are dummies that read nothing a real
+token reads and write nothing.
+
+:class:`StepShape` is the frozen shape of one step and the key of its graph. :class:`StepLadder` answers the one
+question a planner asks (:meth:`StepLadder.shape`) and cuts a round whose frames no shape holds
+(:meth:`StepLadder.cut`); the CPU and the GPU plan with the same ladder, so a CPU run takes the steps a GPU does.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .checks import check_count
 
-__all__ = [
-    "DENSE_UP_TO",
-    "GROWTH",
-    "batch_buckets",
-    "bucket_for",
-    "graph_sizes",
-    "packed_total_for",
-    "packed_totals",
-]
+__all__ = ["GROWTH_DIVISOR", "StepLadder", "StepShape", "frame_totals", "graph_sizes"]
 
-#: Buckets up to this many rows are the powers of two.
-DENSE_UP_TO = 64
-#: Above :data:`DENSE_UP_TO`, a bucket holds at most this many times the rows of the smallest batch it serves.
-GROWTH = 1.25
-#: Buckets above :data:`DENSE_UP_TO` are multiples of this many rows (the slot count excepted).
-_MULTIPLE = 8
+#: Above ``2 x GROWTH_DIVISOR`` frames, consecutive totals of the ladder differ by ``floor(total / GROWTH_DIVISOR)``
+#: frames: a step pads at most ``1 / GROWTH_DIVISOR`` (3.1%) of its frames, about half that on average.
+GROWTH_DIVISOR = 32
 
 
-def batch_buckets(max_rows: int) -> list[int]:
-    """The ladder of batch buckets for a pool of ``max_rows`` slots, ascending, ending at ``max_rows``.
+def frame_totals(max_total: int) -> list[int]:
+    """The ladder of packed frame totals up to ``max_total``, ascending, ending at ``max_total``.
 
-    Every ``B`` in ``1..max_rows`` has a bucket ``b >= B`` with ``b <= 2 B`` for ``B <= 64`` and
-    ``b <= 1.25 B`` above (``max_rows = 2048`` gives 24 buckets).
+    Every total up to ``2 x GROWTH_DIVISOR`` (small steps, where a step's fixed cost dominates), then each
+    total ``n`` followed by ``n + floor(n / GROWTH_DIVISOR)``: ``frame_totals(3840)`` (640 slots of 6-frame
+    chunks) has 206 totals, ``frame_totals(2304)`` (384 slots) 189, ``frame_totals(4560)`` (760 slots) 211.
 
     Raises:
-        ValueError: ``max_rows`` is not an integer >= 1.
+        ValueError: ``max_total`` is not an integer >= 1.
     """
-    check_count(max_rows, "max_rows", 1)
-    buckets = [1 << i for i in range(DENSE_UP_TO.bit_length()) if 1 << i < max_rows]
-    while buckets and buckets[-1] >= DENSE_UP_TO and math.floor(GROWTH * (buckets[-1] + 1)) < max_rows:
-        # The next bucket serves every batch from the last bucket + 1 up: at most GROWTH x that smallest one.
-        nxt = math.floor(GROWTH * (buckets[-1] + 1)) // _MULTIPLE * _MULTIPLE
-        buckets.append(max(nxt, buckets[-1] + 1))
-    return buckets + [max_rows]
+    check_count(max_total, "max_total", 1)
+    totals, n = [], 1
+    while n < max_total:
+        totals.append(n)
+        n += max(1, n // GROWTH_DIVISOR)
+    return totals + [max_total]
 
 
-def bucket_for(buckets: list[int], rows: int) -> int | None:
-    """The smallest bucket of ``buckets`` (ascending) holding ``rows`` rows, or None when none does."""
-    return next((b for b in buckets if b >= rows), None)
+def graph_sizes(sizes) -> list[int]:
+    """Graph frame sizes or frame totals as a session keeps them: distinct, ascending, each ``int(size)``; sizes
+    below 1 are dropped."""
+    return sorted({int(n) for n in sizes if 0 < int(n)})
 
 
-def graph_sizes(sizes, upper: int | None = None) -> list[int]:
-    """Graph batch or frame sizes as the session and the graph runner keep them: distinct, ascending, each
-    ``int(size)`` in ``1..upper`` (no upper bound when ``upper`` is None); other sizes are dropped."""
-    return sorted({int(n) for n in sizes if 0 < int(n) and (upper is None or int(n) <= upper)})
+@dataclass(frozen=True)
+class StepShape:
+    """The shape of one step and the key of the CUDA graph that replays it.
+
+    Attributes:
+        rows: ``R``, rows of the step: its streams, then padding rows (they decode nothing).
+        frames: ``T``, the most valid frames one row may hold (the ring attention's query length per row).
+        total_frames: ``F``, packed frames: the rows' valid frames one after another, then dummy frames.
+    """
+
+    rows: int
+    frames: int
+    total_frames: int
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "frames", "total_frames"):
+            check_count(getattr(self, name), name, 1)
 
 
-def packed_totals(bucket: int, frame_sizes: list[int], least_rows: int = 1) -> list[int]:
-    """The total frames of the packed graphs of one bucket: ``bucket x t`` for every frame size ``t`` of
-    ``frame_sizes`` (ascending) below the largest. They serve ragged steps at the largest frame size, whose rows
-    hold ``bucket x t`` real frames or fewer (docs/serving.md, "Ragged steps"). A step the bucket serves has at
-    least ``least_rows`` rows (one past the bucket below), one of them longer than the second largest frame size
-    (else the step would pad to that), so totals below ``second largest + least_rows`` frames would never be
-    replayed and are left out."""
-    least = (frame_sizes[-2] + least_rows) if len(frame_sizes) > 1 else 0
-    return [bucket * t for t in frame_sizes[:-1] if bucket * t >= least]
+@dataclass(frozen=True)
+class StepLadder:
+    """How a session shapes its steps.
 
+    Attributes:
+        max_rows: most rows of one step (the pool's slot count).
+        frames: ``T`` of every step (the largest chunk size decoded in one step; longer chunks are cut).
+        totals: the packed frame totals steps are padded to, ascending (:func:`frame_totals`, or those whose
+            graphs were captured); empty: every step is shaped exactly (its rows, its real frames), as without
+            graphs.
 
-def packed_total_for(bucket: int, frame_sizes: list[int], frames: int) -> int | None:
-    """The smallest of :func:`packed_totals` ``(bucket, frame_sizes)`` holding ``frames`` real frames, or None:
-    the step runs in its grid (``frames`` more than every packed total, or no smaller frame size)."""
-    return next((n for n in packed_totals(bucket, frame_sizes) if n >= frames), None)
+    Raises:
+        ValueError: ``max_rows`` or ``frames`` is not an integer >= 1, or ``totals`` is not ascending integers >= 1.
+    """
+
+    max_rows: int
+    frames: int
+    totals: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_count(self.max_rows, "max_rows", 1)
+        check_count(self.frames, "frames", 1)
+        totals = tuple(self.totals)
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in totals) or list(totals) != sorted(
+            set(totals)
+        ):
+            raise ValueError(f"totals must be distinct ascending integers >= 1, got {list(totals)}")
+        object.__setattr__(self, "totals", totals)
+
+    @classmethod
+    def for_slots(cls, max_rows: int, frames: int) -> StepLadder:
+        """The ladder of a pool of ``max_rows`` slots decoding at most ``frames`` frames a row:
+        ``frame_totals(max_rows x frames)``."""
+        return cls(max_rows, frames, tuple(frame_totals(check_count(max_rows, "max_rows", 1) * frames)))
+
+    @property
+    def max_total(self) -> int | None:
+        """Most real frames of one step (None: unbounded, no ladder)."""
+        return self.totals[-1] if self.totals else None
+
+    def shape_of_total(self, total: int) -> StepShape:
+        """The shape of the steps padded to ``total`` packed frames: ``min(max_rows, total)`` rows (a row holds a
+        frame at least, so no such step has more rows), :attr:`frames` frames."""
+        return StepShape(min(self.max_rows, total), self.frames, total)
+
+    def shape(self, lengths: Sequence[int]) -> StepShape | None:
+        """The shape of a step whose rows hold ``lengths`` valid frames (each ``1..frames``): with a ladder,
+        :meth:`shape_of_total` of the smallest total holding their sum; without, exactly their rows, their
+        longest row and their sum. None when no total holds them (cut the round: :meth:`cut`) or there are more
+        rows than :attr:`max_rows`."""
+        rows, real = len(lengths), sum(lengths)
+        if not 1 <= rows <= self.max_rows:
+            return None
+        if not self.totals:
+            return StepShape(rows, max(lengths), real)
+        i = bisect.bisect_left(self.totals, real)
+        return None if i == len(self.totals) else self.shape_of_total(self.totals[i])
+
+    def cut(self, lengths: Sequence[int]) -> list[int]:
+        """Sizes of consecutive groups of rows with valid frames ``lengths`` (in order), each of which
+        :meth:`shape` holds: one group when the whole round fits, otherwise each group as many rows as fit.
+
+        Raises:
+            ValueError: a length outside ``1..frames``.
+        """
+        sizes, rows, real, limit = [], 0, 0, self.max_total
+        for n in lengths:
+            if not 1 <= n <= self.frames:
+                raise ValueError(f"a row of {n} frames does not fit steps of {self.frames} frames")
+            if rows and (rows == self.max_rows or (limit is not None and real + n > limit)):
+                sizes.append(rows)
+                rows, real = 0, 0
+            rows, real = rows + 1, real + n
+        return sizes + [rows] if rows else sizes

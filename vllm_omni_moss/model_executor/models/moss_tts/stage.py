@@ -30,6 +30,7 @@ Differences in behaviour (details in ``docs/serving_stage.md``):
 
 from __future__ import annotations
 
+import gc
 import itertools
 import numbers
 import time
@@ -104,7 +105,7 @@ class MossTTSCodecDecoder(nn.Module):
         # The talker's chunker resolves its schedule with the same function (talker_chunker.chunk_schedule_of).
         self.options = options = StageOptions.from_vllm_config(vllm_config, parse_chunk_ramp)
         self.n_vq, self.state_capacity, self.token_budget = options.n_vq, options.state_capacity, options.token_budget
-        self.graph_frame_sizes, self.graph_batch_sizes = options.graph_frame_sizes, options.graph_batch_sizes
+        self.graph_frame_sizes, self.graph_frame_totals = options.graph_frame_sizes, options.graph_frame_totals
         self.max_step_frames, self.async_chunk = options.max_step_frames, options.async_chunk
         self.stats_interval_s = self.STATS_INTERVAL_S
         self._codec: CodecDecoder | None = None
@@ -170,12 +171,12 @@ class MossTTSCodecDecoder(nn.Module):
             self.vllm_config, device, self._codec, self._state_spec, self.state_capacity, self._graph_rows()
         )
         # Graphs are captured at load, not on the first request; a budget too small for one stream fails at load.
-        if (self.async_chunk and self.graph_batch_sizes and self.graph_frame_sizes) or self.options.state_budget_bytes:
+        if (self.async_chunk and self.graph_frame_totals and self.graph_frame_sizes) or self.options.state_budget_bytes:
             self._ensure_session()
 
     def _graph_rows(self) -> int:
-        # The largest graph bucket (what a legacy pool needs scratch slots for), 0 without graphs.
-        return self.graph_batch_sizes[-1] if self.graph_batch_sizes and self.graph_frame_sizes else 0
+        # The most rows of a graph (what a legacy pool needs scratch slots for: one a slot), 0 without graphs.
+        return self.state_capacity if self.graph_frame_totals and self.graph_frame_sizes else 0
 
     def _ensure_session(self) -> CodecStreamSession:
         if self._session is None:
@@ -187,6 +188,11 @@ class MossTTSCodecDecoder(nn.Module):
                 compile=vllm_compile_factory(self.vllm_config) if graphs else False,
             )
             _log_graphs(self._session.runner, self.options.graph_memory_bytes)
+            # What is alive after startup (weights, pool, graphs) leaves the collector's generations, as vLLM
+            # freezes its worker after capturing graphs: no later collection traverses it (docs/serving.md,
+            # "Steps").
+            gc.collect()
+            gc.freeze()
         return self._session
 
     # ------------------------------------------------------------------ output
@@ -509,10 +515,10 @@ def _log_loaded(stage: MossTTSCodecDecoder, source: str, device: torch.device) -
     cfg = stage._codec.config
     logger.info(
         "MOSS codec decoder loaded from %s on %s: %s, %d Hz, %d channel(s), n_vq=%d, precision %s "
-        "(weights, decode table and state rings; codec_dtype=%s), streams=%d, graphs B=%s T=%s",
+        "(weights, decode table and state rings; codec_dtype=%s), streams=%d, chunk sizes %s, %d step shapes",
         source, device, cfg.version, cfg.sampling_rate, cfg.number_channels, stage.n_vq,
         str(stage._dtype).removeprefix("torch."), stage.options.codec_dtype, stage.state_capacity,
-        stage.graph_batch_sizes, stage.graph_frame_sizes,
+        stage.graph_frame_sizes, len(stage.graph_frame_totals),
     )  # fmt: skip
 
 
@@ -558,9 +564,12 @@ def _check_state_fits_share(vllm_config, device, codec, spec: StateSpec, capacit
 
 def _log_graphs(runner, budget: int) -> None:
     if runner is not None:
+        largest = runner.shapes[0]
         logger.info(
-            "MOSS codec CUDA graphs: batch buckets %s x frame sizes %s, %d captured in %.2f GiB (budget %.2f GiB)",
-            runner.batch_sizes, runner.frame_sizes, len(runner.graphs), runner.memory_bytes / 2**30, budget / 2**30,
+            "MOSS codec CUDA graphs: %d step shapes (packed frame totals 1 to %d, up to %d rows x %d frames), %d "
+            "captured in %.2f GiB (budget %.2f GiB) and %.1f s",
+            len(runner.shapes), largest.total_frames, largest.rows, largest.frames, len(runner.graphs),
+            runner.memory_bytes / 2**30, budget / 2**30, runner.capture_seconds,
         )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import torch
 from .attention import ATTENTION_BACKENDS
 from .config import CODEC_ABILITIES, PRESETS
 from .decoder import chunk_frames_at
-from .graph_ladder import batch_buckets
+from .graph_ladder import frame_totals
 from .serving.options import SessionOptions
 from .state import POOL_KINDS
 from .step_metadata import RING_SEMANTICS
@@ -91,7 +91,12 @@ CODEC_KEYS: dict[str, str] = {
     "codec_expected_stream_seconds": "the stream length that splits the state budget over the groups",
     "codec_graph_memory_gib": "GiB the codec's CUDA graphs may take",
     "codec_dummy_preset": "the geometry of the random codec served under vLLM's dummy load format",
-    "codec_ragged_steps": "one decoder step per round of a call, whatever its chunks' lengths (a bool)",
+}
+#: ``codec_*`` fields the stage read once and no longer does, with why: naming one is a startup error that says it
+#: was removed, never a silent no-op.
+REMOVED_CODEC_KEYS: dict[str, str] = {
+    "codec_ragged_steps": 'every step is ragged now (one packed step per round, docs/serving.md "Steps"); '
+    "there is no other step layout to choose",
 }
 #: The codec served under vLLM's dummy load format unless ``codec_dummy_preset`` names another preset.
 DEFAULT_DUMMY_PRESET = "v2"
@@ -105,9 +110,17 @@ def check_codec_keys(hf: Any) -> None:
     ``hf_overrides`` included, as an instance attribute.
 
     Raises:
-        ValueError: naming every unknown field and the known one closest to it (``difflib``).
+        ValueError: naming a removed field (:data:`REMOVED_CODEC_KEYS`) and why it was removed, or every unknown
+            field and the known one closest to it (``difflib``).
     """
     fields = getattr(hf, "__dict__", {})
+    removed = sorted(k for k in fields if _plain_key(k) in REMOVED_CODEC_KEYS)
+    if removed:
+        key = removed[0]
+        raise ValueError(
+            f"codec option {key!r} in the stage's hf_config (hf_overrides) was removed: "
+            f"{REMOVED_CODEC_KEYS[_plain_key(key)]}; delete it from the deploy file"
+        )
     # Any case and separator: hf_config fields are exact names, so `Codec_dtype` or `codec-dtype` would be a
     # field of its own, unread.
     unknown = sorted(k for k in fields if _plain_key(k).startswith("codec_") and k not in CODEC_KEYS)
@@ -149,14 +162,6 @@ def _hf_choice(hf: Any, name: str, choices: tuple[str, ...]) -> str | None:
     if value is not None and value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
-
-
-def _hf_bool(hf: Any, name: str) -> bool:
-    """The hf_config field ``name`` as a bool (False when absent or null); ValueError for anything but a bool."""
-    value = getattr(hf, name, None)
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-    return bool(value)
 
 
 def _hf_positive(hf: Any, name: str, unit: str) -> float | None:
@@ -370,15 +375,14 @@ class StageOptions:
         graph_frame_sizes: every chunk size the talker's chunker sends (:func:`connector_chunk_frames`).
         max_step_frames: the longest step without graphs: the largest of those sizes.
         async_chunk / enforce_eager: the model config's (``enforce_eager`` defaults to true when absent).
-        graph_batch_sizes: the graph ladder up to the slot count (``graph_ladder.batch_buckets``); none under
-            ``enforce_eager``. vLLM's ``cudagraph_capture_sizes`` is not read.
+        graph_frame_totals: the packed frame totals of the stage's step shapes and CUDA graphs,
+            ``graph_ladder.frame_totals(state_capacity x the largest chunk size)``; none under ``enforce_eager``.
+            vLLM's ``cudagraph_capture_sizes`` is not read.
         graph_memory_bytes: device memory the codec's graphs may take (``codec_graph_memory_gib``, default
             :data:`DEFAULT_GRAPH_MEMORY_GIB`).
         dummy_preset: under vLLM's dummy load format (``load_config.load_format == "dummy"``), the preset
             (``config.PRESETS``) whose random weights the stage serves instead of the checkpoint
             (``codec_dummy_preset``, default :data:`DEFAULT_DUMMY_PRESET`); None under any other load format.
-        ragged_steps: one step per round of a call (``codec_ragged_steps``, default False:
-            ``SessionOptions.ragged_steps``).
     """
 
     n_vq: int
@@ -395,10 +399,9 @@ class StageOptions:
     max_step_frames: int
     async_chunk: bool
     enforce_eager: bool
-    graph_batch_sizes: list[int]
+    graph_frame_totals: list[int]
     graph_memory_bytes: int
     dummy_preset: str | None = None
-    ragged_steps: bool = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config, parse_ramp: RampParser | None = None) -> StageOptions:
@@ -409,7 +412,7 @@ class StageOptions:
             ValueError: bad ``n_vq`` (not an integer >= 1), ``codec_dtype``, ``codec_attention_backend``,
                 ``codec_ring_semantics``, ``codec_pool_kind``, ``codec_state_budget_gib`` (not a number > 0, or
                 given with a pool kind other than ``"paged"``), ``codec_expected_stream_seconds`` (without a
-                budget), ``codec_dummy_preset`` (not a preset name), ``codec_ragged_steps`` (not a bool), or the
+                budget), ``codec_dummy_preset`` (not a preset name), a removed field (``codec_ragged_steps``), or the
                 connector's chunk schedule
                 (:func:`resolve_chunk_schedule`); a ``codec_*`` field :data:`CODEC_KEYS` does not list
                 (:func:`check_codec_keys`).
@@ -446,9 +449,9 @@ class StageOptions:
             n_vq, codec_path, codec_dtype, backend, semantics, pool_kind, budget, seconds, capacity,
             int(tokens) if tokens else None, frame_sizes, max(frame_sizes, default=DEFAULT_MAX_STEP_FRAMES),
             bool(getattr(model_config, "async_chunk", False)), enforce_eager,
-            [] if enforce_eager else batch_buckets(capacity),
+            [] if enforce_eager else frame_totals(capacity * max(frame_sizes, default=DEFAULT_MAX_STEP_FRAMES)),
             int((_hf_positive(hf, "codec_graph_memory_gib", "GiB") or DEFAULT_GRAPH_MEMORY_GIB) * 2**30),
-            dummy_preset if dummy else None, _hf_bool(hf, "codec_ragged_steps"),
+            dummy_preset if dummy else None,
         )  # fmt: skip
 
     def session_options(self) -> SessionOptions:
@@ -456,8 +459,8 @@ class StageOptions:
         memory; the admission queue takes every slot's stream (the engine sends at most ``max_num_seqs``, so
         none is ever refused for the queue's size) and :data:`WAITING_FRAMES_PER_SLOT` frames a slot."""
         return SessionOptions(
-            state_capacity=self.state_capacity, n_vq=self.n_vq, graph_batch_sizes=tuple(self.graph_batch_sizes),
+            state_capacity=self.state_capacity, n_vq=self.n_vq, graph_frame_totals=tuple(self.graph_frame_totals),
             graph_frame_sizes=tuple(self.graph_frame_sizes), max_step_frames=self.max_step_frames,
             max_waiting_streams=self.state_capacity, max_waiting_frames=self.state_capacity * WAITING_FRAMES_PER_SLOT,
-            graph_memory_bytes=self.graph_memory_bytes, ragged_steps=self.ragged_steps,
+            graph_memory_bytes=self.graph_memory_bytes,
         )  # fmt: skip

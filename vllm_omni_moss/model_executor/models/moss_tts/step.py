@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One streaming step over a pool: ``(n_vq, B, T)`` codes of ``B`` rows -> ``(B, channels, T * spf)`` audio.
+"""One streaming step over a pool: the packed codes of ``R`` rows -> their packed audio.
 
-The pool is memory (slots, rings, offsets, pages); this module runs the decoder over it.
-:func:`decode_tensors` is the tensor-only step (the ``torch.compile`` and CUDA-graph boundary: no validation,
-no host syncs, no Python branching on tensor values); :func:`decode_batch` validates its arguments first.
-Row ``b`` decodes ``valid_frames[b]`` valid frames of slot ``slot_ids[b]`` when ``valid_rows[b]``; padding rows
-(``valid_rows[b]`` False) read the slot the pool routes them to and change nothing it keeps.
+The pool is memory (slots, rings, offsets, pages); this module runs the decoder over it. Every step is packed
+(``token_packing.py``): :func:`decode_tensors` is the tensor-only step (the ``torch.compile`` and CUDA-graph
+boundary: no validation, no host syncs, no Python branching on tensor values) on ``(n_vq, F)`` packed codes;
+:func:`decode_batch` is the validated step of the public API on a ``(n_vq, B, T)`` grid of codes, which it packs
+and whose audio it unpacks. Row ``b`` decodes ``valid_frames[b]`` valid frames of slot ``slot_ids[b]`` when
+``valid_rows[b]``; padding rows (``valid_rows[b]`` False) read the slot the pool routes them to and change nothing
+it keeps.
 """
 
 from __future__ import annotations
@@ -14,49 +16,39 @@ import torch
 
 from .decoder import decode_autocast, run_decoder
 from .pool_kinds import pool_kind_record
-from .token_packing import TokenPacking
+from .token_packing import TokenPacking, pack_codes, unpack_audio
 
 __all__ = ["decode_batch", "decode_tensors", "validate_step"]
 
 
-def decode_tensors(
-    pool, codes, valid_frames, slot_ids, valid_rows, total_frames: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step of ``pool`` on int64 ``codes`` ``(n_vq, B, T)``, int64 ``valid_frames`` ``(B,)``, int64
-    ``slot_ids`` ``(B,)`` and bool ``valid_rows`` ``(B,)`` on the pool's device.
+def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows, frames: int) -> torch.Tensor:
+    """The step of ``pool`` on int64 packed ``codes`` ``(n_vq, F)``, int64 ``valid_frames`` ``(R,)``, int64
+    ``slot_ids`` ``(R,)`` and bool ``valid_rows`` ``(R,)`` on the pool's device; ``frames`` = ``T``, at least
+    every valid row's frames.
 
-    ``total_frames`` (at least the valid rows' frames in all): run every op but the attention on the packed real
-    tokens (:mod:`.token_packing`), ``total_frames`` frames of them, instead of the ``B x T`` grid; the same
-    audio and state within the GEMMs' rounding.
+    ``codes`` holds the valid rows' frames one after another in row order (an invalid row holds none), then
+    dummy frames up to ``F`` (:mod:`.token_packing`).
 
     Returns:
-        ``audio`` ``(B, channels, T * samples_per_frame)`` float32, zero for invalid rows and padding frames,
-        and ``audio_lengths`` ``(B,)`` int64 valid samples per channel (``valid_frames * samples_per_frame``, 0
-        for invalid rows).
+        ``(channels, F x samples_per_frame)`` float32 packed audio: row ``b``'s samples start at sample
+        ``row_start x samples_per_frame`` (its valid frames' exclusive prefix sum); the dummies' samples are
+        unspecified.
     """
     slots = pool.route(slot_ids, valid_rows)
     valid_frames = torch.where(valid_rows, valid_frames, 0)
-    plan = pool.step_plan(slots, valid_frames, codes.shape[-1])
-    packing = None
-    if total_frames is not None:
-        packing = TokenPacking.of(pool.config, valid_frames, codes.shape[-1], total_frames)
-        pack = getattr(plan.attention, "pack", None)
-        if pack is not None:  # the attention reads the packed tokens itself (the triton backend)
-            pack(packing)
+    packing = TokenPacking.of(pool.config, valid_frames, frames, codes.shape[-1])
+    plan = pool.step_plan(slots, valid_frames, packing)
     with torch.no_grad(), decode_autocast(pool.decoder):
-        audio = run_decoder(pool.decoder, codes, plan, packing)
-    audio_lengths = valid_frames * pool.config.samples_per_frame
-    sample = torch.arange(audio.shape[-1], device=audio.device)
-    audio = torch.where(sample < audio_lengths.view(-1, 1, 1), audio, 0.0)
-    return audio, audio_lengths
+        return run_decoder(pool.decoder, codes, plan, packing)
 
 
 @torch.no_grad()
 def decode_batch(
     pool, codes, valid_frames, slot_ids, valid_rows, total_frames: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_tensors` after :func:`validate_step`, with the pages of a paged pool reserved (and its page
-    tables committed) first.
+    """:func:`decode_tensors` on a ``(n_vq, B, T)`` grid of codes, after :func:`validate_step`, with the pages of
+    a paged pool reserved (and its page tables committed) first: the grid is packed (:func:`~.token_packing.
+    pack_codes`) and the audio unpacked.
 
     Args:
         codes: ``(n_vq, B, T)`` integer codes in ``[0, codebook_size)``, on the pool's device.
@@ -64,8 +56,12 @@ def decode_batch(
             are padding (they change no state); 0 decodes nothing.
         slot_ids: ``(B,)`` int64 slot of each row.
         valid_rows: ``(B,)`` bool; False marks padding rows (their valid frames are ignored).
-        total_frames: run every op but the attention on ``total_frames`` packed frames (:func:`decode_tensors`),
-            at least the valid rows' frames in all; None: on the ``B x T`` grid.
+        total_frames: packed frames of the step, at least the valid rows' frames in all (the rest dummies);
+            None: exactly those (at least 1).
+    Returns:
+        ``audio`` ``(B, channels, T * samples_per_frame)`` float32, zero for invalid rows and padding frames,
+        and ``audio_lengths`` ``(B,)`` int64 valid samples per channel (``valid_frames * samples_per_frame``, 0
+        for invalid rows).
     Raises:
         ValueError: as :func:`validate_step`, a ``total_frames`` that is not an integer of at least the valid rows'
             frames (and 1), or (paged pools) a valid row's slot that is not in use. Nothing is modified when it raises.
@@ -74,15 +70,21 @@ def decode_batch(
     """
     pool._require_initialized()
     validate_step(pool, codes, valid_frames, slot_ids, valid_rows)
-    if total_frames is not None:
-        _check_total_frames(total_frames, valid_frames, valid_rows)
+    least = max(1, int(torch.where(valid_rows, valid_frames, 0).sum()))
+    if total_frames is None:
+        total_frames = least
+    _check_total_frames(total_frames, least)
     if pool_kind_record(pool.kind).paged:
         _reserve_pages(pool, slot_ids, valid_frames, valid_rows)
-    return decode_tensors(pool, codes.long(), valid_frames.long(), slot_ids.long(), valid_rows, total_frames)
+    T = codes.shape[-1]
+    valid_frames = torch.where(valid_rows, valid_frames.long(), 0)
+    packed = pack_codes(codes.long(), valid_frames, total_frames)
+    audio = decode_tensors(pool, packed, valid_frames, slot_ids.long(), valid_rows, T)
+    spf = pool.config.samples_per_frame
+    return unpack_audio(audio, valid_frames, T, spf), valid_frames * spf
 
 
-def _check_total_frames(total_frames, valid_frames, valid_rows) -> None:
-    least = max(1, int(torch.where(valid_rows, valid_frames, 0).sum()))
+def _check_total_frames(total_frames, least: int) -> None:
     if isinstance(total_frames, bool) or not isinstance(total_frames, int) or total_frames < least:
         raise ValueError(f"total_frames must be an integer >= {least} (the valid rows' frames), got {total_frames!r}")
 

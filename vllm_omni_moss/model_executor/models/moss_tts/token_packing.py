@@ -1,17 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Packed tokens of a ragged step: the real tokens of every row, one after another, for the GEMMs.
+"""Packed tokens, the one layout of a step: the valid frames of every row, one after another.
 
-A step of ``B`` rows and ``T`` frames holds ``B x T x tokens_per_frame`` token positions per resolution group,
-but row ``b`` has only ``valid_frames[b]`` real frames. Every op of the decoder except the ring attention works
-on each token alone (embedding, projections, LayerNorm, FFN, the upsamplers, which turn one token into
-``factor`` consecutive ones, and the audio head), so those run on the packed real tokens and pay for no
-padding frame; the attention reads its rows in the ``(B, T)`` grid as before (:meth:`TokenPacking.to_rows`)
-and its output is packed again (:meth:`TokenPacking.to_tokens`).
+A step of ``R`` rows, at most ``T`` frames a row, holds ``F`` packed frames (``graph_ladder.StepShape``): row
+``b``'s ``valid_frames[b]`` frames start at packed frame ``row_starts[b]`` (rows in order, no gaps), and the
+``F - sum(valid_frames)`` frames after the last row are dummies. Every op of the decoder except the ring attention
+works on each token alone (embedding, projections, LayerNorm, FFN, the upsamplers, which turn one token into
+``factor`` consecutive ones, and the audio head), so they run on the ``F`` packed frames and pay for no padding;
+the ring attention reads each row from its start (``ops/ring_attention_packed.py``). Packing order is row-major,
+which each upsampler keeps, so one frame-level layout gives every group's: at level ``g`` row ``b`` starts at token
+``row_starts[b] x tokens_per_frame[g]``.
 
-Packing order is row-major (row 0's tokens, then row 1's ...), which each upsampler keeps, so one frame-level
-layout gives every group's. ``total_frames`` fixes the packed length (a CUDA graph needs it static): the
-``total_frames - sum(valid_frames)`` tokens after the real ones are dummies that read grid position 0 and write
-a dump row, so their values never reach a real token. Everything is tensor code without host syncs.
+Dummies hold code 0, never reach a real token (no op mixes tokens except the attention, which reads only rows'
+valid tokens) and their audio is never read. The ``(R, T)`` grid exists only where a reference attention reads it
+(:meth:`TokenPacking.to_rows`, :meth:`TokenPacking.to_tokens`) and in :func:`pack_codes` / :func:`unpack_audio`,
+which turn a grid step of the validated API (``step.decode_batch``) into a packed one and back. Everything here is
+tensor code without host syncs.
 """
 
 from __future__ import annotations
@@ -22,70 +25,98 @@ import torch
 
 from .config import CodecConfig
 
-__all__ = ["TokenPacking"]
+__all__ = ["TokenPacking", "pack_codes", "unpack_audio"]
+
+
+def _owners(valid_frames: torch.Tensor, total_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Per packed frame: its row (R for a dummy) and its frame within the row; and each row's first packed frame.
+    R, device = valid_frames.shape[0], valid_frames.device
+    dummies = (total_frames - valid_frames.sum()).clamp(min=0).view(1)
+    counts = torch.cat([valid_frames, dummies])
+    owner = torch.repeat_interleave(torch.arange(R + 1, device=device), counts, output_size=total_frames)
+    starts = torch.cumsum(counts, 0) - counts
+    return owner, torch.arange(total_frames, device=device) - starts[owner], starts[:R]
 
 
 @dataclass(frozen=True)
 class TokenPacking:
-    """Where each packed token of one step sits in the ``(B, T x tokens_per_frame)`` grid of each group.
+    """Where the packed tokens of one step sit.
 
     Attributes:
-        rows: ``B``.
-        frames: ``T``, frames per row of the grid.
+        rows: ``R``.
+        frames: ``T``, the most frames of a row.
+        total_frames: ``F``, packed frames (dummies included).
         tokens_per_frame: each group's tokens per frame (``GroupSpec.tokens_per_frame``), then the audio head's
             (after the last group's upsampler): one level per group and one more.
-        grid: per level, ``(total_frames x tokens_per_frame,)`` int64 grid positions of the packed tokens, dummies
-            at ``B x T x tokens_per_frame`` (the dump row).
+        row_starts: ``(R,)`` int64 packed frame where each row's frames start.
+        grid: per level, ``(F x tokens_per_frame,)`` int64 position of each packed token in the ``(R, T x tpf)``
+            grid, dummies at ``R x T x tpf`` (one past the grid: a dump cell).
         read: the same with dummies at 0 (a position they may read).
-        row_starts: ``(B,)`` int64 packed frame where each row's frames start (its token at level ``g``:
-            ``row_starts x tokens_per_frame[g]``); rows lie one after another, dummies after the last.
 
     The embedding runs at one token per frame, group 0's rate (``tokens_per_frame`` 1 in every codec config).
     """
 
     rows: int
     frames: int
+    total_frames: int
     tokens_per_frame: tuple[int, ...]
+    row_starts: torch.Tensor
     grid: tuple[torch.Tensor, ...]
     read: tuple[torch.Tensor, ...]
-    row_starts: torch.Tensor
 
     @classmethod
     def of(cls, config: CodecConfig, valid_frames: torch.Tensor, frames: int, total_frames: int) -> TokenPacking:
-        """The packing of a step whose rows hold ``valid_frames`` (``(B,)`` int64, each ``0..frames``) real
+        """The packing of a step whose rows hold ``valid_frames`` (``(R,)`` int64, each ``0..frames``) valid
         frames, packed into ``total_frames >= sum(valid_frames)`` frames (the rest dummies)."""
-        B, device = valid_frames.shape[0], valid_frames.device
-        dummies = (total_frames - valid_frames.sum()).clamp(min=0).view(1)
-        counts = torch.cat([valid_frames, dummies])
-        owner = torch.repeat_interleave(torch.arange(B + 1, device=device), counts, output_size=total_frames)
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.arange(total_frames, device=device) - starts[owner]
-        real = owner < B
+        R = valid_frames.shape[0]
+        owner, position, starts = _owners(valid_frames, total_frames)
+        real = owner < R
         frame_grid = owner * frames + position
-        grids, reads = [], []
         rates = [g.tokens_per_frame for g in config.groups]
         rates.append(rates[-1] * config.groups[-1].upsample)  # the audio head's tokens after the last upsampler
+        grids, reads = [], []
         for f in rates:
-            tokens = (frame_grid.view(-1, 1) * f + torch.arange(f, device=device)).view(-1)
+            tokens = (frame_grid.view(-1, 1) * f + torch.arange(f, device=valid_frames.device)).view(-1)
             keep = real.repeat_interleave(f)
-            grids.append(torch.where(keep, tokens, B * frames * f))
+            grids.append(torch.where(keep, tokens, R * frames * f))
             reads.append(torch.where(keep, tokens, 0))
-        return cls(B, frames, tuple(rates), tuple(grids), tuple(reads), starts[:B])
+        return cls(R, frames, total_frames, tuple(rates), starts, tuple(grids), tuple(reads))
 
-    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        """``(n_vq, B, T)`` codes -> ``(n_vq, 1, N_0)``: the codes of the packed frames, for the embedding."""
-        n_vq, B, T = codes.shape
-        return codes.reshape(n_vq, B * T).index_select(1, self.read[0]).view(n_vq, 1, -1)
+    def token_starts(self, level: int) -> torch.Tensor:
+        """``(R,)`` int64 first packed token of each row at level ``level``."""
+        return self.row_starts * self.tokens_per_frame[level]
 
-    def to_tokens(self, group: int, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T_g, C)`` grid values of group ``group`` -> ``(1, N_g, C)`` packed tokens."""
-        B, T, C = x.shape
-        return x.reshape(B * T, C).index_select(0, self.read[group]).view(1, -1, C)
+    def to_tokens(self, level: int, x: torch.Tensor) -> torch.Tensor:
+        """``(R, T_g, C)`` grid values of level ``level`` -> ``(1, N_g, C)`` packed tokens."""
+        R, T, C = x.shape
+        return x.reshape(R * T, C).index_select(0, self.read[level]).view(1, -1, C)
 
-    def to_rows(self, group: int, x: torch.Tensor) -> torch.Tensor:
-        """``(1, N_g, C)`` packed tokens of group ``group`` -> ``(B, T_g, C)``, zero where no real token is."""
+    def to_rows(self, level: int, x: torch.Tensor) -> torch.Tensor:
+        """``(1, N_g, C)`` packed tokens of level ``level`` -> ``(R, T_g, C)``, zero where no real token is."""
         C = x.shape[-1]
-        cells = self.rows * self.frames * self.tokens_per_frame[group]
+        cells = self.rows * self.frames * self.tokens_per_frame[level]
         out = x.new_zeros(cells + 1, C)
-        out.index_copy_(0, self.grid[group], x.reshape(-1, C))
+        out.index_copy_(0, self.grid[level], x.reshape(-1, C))
         return out[:cells].view(self.rows, -1, C)
+
+
+def pack_codes(codes: torch.Tensor, valid_frames: torch.Tensor, total_frames: int) -> torch.Tensor:
+    """``(n_vq, R, T)`` grid codes -> ``(n_vq, F)`` packed codes: each row's first ``valid_frames[b]`` frames in
+    row order, then code 0 up to ``total_frames`` (``>= sum(valid_frames)``)."""
+    n_vq, R, T = codes.shape
+    owner, position, _ = _owners(valid_frames, total_frames)
+    index = torch.where(owner < R, owner * T + position, 0)
+    packed = codes.reshape(n_vq, R * T).index_select(1, index)
+    return torch.where(owner < R, packed, torch.zeros((), dtype=codes.dtype, device=codes.device))
+
+
+def unpack_audio(audio: torch.Tensor, valid_frames: torch.Tensor, frames: int, samples_per_frame: int) -> torch.Tensor:
+    """``(channels, F x spf)`` packed audio -> ``(R, channels, T x spf)``: row ``b``'s ``valid_frames[b]`` frames of
+    samples, zero after them."""
+    C = audio.shape[0]
+    R = valid_frames.shape[0]
+    owner, position, _ = _owners(valid_frames, audio.shape[-1] // samples_per_frame)
+    frames_of = audio.view(C, -1, samples_per_frame).transpose(0, 1)  # (F, C, spf)
+    out = audio.new_zeros(R * frames + 1, C, samples_per_frame)
+    out.index_copy_(0, torch.where(owner < R, owner * frames + position, R * frames), frames_of)
+    return out[: R * frames].view(R, frames, C, samples_per_frame).permute(0, 2, 1, 3).reshape(R, C, -1)

@@ -3,7 +3,7 @@
 
 * :mod:`.session` - :class:`CodecStreamSession`, the facade the stage and the benchmarks use.
 * :mod:`.scheduler` - streams, admission, waiting, preemption (one question to the pool: ``reserve``).
-* :mod:`.step_runner` - cut chunks into steps (one ragged step per round on request), dispatch (graph or eager),
+* :mod:`.step_runner` - cut chunks into steps (one ragged step per round), dispatch (graph or eager),
   copy audio back; :mod:`.step_inputs` stages each step's inputs.
 * :mod:`.options` - :class:`SessionOptions`, a session's options in one frozen record.
 * :mod:`.requests`, :mod:`.streams`, :mod:`.counters`, :mod:`.tracing` - what those parts exchange.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_count
-from ..graph_ladder import graph_sizes
+from ..graph_ladder import StepLadder, graph_sizes
 
 __all__ = ["SessionOptions"]
 
@@ -21,32 +21,30 @@ class SessionOptions:
         state_capacity: live streams at most (Stage 1's ``max_num_seqs``), >= 1.
         n_vq: codebooks per frame in every chunk; None: all of the codec's (checked against the codec by the
             session).
-        graph_batch_sizes: CUDA-graph batch buckets, kept distinct, ascending and within ``1..state_capacity``
-            (others are dropped, :func:`~..graph_ladder.graph_sizes`).
-        graph_frame_sizes: CUDA-graph frame sizes (the chunk schedule's sizes), distinct and ascending.
+        graph_frame_totals: the packed frame totals steps pad to and CUDA graphs are captured for (e.g.
+            ``graph_ladder.frame_totals(state_capacity x max(graph_frame_sizes))``), kept distinct and ascending
+            (others are dropped, :func:`~..graph_ladder.graph_sizes`); empty: every step is shaped exactly.
+        graph_frame_sizes: the chunk schedule's sizes, distinct and ascending: the largest is the most frames of
+            one chunk decoded in one step (every step's ``T``).
         max_step_frames: longest piece decoded in one step when no graph frame sizes are given, >= 1.
         max_waiting_streams: new streams that may wait for a slot, >= 0.
         max_waiting_frames: code frames that waiting streams may buffer in total, >= 0.
         graph_memory_bytes: device memory the CUDA graphs may take in bytes (an integer >= 0), or None for no bound.
-        ragged_steps: one step per round of a call, its rows of any valid frames up to the step's frame size
-            and every op but the attention on their packed tokens (docs/serving.md, "Ragged steps"); False: one
-            step per frame size present.
 
     Raises:
         ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, an ``n_vq`` that is
-            not an integer (or None), a ``graph_memory_bytes`` that is not an integer >= 0 (or None), or a
-            ``ragged_steps`` that is not a bool, naming the field and the value.
+            not an integer (or None), or a ``graph_memory_bytes`` that is not an integer >= 0 (or None), naming the
+            field and the value.
     """
 
     state_capacity: int
     n_vq: int | None = None
-    graph_batch_sizes: tuple[int, ...] = ()
+    graph_frame_totals: tuple[int, ...] = ()
     graph_frame_sizes: tuple[int, ...] = ()
     max_step_frames: int = 100
     max_waiting_streams: int = 64
     max_waiting_frames: int = 4096
     graph_memory_bytes: int | None = None
-    ragged_steps: bool = False
 
     def __post_init__(self) -> None:
         check_count(self.state_capacity, "state_capacity", 1)
@@ -59,13 +57,18 @@ class SessionOptions:
             raise ValueError(f"n_vq must be an integer or None, got {self.n_vq!r}")
         if self.graph_memory_bytes is not None:
             check_count(self.graph_memory_bytes, "graph_memory_bytes", 0)
-        if not isinstance(self.ragged_steps, bool):
-            raise ValueError(f"ragged_steps must be True or False, got {self.ragged_steps!r}")
-        batch = tuple(graph_sizes(self.graph_batch_sizes, self.state_capacity))
-        object.__setattr__(self, "graph_batch_sizes", batch)
+        object.__setattr__(self, "graph_frame_totals", tuple(graph_sizes(self.graph_frame_totals)))
         object.__setattr__(self, "graph_frame_sizes", tuple(graph_sizes(self.graph_frame_sizes)))
 
     @property
     def uses_graphs(self) -> bool:
-        """Whether graphs are asked for (both size lists non-empty); they are captured on CUDA devices only."""
-        return bool(self.graph_batch_sizes) and bool(self.graph_frame_sizes)
+        """Whether graphs are asked for (frame totals and frame sizes given); they are captured on CUDA only."""
+        return bool(self.graph_frame_totals) and bool(self.graph_frame_sizes)
+
+    @property
+    def step_ladder(self) -> StepLadder:
+        """How the session shapes its steps (:class:`~..graph_ladder.StepLadder`): ``state_capacity`` rows at
+        most, ``T`` = the largest graph frame size (``max_step_frames`` without), padded to the frame totals when
+        graphs are asked for, else exact."""
+        frames = self.graph_frame_sizes[-1] if self.graph_frame_sizes else self.max_step_frames
+        return StepLadder(self.state_capacity, frames, self.graph_frame_totals if self.uses_graphs else ())

@@ -11,14 +11,13 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   starts a fresh stream; a zero-frame chunk of an id that is not live decodes nothing. While a stream that got
   its terminal chunk still waits for a slot, a chunk with codes under its id gets an error (it neither joins
   the ended stream nor drops it).
-* **Few, well-filled steps.** The ready chunks of a batch are grouped by the graph frame size they pad to
-  (shortest first); each group's rows share one step of ``T`` frames, ``T`` the smallest graph frame size ``>=``
-  its longest chunk, shorter chunks padded to it and marked by their length (padding frames change no state,
-  so tails are exact), and on CUDA the step replays one captured graph. A group is cut into several steps when
-  one replay would carry many padding rows (:meth:`~.step_runner.StepRunner.split_rows`). Chunks longer than
-  the largest graph frame size (or ``max_step_frames`` without graph frame sizes, when all chunks of a round pad
-  to the longest) are cut into pieces decoded in consecutive steps together with the other rows' pieces. Steps
-  are planned the same way on every device; only CUDA replays graphs.
+* **One step per round.** Every step is ragged: the ready chunks of a call are cut into pieces of at most the
+  largest graph frame size (``max_step_frames`` without graph frame sizes), and round ``i`` decodes every
+  stream's ``i``-th piece in one step whose rows hold any number of valid frames, packed one after another
+  (``token_packing.py``). Its shape comes from the session's :class:`~..graph_ladder.StepLadder` (the packed
+  frames pad to the next frame total; a round no shape holds is cut into several steps), on every device, and on
+  CUDA the step replays the graph captured for that shape. Padding (dummy frames, padding rows) changes no state,
+  so tails are exact.
 * **Admission.** New streams beyond the free slots wait in a FIFO queue: their chunks are buffered in order
   and decoded once a slot frees (in the :meth:`decode` call that frees it, or a later one); their audio is
   returned by that call, under their request id, even when the request is not in that call's batch. The
@@ -46,6 +45,7 @@ The session imports nothing from vLLM; it runs wherever the pool runs.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from collections import Counter, deque
@@ -99,10 +99,10 @@ class CodecStreamSession:
         attention_backend: the pool's attention backend, ``"sdpa"`` or ``"triton"``; default: the pool's.
         ring_semantics: the pool's ring semantics, ``"upstream"`` or ``"exact"``; default: upstream's for the
             codec version.
-        graph_batch_sizes: CUDA-graph batch buckets (e.g. ``graph_ladder.batch_buckets(state_capacity)``);
-            sizes outside ``1..state_capacity`` are ignored.
-        graph_frame_sizes: CUDA-graph frame sizes, e.g. the chunk schedule's sizes.
-        max_step_frames: longest piece decoded in one step when no graph serves the step.
+        graph_frame_totals: the packed frame totals steps pad to and CUDA graphs are captured for (e.g.
+            ``graph_ladder.frame_totals(state_capacity x max(graph_frame_sizes))``); empty: exact shapes, no graphs.
+        graph_frame_sizes: the chunk schedule's sizes; the largest is every step's ``T`` (longer chunks are cut).
+        max_step_frames: longest piece decoded in one step when no graph frame sizes are given.
         compile: ``False`` (eager), ``True`` (:func:`~..compile.compile_decode`), or a factory
             ``pool -> callable`` with the signature of ``step.decode_tensors`` less the pool (the stage passes
             vLLM's compiled adapter). The callable is used for graph capture; eager steps use it only for
@@ -121,13 +121,11 @@ class CodecStreamSession:
         state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
         graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
             (``cuda_graph.StreamingGraphRunner``).
-        ragged_steps: one step per round of a call whatever its chunks' lengths, every op but the attention on
-            the packed real tokens (:class:`~.options.SessionOptions`); default: one step per frame size.
         options: instead of ``state_capacity`` and the session options above (graph sizes, ``max_step_frames``,
-            ``n_vq``, queue bounds, ``graph_memory_bytes``, ``ragged_steps``), a :class:`~.options.SessionOptions` record (the stage
+            ``n_vq``, queue bounds, ``graph_memory_bytes``), a :class:`~.options.SessionOptions` record (the stage
             builds one from its ``StageOptions``). Those keyword arguments build the same record.
 
-    Graphs are captured at construction when the decoder is on CUDA and both size lists are non-empty. A session
+    Graphs are captured at construction when the decoder is on CUDA and frame totals and frame sizes are given. A session
     takes one caller at a time (it is not thread-safe): a mutating method called while another runs raises
     ``RuntimeError`` naming both.
 
@@ -150,7 +148,7 @@ class CodecStreamSession:
         state_dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
         ring_semantics: str | None = None,
-        graph_batch_sizes: Iterable[int] = (),
+        graph_frame_totals: Iterable[int] = (),
         graph_frame_sizes: Iterable[int] = (),
         max_step_frames: int = 100,
         compile: bool | Callable[[DecoderStatePool], Callable] = False,
@@ -162,13 +160,11 @@ class CodecStreamSession:
         expected_stream_frames: int | None = None,
         state_spec: StateSpec | None = None,
         graph_memory_bytes: int | None = None,
-        ragged_steps: bool = False,
         options: SessionOptions | None = None,
     ):
         loose = SessionOptions(
-            state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_batch_sizes),
+            state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_frame_totals),
             tuple(graph_frame_sizes), max_step_frames, max_waiting_streams, max_waiting_frames, graph_memory_bytes,
-            ragged_steps,
         )  # fmt: skip
         options = _one_options_record(decoder, state_capacity, options, loose)
         cfg = decoder.config
@@ -177,7 +173,7 @@ class CodecStreamSession:
         self.n_vq = cfg.num_quantizers if options.n_vq is None else int(options.n_vq)
         self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
-        self.graph_batch_sizes, self.graph_frame_sizes = [*options.graph_batch_sizes], [*options.graph_frame_sizes]
+        self.graph_frame_sizes = [*options.graph_frame_sizes]
         pool_options = dict(
             kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics, attention_backend=attention_backend,
             page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
@@ -188,13 +184,11 @@ class CodecStreamSession:
         spec = state_spec or StateSpec.from_options(decoder, **pool_options)
         self.pool = build_pool(decoder, spec)
         use_graphs = self.device.type == "cuda" and options.uses_graphs
-        self.pool.initialize(
-            self.state_capacity, self.pool.scratch_slots_for(self.graph_batch_sizes[-1]) if use_graphs else 0
-        )
+        self.pool.initialize(self.state_capacity, self.pool.scratch_slots_for(self.state_capacity) if use_graphs else 0)
         self._counters, self._tracer = SessionCounters(), CallTracer()
         self._steps = StepRunner(
-            self.pool, self.n_vq, self.graph_batch_sizes, self.graph_frame_sizes, options.max_step_frames, compile,
-            self._counters, self._tracer, options.graph_memory_bytes, options.ragged_steps,
+            self.pool, self.n_vq, options.step_ladder, use_graphs, compile, self._counters, self._tracer,
+            options.graph_memory_bytes,
         )  # fmt: skip
         self._scheduler = Scheduler(
             self.pool, self.state_capacity, options.max_waiting_streams, options.max_waiting_frames, self._counters
@@ -210,7 +204,13 @@ class CodecStreamSession:
 
     @property
     def max_step_frames(self) -> int:
-        return self._steps.max_step_frames
+        return self.options.max_step_frames
+
+    @property
+    def step_ladder(self):
+        """How steps are shaped (``graph_ladder.StepLadder``): on CUDA, the frame totals whose graphs were
+        captured."""
+        return self._steps.ladder
 
     @property
     def max_piece_frames(self) -> int:
@@ -218,8 +218,8 @@ class CodecStreamSession:
         return self._steps.max_piece_frames
 
     @property
-    def max_step_rows(self) -> int | None:
-        """Most rows in one step: the largest graph bucket (None: unbounded, no buckets)."""
+    def max_step_rows(self) -> int:
+        """Most rows in one step: the slot count."""
         return self._steps.max_step_rows
 
     @property
@@ -334,6 +334,11 @@ class CodecStreamSession:
         requests, ids = _checked(requests)
         if tracing:  # the batch's checks above count as planning
             self._tracer.begin(len(requests), started)
+        # No garbage collection inside the call, which every stream waits on: Python's collector is paused and
+        # resumes as the call returns, so a collection that comes due runs between calls (docs/serving.md,
+        # "Steps"). A call makes no cyclic garbage of its own (tests/.../test_session.py checks it).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             return self._decode_batch(requests, ids)
         except BaseException:
@@ -342,6 +347,8 @@ class CodecStreamSession:
         finally:
             self._steps.await_host_copies()  # after a failure too: no copy into a returned row outlives the call
             self._tracer.end()
+            if collecting:
+                gc.enable()
 
     def _decode_batch(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
         # decode() past its argument checks (which change nothing).

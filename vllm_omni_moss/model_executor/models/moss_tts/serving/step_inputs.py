@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A step's inputs on their way to the device: codes gathered and clamped, slot ids, valid frames and valid rows,
+"""A step's inputs on their way to the device: codes packed and clamped, slot ids, valid frames and valid rows,
 staged through page-locked host buffers that every step reuses (:class:`StepInputs`).
 
 A graph step's inputs go from those buffers straight into the input tensors of the graph that replays it, one
@@ -39,10 +39,10 @@ class StepInputs:
         # Recorded after each step's copies from those buffers (CUDA only): they may be overwritten once it is.
         self._inputs_read = torch.cuda.Event() if self._pinned else None
 
-    def prepare(self, rows: int, frames: int) -> None:
-        """Allocate the buffers for a step of ``rows`` rows and ``frames`` frames (the largest graph step), so
-        that no step pays for pinning memory."""
-        self._buffer((self.n_vq * frames + 2) * rows)
+    def prepare(self, rows: int, total_frames: int) -> None:
+        """Allocate the buffers for a step of ``rows`` rows and ``total_frames`` packed frames (the largest graph
+        step), so that no step pays for pinning memory."""
+        self._buffer(self.n_vq * total_frames + 2 * rows)
         self._valid_rows(0, rows)
 
     def _buffer(self, numel: int) -> torch.Tensor:
@@ -54,12 +54,12 @@ class StepInputs:
             self._inputs = torch.empty(numel, dtype=torch.long, pin_memory=self._pinned)
         return self._inputs[:numel]
 
-    def _valid_rows(self, rows: int, bucket: int) -> torch.Tensor:
-        # ``(bucket,)`` bool, the first ``rows`` True, in the buffer beside the input buffer (free once _buffer has
+    def _valid_rows(self, rows: int, total: int) -> torch.Tensor:
+        # ``(total,)`` bool, the first ``rows`` True, in the buffer beside the input buffer (free once _buffer has
         # waited for the previous step's copies).
-        if self._valid is None or self._valid.numel() < bucket:
-            self._valid = torch.empty(bucket, dtype=torch.bool, pin_memory=self._pinned)
-        valid = self._valid[:bucket]
+        if self._valid is None or self._valid.numel() < total:
+            self._valid = torch.empty(total, dtype=torch.bool, pin_memory=self._pinned)
+        valid = self._valid[:total]
         valid[:rows], valid[rows:] = True, False
         return valid
 
@@ -68,47 +68,48 @@ class StepInputs:
         if self._inputs_read is not None:
             self._inputs_read.record(torch.cuda.current_stream(self.device))
 
+    def _staged(self, batch: StepBatch, host_codes: bool, rows: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(codes, meta)`` in the input buffer: ``(n_vq, F)`` packed codes when ``host_codes`` (else None), and
+        ``(2, rows)`` slot ids and valid frames, padding rows after the batch's rows (valid frames 0)."""
+        B, F = batch.rows, batch.shape.total_frames
+        codes_numel = self.n_vq * F if host_codes else 0
+        if self._pinned:
+            staged = self._buffer(codes_numel + 2 * rows)
+        else:
+            staged = torch.empty(codes_numel + 2 * rows, dtype=torch.long)
+        meta = staged[codes_numel:].view(2, rows)
+        meta[:, :B] = torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long)
+        meta[1, B:] = 0
+        codes = staged[:codes_numel].view(self.n_vq, F) if host_codes else None
+        return codes, meta
+
     def stage_into_graph(self, batch: StepBatch, g) -> None:
         """Write ``batch``'s inputs straight into ``g``, the input tensors of the graph that replays it
-        (``cuda_graph.CapturedGraph``): the whole bucket's codes (``(n_vq, bucket, T)``, zero past each row's
-        valid frames and in padding rows), slot ids (padding rows: the ids the graph was captured with), valid
-        frames and valid rows, each in one copy from the input buffer (codes already on the device are gathered
-        there directly)."""
-        bucket, T = batch.graph_key[0], batch.graph_key[1]
-        B, n_vq = batch.rows, self.n_vq
+        (``cuda_graph.CapturedGraph``): the packed codes (``(n_vq, F)``, code 0 for the dummies), slot ids
+        (padding rows: the ids the graph was captured with), valid frames and valid rows, each in one copy from
+        the input buffer (codes already on the device are packed there directly)."""
         host_codes = all(p.device.type == "cpu" for p in batch.pieces)
-        codes_numel = n_vq * bucket * T if host_codes else 0
-        staged = self._buffer(codes_numel + 2 * bucket)
-        meta = staged[codes_numel:].view(2, bucket)
-        meta[:, :B] = torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long)
-        meta[0, B:] = g.padding_host[B:]
-        meta[1, B:] = 0
-        codes = staged[:codes_numel].view(n_vq, bucket, T) if host_codes else g.codes
-        codes[:, B:].zero_()
-        self.fill_codes(codes[:, :B], batch)
+        codes, meta = self._staged(batch, host_codes, batch.shape.rows)
+        meta[0, batch.rows :] = g.padding_host[batch.rows :]
+        self.fill_codes(codes if host_codes else g.codes, batch)
         if host_codes:
             g.codes.copy_(codes, non_blocking=self._pinned)
         g.slot_ids.copy_(meta[0], non_blocking=self._pinned)
         g.valid_frames.copy_(meta[1], non_blocking=self._pinned)
-        g.valid.copy_(self._valid_rows(B, bucket), non_blocking=self._pinned)
+        g.valid.copy_(self._valid_rows(batch.rows, batch.shape.rows), non_blocking=self._pinned)
         self._read()
 
-    def stage_eager(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(codes (n_vq, B, T), slot_ids (B,), valid_frames (B,))`` of an eager step, int64 tensors of their own
-        on the pool's device, codes clamped into ``[0, codebook_size)`` and zero past each row's valid frames. On
-        CUDA, codes from the host (as Stage 0 sends them) are gathered in the input buffer and arrive in one
-        host-to-device copy (others are gathered on the device directly); slot ids and valid frames always
+    def stage_eager(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes (n_vq, F), slot_ids (B,), valid_frames (B,), valid_rows (B,))`` of an eager step of
+        ``batch.shape``'s packed length, tensors of their own on the pool's device: codes packed and clamped into
+        ``[0, codebook_size)``, the batch's rows alone (an eager step needs no padding rows: they would change
+        nothing). On CUDA, codes from the host (as Stage 0 sends them) are packed in the input buffer and arrive
+        in one host-to-device copy (others are packed on the device directly); slot ids and valid frames always
         travel through it."""
-        B, T = batch.rows, batch.frames
-        stage_codes = self._pinned and all(p.device.type == "cpu" for p in batch.pieces)
-        codes_numel = self.n_vq * B * T if stage_codes else 0
-        staged = self._buffer(codes_numel + 2 * B) if self._pinned else torch.empty(2 * B, dtype=torch.long)
-        meta = staged[codes_numel:].view(2, B)
-        meta.copy_(torch.tensor([batch.slots, batch.valid_frames], dtype=torch.long))
-        if stage_codes:
-            codes = staged[:codes_numel].view(self.n_vq, B, T)
-        else:
-            codes = torch.empty(self.n_vq, B, T, dtype=torch.long, device=self.device)
+        host_codes = self._pinned and all(p.device.type == "cpu" for p in batch.pieces)
+        codes, meta = self._staged(batch, host_codes, batch.rows)
+        if codes is None:
+            codes = torch.empty(self.n_vq, batch.shape.total_frames, dtype=torch.long, device=self.device)
         self.fill_codes(codes, batch)
         # Each result owns its storage (no views of one staging tensor, whose strides torch.compile would guard
         # on): the copies below always make new tensors.
@@ -116,12 +117,12 @@ class StepInputs:
         valid_frames = meta[1].to(self.device, non_blocking=self._pinned, copy=True)
         codes = codes.to(self.device, non_blocking=self._pinned)
         self._read()
-        return codes, slot_ids, valid_frames
+        return codes, slot_ids, valid_frames, torch.ones(batch.rows, dtype=torch.bool, device=self.device)
 
     def fill_codes(self, codes: torch.Tensor, batch: StepBatch) -> None:
-        """Gather ``batch``'s pieces into ``codes`` ``(n_vq, B, T)`` int64 (zero past each row's valid frames),
-        count the codes out of ``[0, codebook_size)`` and clamp them."""
-        _gather(codes, batch.pieces, batch.valid_frames, codes.shape[-1])
+        """Pack ``batch``'s pieces into ``codes`` ``(n_vq, F)`` int64 (code 0 after the last row's frames), count the
+        codes out of ``[0, codebook_size)`` and clamp them."""
+        _pack(codes, batch.pieces, sum(batch.valid_frames))
         self._count_clamped(codes)
         codes.clamp_(0, self.codebook_size - 1)
 
@@ -150,22 +151,15 @@ class StepInputs:
         return c.clamped_codes
 
 
-def _gather(codes: torch.Tensor, pieces: tuple[torch.Tensor, ...], valid_frames: tuple[int, ...], T: int) -> None:
-    """Gather a step's ``pieces`` (``(n_vq, valid_frames[b])`` integer codes) into ``codes`` ``(n_vq, B, T)``."""
-    # Pieces of one dtype and device are gathered by one stack (all of length T) or one padded gather, not
-    # row by row; zero past each row's length.
-    kinds = {(p.dtype, p.device) for p in pieces}
-    uniform = len(kinds) == 1
-    if uniform and all(n == T for n in valid_frames):
-        if kinds == {(codes.dtype, codes.device)}:
-            torch.stack(pieces, dim=1, out=codes)  # gathered in place: no temporary
-        else:
-            codes.copy_(torch.stack(pieces, dim=1))
-    elif uniform:
-        padded = torch.nn.utils.rnn.pad_sequence([p.t() for p in pieces], batch_first=True)  # (B, max, n_vq)
-        codes.zero_()
-        codes[:, :, : padded.shape[1]] = padded.permute(2, 0, 1)
+def _pack(codes: torch.Tensor, pieces: tuple[torch.Tensor, ...], real: int) -> None:
+    """Pack a step's ``pieces`` (``(n_vq, valid_frames[b])`` integer codes) one after another into ``codes``
+    ``(n_vq, F)``, zero after the ``real`` frames they hold."""
+    # Pieces of the buffer's dtype and device are packed by one concatenation, others piece by piece.
+    if {(p.dtype, p.device) for p in pieces} == {(codes.dtype, codes.device)}:
+        codes[:, :real].copy_(torch.cat(pieces, dim=1))
     else:
-        codes.zero_()
-        for b, p in enumerate(pieces):
-            codes[:, b, : valid_frames[b]] = p
+        start = 0
+        for p in pieces:
+            codes[:, start : start + p.shape[1]] = p
+            start += p.shape[1]
+    codes[:, real:].zero_()

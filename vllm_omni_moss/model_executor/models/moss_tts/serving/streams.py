@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..graph_ladder import StepShape
+
 __all__ = ["AdmissionQueue", "ScheduledChunks", "StepBatch", "Stream"]
 
 
@@ -67,29 +69,24 @@ class ScheduledChunks:
 @dataclass(frozen=True)
 class StepBatch:
     """One step of a decode call, decided once on the host before it is staged: its rows, their slots and codes,
-    its frame size and the CUDA graph that runs it.
+    its shape and whether a CUDA graph runs it.
 
     Attributes:
         request_ids: the stream of each row.
         slots: the pool slot of each row (distinct, in use).
         pieces: ``(n_vq, valid_frames[b])`` integer codes of each row, as the scheduler handed them.
-        valid_frames: the valid frames of each row, ``1..frames``.
-        frames: ``T``, the frames of the step: the smallest graph frame size that holds its longest piece (the
-            longest piece when no frame sizes are configured).
-        graph_key: the key of the CUDA graph replayed for it (``cuda_graph.StreamingGraphRunner.select``:
-            ``(bucket, graph frame size)``, or ``(bucket, graph frame size, packed frames)`` for a packed graph),
-            or None: an eager step.
-        packed_frames: the frames every op but the attention runs on (``step.decode_tensors``'s
-            ``total_frames``: the real ones, then dummies), or None: the step runs in its ``rows x frames`` grid.
+        valid_frames: the valid frames of each row, ``1..shape.frames``.
+        shape: the step's :class:`~..graph_ladder.StepShape` (``graph_ladder.StepLadder.shape``): its rows
+            (these, then padding rows), frames and packed frames (these rows' frames, then dummies).
+        graph: the captured CUDA graph of ``shape`` replays the step; False: the eager step of the same shape.
     """
 
     request_ids: tuple[str, ...]
     slots: tuple[int, ...]
     pieces: tuple[torch.Tensor, ...]
     valid_frames: tuple[int, ...]
-    frames: int
-    graph_key: tuple[int, ...] | None
-    packed_frames: int | None = None
+    shape: StepShape
+    graph: bool = False
 
     @property
     def rows(self) -> int:
@@ -98,8 +95,8 @@ class StepBatch:
 
     @property
     def padding_rows(self) -> int:
-        """Rows of the replayed bucket beyond the step's (0 for an eager step)."""
-        return self.graph_key[0] - self.rows if self.graph_key is not None else 0
+        """Rows of the step's shape beyond its real rows."""
+        return self.shape.rows - self.rows
 
 
 class AdmissionQueue:

@@ -245,10 +245,10 @@ class DecoderStatePool:
     def commit_page_tables(self) -> None:  # noqa: B027 - optional hook
         """Before a step: the device's page tables get what :meth:`reserve` allocated (paged pools only)."""
 
-    def step_plan(self, slots: torch.Tensor, valid_frames: torch.Tensor, num_frames: int):
-        """The :class:`~..attention.StepPlan` of one step: ``slots`` ``(B,)`` routed slot ids, ``valid_frames``
-        ``(B,)`` int64 (0 for invalid rows), ``num_frames`` = ``T``."""
-        return self._plan(self, slots, valid_frames, num_frames)
+    def step_plan(self, slots: torch.Tensor, valid_frames: torch.Tensor, packing):
+        """The :class:`~..attention.StepPlan` of one packed step: ``slots`` ``(R,)`` routed slot ids,
+        ``valid_frames`` ``(R,)`` int64 (0 for invalid rows), ``packing`` its ``token_packing.TokenPacking``."""
+        return self._plan(self, slots, valid_frames, packing)
 
     # ----------------------------------------------------------------- inspection
     def slot_state(self, slot: int) -> dict[str, object]:
