@@ -20,6 +20,7 @@ from moss_codecs import random_codes
 from moss_codecs import solo_decode as _solo
 from moss_codecs import stream_codes as _codes
 
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import (
     ChunkRequest,
     CodecStreamSession,
@@ -35,8 +36,9 @@ pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_mixed_batches_equal_solo_decodes(kind, ring_decoder, monkeypatch):
-    """Staggered starts, chunks of different lengths padded into one step per call, a long
-    chunk split into pieces, terminals mid-script: each request gets exactly its solo decode."""
+    """Staggered starts, chunks of different lengths packed into one step per round (no graph sizes: each step
+    shaped exactly, its rows, its longest piece and its real frames), a long chunk split into pieces, terminals
+    mid-script: each request gets exactly its solo decode."""
     s = CodecStreamSession(ring_decoder, 4, pool_kind=kind, max_step_frames=3)
     steps = _count_steps(s, monkeypatch)
     d = _Driver(s, ring_decoder)
@@ -44,10 +46,10 @@ def test_mixed_batches_equal_solo_decodes(kind, ring_decoder, monkeypatch):
         d.add(rid, frames, seed)
     d.step([("a", 1, False)])
     d.step([("a", 3, False), ("b", 1, False), ("c", 1, False)])
-    assert steps[-1:] == [(3, 3)]  # one step: b and c padded to 3 frames
+    assert steps[-1:] == [(3, 3, 5)]  # one step: b and c beside a's 3 frames, 5 frames packed
     d.step([("a", 3, False), ("b", 3, False), ("c", 2, False), ("d", 1, False)])
     d.step([("a", 5, False), ("b", 2, False), ("c", 3, True), ("d", 3, True)])  # a: split 3 + 2
-    assert steps[-2:] == [(4, 3), (1, 2)]  # the second piece of a runs alone
+    assert steps[-2:] == [(4, 3, 11), (1, 2, 2)]  # the second piece of a runs alone, in the next round
     assert s.free_slots == 2 and set(s.live_requests) == {"a", "b"}
     d.step([("b", 3, True), ("a", 0, False)])
     d.step([("a", 2, True)])
@@ -55,49 +57,54 @@ def test_mixed_batches_equal_solo_decodes(kind, ring_decoder, monkeypatch):
     for rid in "abcd":
         d.check(rid)
     assert d.schedule["a"] == [1, 3, 3, 3, 2, 2]
-    assert len(steps) == 7
+    assert steps == [(1, 1, 1), (3, 3, 5), (4, 3, 9), (4, 3, 11), (1, 2, 2), (1, 3, 3), (1, 2, 2)]
     assert s.stats()["steps_by_path"] == {"graph": 0, "eager": 7}
-    # Padded frames: 2 + 2 (call 2), 0 + 1 + 2 (call 3), 1 + 0 + 0 (call 4), 0 (a's piece), 0 + 0, 0.
-    assert s.stats()["padded_frames"] == 8 and s.stats()["decoded_frames"] == 33
+    # Exact shapes: no dummy frame, no padding row.
+    assert s.stats()["padded_frames"] == 0 and s.stats()["padding_rows"] == 0 and s.stats()["decoded_frames"] == 33
 
 
-def test_graph_replays_count_the_padding_rows_of_their_buckets(ring_decoder):
-    """A step of B rows that replays the graph of bucket b >= B carries b - B padding rows: the session counts
-    them (stats()["padding_rows"]), beside the padding frames of its real rows. The graph runner is a
-    stand-in here (CPU): it serves 1- and 4-frame steps from buckets 2 and 4 and returns zero audio."""
-    s = CodecStreamSession(ring_decoder, 4, max_step_frames=4)
+def test_graph_replays_count_the_padding_rows_and_frames_of_their_shapes(ring_decoder):
+    """A step of B rows and F real frames that replays the graph of its shape (R rows, F' >= F packed frames)
+    carries R - B padding rows and F' - F dummy frames: the session counts both (stats()["padding_rows"],
+    stats()["padded_frames"]) and stages the real rows first, the padding rows after them (valid frames 0, the
+    graph's own padding slot ids, not valid). The graph runner is a stand-in here (CPU): it holds the shapes of
+    totals 4 and 8 (4 slots, 4 frames a row) and returns zero audio."""
+    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 2, 4, 8), graph_frame_sizes=(1, 4))
     spf, channels = ring_decoder.config.samples_per_frame, ring_decoder.config.number_channels
     replays = []
 
     class Graphs:
-        n_vq = s.n_vq
+        graphs = {StepShape(4, 4, 4): None, StepShape(4, 4, 8): None}
 
-        def select(self, batch, frames):
-            return (next(b for b in (2, 4) if b >= batch), next(t for t in (1, 4) if t >= frames))
-
-        def buffers(self, key):
-            bucket, t = key
-            zeros = torch.zeros(bucket, dtype=torch.long)
-            return types.SimpleNamespace(
-                codes=torch.zeros(s.n_vq, bucket, t, dtype=torch.long), valid_frames=zeros.clone(),
-                slot_ids=zeros.clone(), valid=torch.zeros(bucket, dtype=torch.bool), padding_host=zeros,
+        def buffers(self, shape):
+            R, F = shape.rows, shape.total_frames
+            self.staged = types.SimpleNamespace(
+                codes=torch.zeros(s.n_vq, F, dtype=torch.long), valid_frames=torch.zeros(R, dtype=torch.long),
+                slot_ids=torch.zeros(R, dtype=torch.long), valid=torch.zeros(R, dtype=torch.bool),
+                padding_host=torch.full((R,), 9, dtype=torch.long),
             )  # fmt: skip
+            return self.staged
 
-        def replay(self, key, rows):
-            replays.append((rows, *key))
-            return torch.zeros(rows, channels, key[1] * spf)
+        def replay(self, shape):
+            g = self.staged
+            replays.append((shape, g.valid_frames.tolist(), g.slot_ids.tolist(), g.valid.tolist()))
+            return torch.zeros(channels, shape.total_frames * spf)
 
         def close(self):
             pass
 
     s._steps.graphs = Graphs()
     codes = random_codes(ring_decoder, 1, 4, seed=3)[:, 0]
-    s.decode([ChunkRequest(r, codes[:, :1]) for r in "abc"])  # 3 rows of 1 frame: bucket 4
-    s.decode([ChunkRequest(r, codes[:, :3]) for r in "ab"])  # 2 rows of 3 frames: bucket 2, padded to 4 frames
-    assert replays == [(3, 4, 1), (2, 2, 4)]
+    s.decode([ChunkRequest(r, codes[:, :1]) for r in "abc"])  # 3 rows of 1 frame: total 4, 4 rows
+    got = s.decode([ChunkRequest(r, codes[:, :3]) for r in "ab"])  # 2 rows of 3 frames: total 8, 4 rows
+    assert replays == [
+        (StepShape(4, 4, 4), [1, 1, 1, 0], [0, 1, 2, 9], [True, True, True, False]),
+        (StepShape(4, 4, 8), [3, 3, 0, 0], [0, 1, 9, 9], [True, True, False, False]),
+    ]
+    assert got["a"].audio.shape == (channels, 3 * spf) and not got["a"].audio.any()
     stats = s.stats()
     assert stats["steps_by_path"] == {"graph": 2, "eager": 0}
-    assert stats["padding_rows"] == 1 and stats["padded_frames"] == 2 and stats["decoded_frames"] == 9
+    assert stats["padding_rows"] == 1 + 2 and stats["padded_frames"] == 1 + 2 and stats["decoded_frames"] == 9
 
 
 def test_long_chunk_split_matches_split_reference(ring_decoder, monkeypatch):
@@ -105,7 +112,7 @@ def test_long_chunk_split_matches_split_reference(ring_decoder, monkeypatch):
     steps = _count_steps(s, monkeypatch)
     codes = _codes(ring_decoder, 7, seed=9)
     out = s.decode([ChunkRequest("x", codes, True)])["x"]
-    assert steps == [(1, 2), (1, 2), (1, 2), (1, 1)]
+    assert steps == [(1, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 1)]
     _close(out.audio, _solo(ring_decoder, codes, [2, 2, 2, 1]), "x")
     assert out.frames == 7 and s.free_slots == 2
 
@@ -179,33 +186,25 @@ def test_the_step_runner_reads_frozen_scheduled_chunks_and_the_scheduler_counts_
 
 
 def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
-    """``StepRunner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records, shortest frame size
-    first: rows, slots, the pieces themselves, valid frames, the step's frame size and its graph key, asked of
-    the graph runner once per step; a piece with another codebook count runs eager (no key)."""
+    """``StepRunner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records: one step for the
+    whole round, shortest rows first, with their slots, the pieces themselves, their valid frames, the ladder's
+    shape for their real frames and whether a graph replays it (the shape was captured: a stand-in runner here);
+    a piece with another codebook count runs eager even where its shape's graph exists."""
     from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
 
-    s = CodecStreamSession(ring_decoder, 8, graph_frame_sizes=(1, 4), max_step_frames=4)
-    asked = []
-
-    class Graphs:
-        n_vq = s.n_vq
-
-        def select(self, rows, frames):
-            asked.append((rows, frames))
-            return (next(b for b in (2, 4, 8) if b >= rows), frames)
-
-    s._steps.graphs = Graphs()
+    s = CodecStreamSession(ring_decoder, 8, graph_frame_totals=(1, 2, 4, 8, 16), graph_frame_sizes=(1, 4))
+    s._steps.graphs = types.SimpleNamespace(graphs={StepShape(8, 4, 16): None, StepShape(2, 4, 2): None})
     pieces = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 1), ("c", 4), ("d", 1)])}
     steps = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
-    assert [type(b) for b in steps] == [StepBatch, StepBatch] and asked == [(2, 1), (2, 4)]
-    first, second = steps
-    assert (first.request_ids, first.slots, first.valid_frames, first.frames) == (("b", "d"), (1, 3), (1, 1), 1)
-    assert (second.request_ids, second.valid_frames, second.frames, second.graph_key) == (("a", "c"), (3, 4), 4, (2, 4))
-    assert second.pieces[0] is pieces["a"] and second.rows == 2 and second.padding_rows == 0
-    with pytest.raises(AttributeError):
-        first.graph_key = None  # frozen
+    assert [type(b) for b in steps] == [StepBatch]
+    (step,) = steps  # 9 real frames: the total 16, min(8 slots, 16) rows
+    assert (step.request_ids, step.slots, step.valid_frames) == (("b", "d", "a", "c"), (1, 3, 0, 2), (1, 1, 3, 4))
+    assert (step.shape, step.graph, step.rows, step.padding_rows) == (StepShape(8, 4, 16), True, 4, 4)
+    assert step.pieces[2] is pieces["a"] and step.pieces[3] is pieces["c"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.graph = False  # frozen
     wide = s._steps.plan_round({"e": (4, _codes(ring_decoder, 2, 5)[:1])})  # one codebook, graphs hold s.n_vq
-    assert len(asked) == 2 and wide[0].graph_key is None and wide[0].padding_rows == 0
+    assert len(wide) == 1 and (wide[0].shape, wide[0].graph, wide[0].padding_rows) == (StepShape(2, 4, 2), False, 1)
     s._steps.graphs = None
     s.close()
 
@@ -525,13 +524,15 @@ def test_bad_configuration_is_refused(kwargs, message, ring_decoder):
 
 def test_session_options_are_one_frozen_record_the_keywords_build_too(ring_decoder):
     """The keyword arguments and an options record give the session the same record (graph sizes normalised once:
-    distinct, ascending, buckets within the slot count); the record is frozen; a record with loose options
-    beside it, or no slot count at all, is refused."""
+    distinct, ascending; frame totals above the slot count kept, a step's total counts frames, not rows); the
+    record is frozen; its step ladder is the session's; a record with loose options beside it, or no slot count
+    at all, is refused."""
     loose = CodecStreamSession(
-        ring_decoder, 3, graph_batch_sizes=[4, 2, 2, 1], graph_frame_sizes=[3, 1, 3], max_step_frames=5, n_vq=1
+        ring_decoder, 3, graph_frame_totals=[8, 2, 2, 1], graph_frame_sizes=[3, 1, 3], max_step_frames=5, n_vq=1
     )
-    want = SessionOptions(3, n_vq=1, graph_batch_sizes=(1, 2), graph_frame_sizes=(1, 3), max_step_frames=5)
-    assert loose.options == want and loose.graph_batch_sizes == [1, 2] and loose.graph_frame_sizes == [1, 3]
+    want = SessionOptions(3, n_vq=1, graph_frame_totals=(1, 2, 8), graph_frame_sizes=(1, 3), max_step_frames=5)
+    assert loose.options == want and loose.graph_frame_sizes == [1, 3]
+    assert loose.step_ladder == want.step_ladder == StepLadder(3, 3, (1, 2, 8)) and loose.max_step_rows == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         want.max_step_frames = 6
     recorded = CodecStreamSession(ring_decoder, options=want)
@@ -557,9 +558,10 @@ def test_session_options_are_one_frozen_record_the_keywords_build_too(ring_decod
 
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_tails_pad_into_the_graph_frame_size_and_stay_exact(kind, ring_decoder, monkeypatch):
-    """Graph frame sizes (1, 3): the 2-frame tail shares a 3-frame step with a steady chunk
-    (as it would share a CUDA graph) and still equals its solo decode at its own length."""
-    s = CodecStreamSession(ring_decoder, 4, pool_kind=kind, graph_batch_sizes=(1, 2, 4), graph_frame_sizes=(1, 3))
+    """Graph frame sizes (1, 3), frame totals (1, 2, 4, 8): the 2-frame tail shares a 3-frame step with a steady
+    chunk (as it would share a CUDA graph), packed with dummy frames up to the total 8, and still equals its solo
+    decode at its own length; the dummies change no slot's state."""
+    s = CodecStreamSession(ring_decoder, 4, pool_kind=kind, graph_frame_totals=(1, 2, 4, 8), graph_frame_sizes=(1, 3))
     assert s.runner is None  # CPU: graphs are never captured, steps are planned as on a GPU
     steps = _count_steps(s, monkeypatch)
     d = _Driver(s, ring_decoder)
@@ -568,23 +570,30 @@ def test_tails_pad_into_the_graph_frame_size_and_stay_exact(kind, ring_decoder, 
     d.step([("a", 1, False), ("b", 1, False)])
     d.step([("a", 3, False), ("b", 3, False)])
     d.step([("a", 3, True), ("b", 2, True)])
-    assert steps == [(2, 1), (2, 3), (2, 3)]
+    # Real frames 2, 6, 5 pad to the totals 2, 8, 8; every step is 3 frames a row (the largest frame size).
+    assert steps == [(2, 3, 2), (2, 3, 8), (2, 3, 8)]
     d.check("a")
     d.check("b")
-    assert s.free_slots == 4 and s.stats()["padded_frames"] == 1
+    assert s.free_slots == 4 and s.stats()["padded_frames"] == 0 + 2 + 3
+    assert s.stats()["padding_rows"] == 0 + 2 + 2  # shapes of 2, 4 and 4 rows (min(slots, total))
     _assert_slot_clear(s, 0)
     _assert_slot_clear(s, 1)
 
 
-def test_steps_never_exceed_the_largest_bucket(ring_decoder, monkeypatch):
-    s = CodecStreamSession(ring_decoder, 4, graph_batch_sizes=(1, 2), graph_frame_sizes=(1, 3))
+def test_steps_never_exceed_the_largest_frame_total(ring_decoder, monkeypatch):
+    """Frame totals up to 6: a round of more real frames is cut (shortest rows first) into steps that each fit,
+    and every stream still equals its solo decode."""
+    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 2, 4, 6), graph_frame_sizes=(1, 3))
     steps = _count_steps(s, monkeypatch)
     d = _Driver(s, ring_decoder)
     for i, (rid, frames) in enumerate((("a", 8), ("b", 3), ("c", 8))):
         d.add(rid, frames, i)
     d.step([("a", 1, False), ("b", 1, False), ("c", 1, False)])
     d.step([("a", 7, True), ("b", 2, True), ("c", 7, True)])  # 7 = 3 + 3 + 1 frames in pieces
-    assert steps == [(2, 1), (1, 1), (2, 3), (1, 3), (2, 3), (2, 1)]
+    # Call 1: 3 frames, total 4. Call 2, round 0: b 2 + a 3 = 5 (total 6), then c 3 (total 4): 8 > 6 frames;
+    # round 1: a 3 + c 3 = 6; round 2: a 1 + c 1 = 2.
+    assert steps == [(3, 3, 4), (2, 3, 6), (1, 3, 4), (2, 3, 6), (2, 3, 2)]
+    assert s.stats()["padded_frames"] == 1 + 1 + 1 + 0 + 0
     for rid in "abc":
         d.check(rid)
 
@@ -675,14 +684,17 @@ def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
     seen = []
     real = s._steps.eager_step
 
-    def spy(codes, lengths, slot_ids, valid):
-        seen.append((codes, lengths, slot_ids))
-        return real(codes, lengths, slot_ids, valid)
+    def spy(codes, lengths, slot_ids, valid, frames):
+        seen.append((codes, lengths, slot_ids, frames))
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(s._steps, "eager_step", spy)
-    s.decode([ChunkRequest(r, _codes(ring_decoder, n, i)) for i, (r, n) in enumerate([("a", 2), ("b", 3), ("c", 1)])])
-    ((codes, lengths, slot_ids),) = seen
-    assert lengths.tolist() == [2, 3, 1] and sorted(slot_ids.tolist()) == [0, 1, 2]
+    chunks = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 2), ("b", 3), ("c", 1)])}
+    s.decode([ChunkRequest(r, c) for r, c in chunks.items()])
+    ((codes, lengths, slot_ids, frames),) = seen
+    # Shortest rows first (c, a, b on slots 2, 0, 1), their codes packed one after another.
+    assert lengths.tolist() == [1, 2, 3] and slot_ids.tolist() == [2, 0, 1] and frames == 3
+    assert torch.equal(codes, torch.cat([chunks["c"], chunks["a"], chunks["b"]], dim=1))
     for t in (codes, lengths, slot_ids):
         assert t.is_contiguous() and t._base is None and t.dtype == torch.long
     assert len({t.untyped_storage().data_ptr() for t in (codes, lengths, slot_ids)}) == 3
@@ -708,9 +720,9 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     real = s._steps.eager_step
     collected = []
 
-    def step_with_gc(codes, lengths, slot_ids, valid):
+    def step_with_gc(codes, lengths, slot_ids, valid, frames):
         collected.append(gc.collect())
-        return real(codes, lengths, slot_ids, valid)
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(s._steps, "eager_step", step_with_gc)
     before = sum(s.stats()["steps_by_path"].values())
@@ -728,9 +740,9 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert len(collected) == 2 and trace.gc_collections >= 2
     assert 0 < trace.gc_ms <= trace.run_ms
 
-    def stray_stop(codes, lengths, slot_ids, valid):
+    def stray_stop(codes, lengths, slot_ids, valid, frames):
         tracing_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
-        return real(codes, lengths, slot_ids, valid)
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(s._steps, "eager_step", stray_stop)
     gc.disable()
@@ -747,14 +759,14 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert empty.stage_ms == empty.run_ms == empty.to_host_ms == empty.finish_ms == empty.wait_ms == 0.0
 
     # A step that raises fails its streams alone and is counted; the call completes.
-    def broken(codes, lengths, slot_ids, valid):
+    def broken(*args):
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(s._steps, "eager_step", broken)
     assert "the device fell over" in s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])["c"].error
     assert not traces[-1].failed and traces[-1].failed_steps == 1 and traces[-1].steps == 0
     # A call that raises is recorded as failed; the session goes on decoding and tracing.
-    monkeypatch.setattr(s._scheduler, "ready", lambda: broken(None, None, None, None))
+    monkeypatch.setattr(s._scheduler, "ready", broken)
     with pytest.raises(RuntimeError, match="the device fell over"):
         s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
     assert traces[-1].failed and traces[-1].steps == 0 and s._tracer.trace is None
@@ -862,47 +874,55 @@ def test_ids_that_are_not_strings_get_keys_no_other_request_shares(ring_decoder)
 # ----------------------------------------------------------------------------- steps
 
 
-def test_rows_split_into_steps_that_pad_little(ring_decoder):
-    """A step replays its bucket's graph, padding rows included: rows go in one step only when the smallest
-    bucket holding them pads at most padding_slack rows (8 for 15 frames, 128 for 1 frame)."""
-    from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import padding_slack
+def test_a_round_pads_to_the_next_ladder_total_and_is_cut_only_past_the_slots(ring_decoder):
+    """128 slots of 4-frame chunks, the stage's ladder ``frame_totals(128 x 4)`` (every total to 64, then 66, 68,
+    ..., 96, 99, 102, ..., 126, 129, ...): a round is one step padded to the smallest total holding its real
+    frames (at most 1/32 of them above 64), with ``min(slots, total)`` rows; a round of more rows than slots is
+    cut into a full step and the rest."""
+    s = CodecStreamSession(ring_decoder, 128, graph_frame_totals=frame_totals(128 * 4), graph_frame_sizes=[1, 4])
+    assert s.step_ladder == StepLadder(128, 4, tuple(frame_totals(512))) and s.max_step_rows == 128
 
-    s = CodecStreamSession(ring_decoder, 2048, graph_batch_sizes=batch_buckets(2048), graph_frame_sizes=[1, 15])
-    split = s._steps.split_rows
-    assert (padding_slack(15), padding_slack(1)) == (8, 128)
-    assert split(1540, 15) == [1504, 32, 4] and split(1540, 1) == [1504, 36]
-    assert split(2048, 15) == [2048] and split(1, 15) == [1] and split(33, 15) == [32, 1] and split(70, 15) == [64, 6]
-    for rows in range(1, 2049):
-        sizes = split(rows, 15)
-        assert sum(sizes) == rows and all(size <= 2048 for size in sizes), rows
-    assert CodecStreamSession(ring_decoder, 8)._steps.split_rows(7, 15) == [7]  # no buckets: one step
+    def shapes(lengths):
+        pieces = {f"r{i}": (i, _codes(ring_decoder, n, 0)) for i, n in enumerate(lengths)}
+        return [(b.rows, b.shape, sum(b.valid_frames)) for b in s._steps.plan_round(pieces)]
+
+    assert shapes([4] * 20) == [(20, StepShape(80, 4, 80), 80)]  # 80 is a total: no dummy frame
+    assert shapes([4] * 25) == [(25, StepShape(102, 4, 102), 100)]  # 100 frames: 2 dummies
+    assert shapes([1] * 3 + [4] * 16) == [(19, StepShape(68, 4, 68), 67)]  # 67 frames: the total 68
+    assert shapes([4] * 128) == [(128, StepShape(128, 4, 512), 512)]  # every slot full: the largest total
+    assert shapes([1] * 130) == [(128, StepShape(128, 4, 129), 128), (2, StepShape(2, 4, 2), 2)]
+    s.close()
 
 
-def test_the_session_keeps_graph_sizes_distinct_ascending_and_within_its_slots(ring_decoder):
-    """One normalisation (``graph_ladder.graph_sizes``) for the session and the graph runner: duplicates, zeros,
-    negatives and batch sizes above the slot count dropped, numbers as ints, ascending."""
+def test_the_session_keeps_graph_sizes_distinct_ascending(ring_decoder):
+    """One normalisation (``graph_ladder.graph_sizes``) for the session and the graph runner: duplicates, zeros
+    and negatives dropped, numbers as ints, ascending; frame totals are not bounded by the slot count (a total
+    counts packed frames)."""
     from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import graph_sizes
 
     s = CodecStreamSession(
-        ring_decoder, 8, graph_batch_sizes=[16, 4, 0, 4, 8, -2, 2.0], graph_frame_sizes=[15, 1, 1, 0]
+        ring_decoder, 8, graph_frame_totals=[16, 4, 0, 4, 8, -2, 2.0], graph_frame_sizes=[15, 1, 1, 0]
     )
-    assert (s.graph_batch_sizes, s.graph_frame_sizes) == ([2, 4, 8], [1, 15])
-    assert graph_sizes([3, 3.0, 2, -1], upper=2) == [2] and graph_sizes([]) == []
+    assert (s.options.graph_frame_totals, s.graph_frame_sizes) == ((2, 4, 8, 16), [1, 15])
+    assert s.step_ladder == StepLadder(8, 15, (2, 4, 8, 16))
+    assert graph_sizes([3, 3.0, 2, -1]) == [2, 3] and graph_sizes([]) == []
 
 
-def test_a_call_steps_each_frame_size_apart(ring_decoder):
-    """A 1-frame first chunk beside 4-frame chunks is its own 1-frame step (before it padded to 4 frames), and
-    the audio is the same."""
+def test_a_call_of_mixed_frame_sizes_is_one_step(ring_decoder, monkeypatch):
+    """A 1-frame first chunk beside 4-frame chunks shares their step (one step per round, whatever its pieces'
+    lengths), and the audio is each stream's solo decode."""
     s = CodecStreamSession(ring_decoder, 3, graph_frame_sizes=[1, 4])
+    steps = _count_steps(s, monkeypatch)
     a, b, c = (_codes(ring_decoder, 5, seed) for seed in (1, 2, 3))
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
     got = s.decode(
         [ChunkRequest("a", a[:, 1:5], True), ChunkRequest("b", b[:, 1:5], True), ChunkRequest("c", c[:, :1])]
     )
     stats = s.stats()
-    assert stats["steps_by_path"]["eager"] == 3 and stats["padded_frames"] == 0  # [a, b] T1, then [c] T1, [a, b] T4
+    assert steps == [(2, 1, 2), (3, 4, 9)]  # [a, b] 1 frame; then [c, a, b]: 1 + 4 + 4 frames packed
+    assert stats["steps_by_path"]["eager"] == 2 and stats["padded_frames"] == 0
     _close(got["a"].audio, _solo(ring_decoder, a, [1, 4])[:, ring_decoder.config.samples_per_frame :], "a")
+    _close(got["b"].audio, _solo(ring_decoder, b, [1, 4])[:, ring_decoder.config.samples_per_frame :], "b")
     rest = s.decode([ChunkRequest("c", c[:, 1:], True)])["c"]
     _close(torch.cat([got["c"].audio, rest.audio], -1), _solo(ring_decoder, c, [1, 4]), "c")
 
