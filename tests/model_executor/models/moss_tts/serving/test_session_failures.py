@@ -17,15 +17,19 @@ import torch
 from moss_codecs import random_codes
 from moss_codecs import stream_codes as _codes
 
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
-#: Frames per stream in the second call. With graph frame sizes 1 and 4 and batch buckets 1 and 2 its steps are:
-#: 1: (a, b) x 1 frame; 2: (c, d) x 4; 3: (e, f) x 4 (e's first 4-frame piece); 4: (e) x 4 (e's last 2 frames).
+#: Frames per stream in the second call. With graph frame sizes 1 and 4 (chunks cut at 4 frames) and the frame
+#: totals 1 to 7, round 0 (every stream's first piece, shortest first: a 1, b 1, f 2, c 3, d 4, e 4) holds 15
+#: frames and is cut where a step would exceed 7: 1: (a, b, f, c), 7 frames; 2: (d), 4; 3: (e), 4 (e's first
+#: 4-frame piece). Round 1: 4: (e), 2 (e's last 2 frames).
 SECOND = {"a": 1, "b": 1, "c": 3, "d": 4, "e": 6, "f": 2}
-STEPS = [["a", "b"], ["c", "d"], ["e", "f"], ["e"]]
-STEP_SHAPES = [(2, 1), (2, 4), (2, 4), (1, 4)]
+STEPS = [["a", "b", "f", "c"], ["d"], ["e"], ["e"]]
+#: (rows, T, packed frames) of each step.
+STEP_SHAPES = [(4, 4, 7), (1, 4, 4), (1, 4, 4), (1, 4, 2)]
 THIRD = 2  # frames per surviving stream in the third call
 
 
@@ -41,14 +45,14 @@ def _pieces(frames: int) -> list[int]:
 
 def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, int]]:
     """Make the ``fail_at``-th pool step from now raise (``before`` it runs, or ``after`` it wrote its state);
-    returns the ``(B, T)`` of every step tried."""
+    returns the ``(rows, T, packed frames)`` of every step tried."""
     real, tried = session._steps.eager_step, []
 
-    def step(codes, lengths, slot_ids, valid):
-        tried.append((codes.shape[1], codes.shape[2]))
+    def step(codes, lengths, slot_ids, valid, frames):
+        tried.append((lengths.shape[0], frames, codes.shape[1]))
         if len(tried) == fail_at and when == "before":
             raise RuntimeError(f"injected failure in step {fail_at}")
-        out = real(codes, lengths, slot_ids, valid)
+        out = real(codes, lengths, slot_ids, valid, frames)
         if len(tried) == fail_at:
             raise RuntimeError(f"injected failure in step {fail_at}")
         return out
@@ -60,12 +64,13 @@ def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, in
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
 def test_a_failing_step_fails_its_rows_alone_and_keeps_every_decoded_frame(fail_at, when, ring_decoder, monkeypatch):
-    """Step ``fail_at`` of a call holding chunks of 1 to 6 frames (four steps in three frame groups) raises:
+    """Step ``fail_at`` of a call holding chunks of 1 to 6 frames (four steps: round 0 cut in three by the
+    ladder's largest total, then e's last piece) raises:
     exactly its streams get an error (the exception and the frames left undecoded), with the audio of their
     pieces decoded before it; their slots are released; the steps after it run; later chunks of a failed
     stream get its error until it ends, then the id starts afresh; every other stream stays exact."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 6, graph_frame_sizes=[1, 4], graph_batch_sizes=[1, 2])
+    s = CodecStreamSession(ring_decoder, 6, graph_frame_sizes=[1, 4], graph_frame_totals=frame_totals(7))
     total = {rid: 1 + frames + THIRD for rid, frames in SECOND.items()}
     codes = {rid: _codes(ring_decoder, n, seed) for seed, (rid, n) in enumerate(total.items())}
     first = s.decode([ChunkRequest(rid, c[:, :1]) for rid, c in codes.items()])  # every stream holds a slot
@@ -76,7 +81,7 @@ def test_a_failing_step_fails_its_rows_alone_and_keeps_every_decoded_frame(fail_
     got = s.decode(second)
     assert tried == STEP_SHAPES if fail_at != 3 else tried == STEP_SHAPES[:3]  # e's last piece is dropped
     failed = set(STEPS[fail_at - 1])
-    rows, frames = STEP_SHAPES[fail_at - 1]
+    rows, frames, _ = STEP_SHAPES[fail_at - 1]
     for rid, n in SECOND.items():
         res = got[rid]
         if rid not in failed:
@@ -136,7 +141,7 @@ def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkey
     """Only ``Exception`` fails a step's rows; a ``KeyboardInterrupt`` inside a step leaves the call at once."""
     s = CodecStreamSession(ring_decoder, 2)
 
-    def interrupted(codes, lengths, slot_ids, valid):
+    def interrupted(codes, lengths, slot_ids, valid, frames):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(s._steps, "eager_step", interrupted)
@@ -294,10 +299,10 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
     real = s._steps.eager_step
     entered, release = threading.Event(), threading.Event()
 
-    def blocking(codes, lengths, slot_ids, valid):
+    def blocking(codes, lengths, slot_ids, valid, frames):
         entered.set()
         assert release.wait(timeout=60)
-        return real(codes, lengths, slot_ids, valid)
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(s._steps, "eager_step", blocking)
     a = _codes(ring_decoder, 3, 1)
@@ -355,12 +360,12 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
 
     real, refused = s._steps.eager_step, []
 
-    def step(codes, lengths, slot_ids, valid):
+    def step(codes, lengths, slot_ids, valid, frames):
         try:
             s.on_requests_finished(["b"])
         except RuntimeError as exc:
             refused.append(str(exc))
-        return real(codes, lengths, slot_ids, valid)
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(s._steps, "eager_step", step)
     got = s.decode([ChunkRequest("b", a, True)])["b"]
