@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Packed tokens (``token_packing.py``, ``step.decode_tensors(..., total_frames=...)``): the GEMMs of a ragged step
-on its real tokens alone give the audio and the state of the ``B x T`` grid step."""
+"""Packed tokens (``token_packing.py``, ``step.decode_tensors`` on ``(n_vq, F)`` packed codes): every step is
+packed, its rows' valid frames one after another, then dummy frames up to its shape's packed total; the dummies
+change neither the rows' audio nor any slot's state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from moss_codecs import needs_interpreter, random_codes
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors
-from vllm_omni_moss.model_executor.models.moss_tts.token_packing import TokenPacking
+from vllm_omni_moss.model_executor.models.moss_tts.token_packing import TokenPacking, pack_codes, unpack_audio
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -41,48 +42,77 @@ def test_packing_refuses_fewer_frames_than_the_rows_hold():
         TokenPacking.of(preset_config("tiny-v2"), torch.tensor([2, 3]), frames=3, total_frames=4)
 
 
+def test_pack_codes_and_unpack_audio_place_each_rows_frames():
+    """``pack_codes``: each row's valid frames in row order, then code 0 for the dummies; ``unpack_audio``: each
+    row's samples back in its grid row, zero after its valid frames (and for a row of none)."""
+    codes = (torch.arange(9) + 10).view(1, 3, 3)  # row b, frame t: 10 + 3 b + t
+    valid_frames = torch.tensor([2, 0, 1])
+    assert pack_codes(codes, valid_frames, 5).tolist() == [[10, 11, 16, 0, 0]]
+    assert pack_codes(codes, valid_frames, 3).tolist() == [[10, 11, 16]]
+    audio = torch.arange(10, dtype=torch.float32).view(1, 10) + 1  # 5 packed frames of 2 samples
+    rows = unpack_audio(audio, valid_frames, 3, 2)
+    assert rows.shape == (3, 1, 6)
+    assert rows.tolist() == [[[1, 2, 3, 4, 0, 0]], [[0] * 6], [[5, 6, 0, 0, 0, 0]]]
+
+
+def _step(pool, codes, valid_frames, slots, valid, total):
+    """One packed step of ``pool`` on the ``(n_vq, R, T)`` grid ``codes`` packed into ``total`` frames; returns the
+    rows' ``(R, channels, T x spf)`` audio."""
+    masked = torch.where(valid, valid_frames, 0)
+    T = codes.shape[-1]
+    audio = decode_tensors(pool, pack_codes(codes, masked, total), valid_frames, slots, valid, T)
+    assert audio.shape == (pool.config.number_channels, total * pool.config.samples_per_frame)
+    return unpack_audio(audio, masked, T, pool.config.samples_per_frame)
+
+
+def _assert_same_state(a_pool, b_pool, slots: int) -> None:
+    for slot in range(slots):
+        a, b = a_pool.slot_state(slot), b_pool.slot_state(slot)
+        assert torch.equal(a["layer_offsets"], b["layer_offsets"])
+        assert all(torch.equal(x, y) for x, y in zip(a["rings"], b["rings"])), slot
+
+
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
 @pytest.mark.parametrize("ring_semantics", ["upstream", "exact"])
-def test_packed_steps_give_the_grid_steps_audio_and_state(kind, ring_semantics, ring_decoder):
-    """Five ragged steps (empty rows, a padding row every other step, 2 dummy frames) through two pools: the
-    packed steps' audio and every slot's rings and offsets equal the grid steps' bit for bit on a CPU."""
-    grid, packed = (make_state_pool(ring_decoder, kind, ring_semantics=ring_semantics) for _ in range(2))
-    for pool in (grid, packed):
+def test_dummy_frames_change_neither_audio_nor_state(kind, ring_semantics, ring_decoder):
+    """Five packed steps (empty rows, a padding row every other step) through two pools, one packed to exactly
+    its real frames, the other with 2 dummy frames more (as a step padded to its ladder total): the audio and
+    every slot's rings and offsets are equal bit for bit on a CPU."""
+    exact, padded = (make_state_pool(ring_decoder, kind, ring_semantics=ring_semantics) for _ in range(2))
+    for pool in (exact, padded):
         pool.initialize(4, 4)
     slots = torch.arange(4)
     for step, frames in enumerate(STEPS):
         valid_frames = torch.tensor(frames)
         valid = torch.tensor([True, True, True, step % 2 == 0])
         codes = random_codes(ring_decoder, 4, 6, seed=step)
-        want, want_lengths = decode_tensors(grid, codes, valid_frames, slots, valid)
         real = int(valid_frames[valid].sum())
-        got, got_lengths = decode_tensors(packed, codes, valid_frames, slots, valid, total_frames=real + 2)
-        assert torch.equal(got_lengths, want_lengths) and torch.equal(got, want), step
-    for slot in range(4):
-        a, b = grid.slot_state(slot), packed.slot_state(slot)
-        assert torch.equal(a["layer_offsets"], b["layer_offsets"])
-        assert all(torch.equal(x, y) for x, y in zip(a["rings"], b["rings"])), slot
+        want = _step(exact, codes, valid_frames, slots, valid, real)
+        got = _step(padded, codes, valid_frames, slots, valid, real + 2)
+        assert torch.equal(got, want), step
+        assert want.abs().amax(dim=(1, 2)).gt(0).tolist() == (valid_frames.gt(0) & valid).tolist(), step
+    _assert_same_state(exact, padded, 4)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("kind", ["compact", "paged"])
 @pytest.mark.parametrize("ring_semantics", ["upstream", "exact"])
-def test_the_triton_attention_reads_packed_tokens_with_the_grid_steps_audio_and_state(
-    kind, ring_semantics, ring_decoder
-):
+def test_the_triton_attention_reads_packed_tokens_in_place(kind, ring_semantics, ring_decoder):
     """The triton backend attends the packed tokens in place (``ring_attention_write_packed``, no copy into the
-    grid and back): under the interpreter the packed steps' audio and state equal the grid steps' bit for bit,
-    every layer's attention takes the packed path, and no layer copies its projections into the grid."""
+    grid and back): under the interpreter every layer's attention takes the packed path and nothing goes through
+    the grid (``TokenPacking.to_rows``); steps with 2 dummy frames equal those packed to exactly their real
+    frames bit for bit, audio and state, and equal the compact pool's sdpa reference (attention in the grid)."""
     from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention_packed
 
-    grid, packed = (
+    exact, padded = (
         make_state_pool(ring_decoder, kind, ring_semantics=ring_semantics, attention_backend="triton") for _ in range(2)
     )
-    for pool in (grid, packed):
+    grid = make_state_pool(ring_decoder, "compact", ring_semantics=ring_semantics, attention_backend="sdpa")
+    for pool in (exact, padded, grid):
         pool.initialize(4, 4)
         for _ in range(4):
             pool.acquire()
-        if kind == "paged":
+        if pool.kind == "paged":
             pool.reserve(dict.fromkeys(range(4), 64), strict=True)
             pool.commit_page_tables()
     calls, to_rows = [], []
@@ -93,19 +123,19 @@ def test_the_triton_attention_reads_packed_tokens_with_the_grid_steps_audio_and_
         valid_frames = torch.tensor(frames)
         valid = torch.tensor([True, True, True, step % 2 == 0])
         codes = random_codes(ring_decoder, 4, 6, seed=step)
-        want, _ = decode_tensors(grid, codes, valid_frames, slots, valid)
         real = int(valid_frames[valid].sum())
+        reference = _step(grid, codes, valid_frames, slots, valid, real)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(TokenPacking, "to_rows", lambda self, *a: to_rows.append(a[0]) or real_to_rows(self, *a))
             mp.setattr(
                 "vllm_omni_moss.model_executor.models.moss_tts.attention.ring_attention_write_packed",
                 lambda *a, **k: calls.append(1) or real_op(*a, **k),
             )
-            got, _ = decode_tensors(packed, codes, valid_frames, slots, valid, total_frames=real + 2)
+            want = _step(exact, codes, valid_frames, slots, valid, real)
+            got = _step(padded, codes, valid_frames, slots, valid, real + 2)
         assert torch.equal(got, want), step
-    assert len(calls) == layers * len(STEPS)
-    assert set(to_rows) == {len(ring_decoder.groups)}  # only the audio head's tokens go back to the grid
-    for slot in range(4):
-        a, b = grid.slot_state(slot), packed.slot_state(slot)
-        assert torch.equal(a["layer_offsets"], b["layer_offsets"])
-        assert all(torch.equal(x, y) for x, y in zip(a["rings"], b["rings"])), slot
+        err = (got - reference).abs().max().item()
+        assert err <= 1e-5 * reference.abs().max().item(), (step, err)
+    assert len(calls) == 2 * layers * len(STEPS)
+    assert to_rows == []  # no level's tokens go back to the grid
+    _assert_same_state(exact, padded, 4)
