@@ -229,7 +229,7 @@ def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
     values = dict(
         codec_dtype="float32", codec_attention_backend="sdpa", codec_ring_semantics="exact", codec_pool_kind="paged",
         codec_state_budget_gib=2.0, codec_expected_stream_seconds=4.0, codec_graph_memory_gib=1.0,
-        codec_dummy_preset="v1", codec_ragged_steps=True,
+        codec_dummy_preset="v1",
     )  # fmt: skip
     assert set(values) | {"codec_model_name_or_path"} == set(CODEC_KEYS)
     got = StageOptions.from_vllm_config(vllm_config(tmp_path, 11, **values))
@@ -238,7 +238,6 @@ def test_every_codec_key_is_accepted_and_only_they_can_be_read(tmp_path):
     )  # fmt: skip
     assert (got.state_budget_bytes, got.expected_stream_seconds, got.graph_memory_bytes) == (2 << 30, 4.0, 1 << 30)
     assert got.dummy_preset is None  # read only under vLLM's dummy load format (test_stage_dummy_load.py)
-    assert got.ragged_steps is True and got.session_options().ragged_steps is True
     fields = _CodecFields(SimpleNamespace(codec_dtype="auto", codec_bogus=1))
     assert fields.codec_dtype == "auto" and getattr(fields, "codec_pool_kind", None) is None
     with pytest.raises(KeyError, match="'codec_bogus' is read from the hf_config but CODEC_KEYS does not list it"):
@@ -515,13 +514,19 @@ def test_h200_deploy_file_fits_stage_1_state_in_its_share():
 
 
 def test_the_stage_captures_the_graph_ladder_of_its_slots(tmp_path):
-    """Graph buckets follow the package's ladder up to max_num_seqs (vLLM's cudagraph_capture_sizes is not
-    read), and the graph-memory budget comes from codec_graph_memory_gib (default 24 GiB)."""
-    from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+    """The step shapes' packed frame totals follow the package's ladder up to max_num_seqs x the largest chunk
+    size (vLLM's cudagraph_capture_sizes is not read; none under enforce_eager), and the graph-memory budget
+    comes from codec_graph_memory_gib (default 24 GiB)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, frame_totals
     from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
 
     stage = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, max_num_seqs=300, enforce_eager=False))
-    assert stage.graph_batch_sizes == batch_buckets(300) and stage.graph_batch_sizes[-1] == 300
+    totals = stage.graph_frame_totals
+    assert stage.graph_frame_sizes == [1, 3] and totals == frame_totals(300 * 3) and totals[-1] == 900
+    assert totals[:64] == list(range(1, 65)) and totals[64:68] == [66, 68, 70, 72]  # then at most 1/32 apart
+    assert stage.options.session_options().step_ladder == StepLadder(300, 3, tuple(totals))
+    eager = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 11, max_num_seqs=300))
+    assert eager.graph_frame_totals == [] and eager.options.session_options().step_ladder == StepLadder(300, 3)
     assert stage.options.graph_memory_bytes == 24 * 2**30
     sized = vllm_config(tmp_path, 11, max_num_seqs=300, enforce_eager=False, codec_graph_memory_gib=1.5)
     assert MossTTSCodecDecoder(vllm_config=sized).options.graph_memory_bytes == 3 * 2**29
@@ -530,11 +535,19 @@ def test_the_stage_captures_the_graph_ladder_of_its_slots(tmp_path):
     assert str(err.value) == "codec_graph_memory_gib must be a finite number of GiB > 0, got 0"
 
 
-def test_codec_ragged_steps_is_a_bool_and_off_by_default(tmp_path):
-    from vllm_omni_moss.model_executor.models.moss_tts.stage_options import StageOptions
+def test_the_removed_codec_ragged_steps_is_refused_at_startup_whatever_its_value(tmp_path):
+    """Every step is ragged now: naming codec_ragged_steps (true or false) is a startup error saying it was
+    removed, never a silent no-op; the key is no longer a known codec option."""
+    from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
+    from vllm_omni_moss.model_executor.models.moss_tts.stage_options import CODEC_KEYS, StageOptions
 
-    assert StageOptions.from_vllm_config(vllm_config(tmp_path, 11)).session_options().ragged_steps is False
-    for bad in ("true", 1):
-        with pytest.raises(ValueError) as err:
-            StageOptions.from_vllm_config(vllm_config(tmp_path, 11, codec_ragged_steps=bad))
-        assert str(err.value) == f"codec_ragged_steps must be true or false, got {bad!r}"
+    assert "codec_ragged_steps" not in CODEC_KEYS
+    for value in (True, False, "true"):
+        for build in (StageOptions.from_vllm_config, lambda c: MossTTSCodecDecoder(vllm_config=c)):
+            with pytest.raises(ValueError) as err:
+                build(vllm_config(tmp_path, 11, codec_ragged_steps=value))
+            assert str(err.value) == (
+                "codec option 'codec_ragged_steps' in the stage's hf_config (hf_overrides) was removed: every step "
+                'is ragged now (one packed step per round, docs/serving.md "Steps"); there is no other step layout '
+                "to choose; delete it from the deploy file"
+            )
