@@ -134,11 +134,11 @@ def test_stage_config_is_read_like_upstream(tmp_path):
     from vllm_omni_moss.model_executor.models.moss_tts.stage import MossTTSCodecDecoder
 
     eager = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 12, max_num_seqs=8))
-    assert eager.graph_batch_sizes == [] and eager.graph_frame_sizes == [1, 3] and eager.max_step_frames == 3
+    assert eager.graph_frame_totals == [] and eager.graph_frame_sizes == [1, 3] and eager.max_step_frames == 3
     assert eager.state_capacity == 8 and eager.n_vq == 12 and eager.options.codec_path == str(tmp_path)
     assert eager.options.codec_dtype == "auto"
     graphs = MossTTSCodecDecoder(vllm_config=vllm_config(tmp_path, 12, max_num_seqs=8, enforce_eager=False))
-    assert graphs.graph_batch_sizes == [1, 2, 4, 8]
+    assert graphs.graph_frame_totals == list(range(1, 8 * 3 + 1))  # frame_totals(8 slots x 3 frames): all to 64
     ids = torch.arange(5)
     assert graphs.embed_input_ids(ids).shape == (5, 1) and graphs.compute_logits(torch.zeros(1)) is None
     # Before load_weights: silence, one entry per request.
