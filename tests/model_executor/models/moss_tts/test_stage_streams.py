@@ -22,6 +22,7 @@ import logging
 
 import pytest
 import torch
+from moss_codecs import count_steps
 from stage_helpers import build_stage, delay_info, error_result, fresh_decode, raw_info, run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
@@ -87,16 +88,16 @@ def test_two_delay_payloads_in_one_forward_keep_their_streams(stage):
     _assert_audio(torch.cat(got["y"], dim=-1), fresh_decode(stage, y, [1, 3, 1]), "y")
 
 
-def test_a_stage_with_ragged_steps_decodes_a_call_of_mixed_lengths_in_one_step(tmp_path):
-    """hf_overrides codec_ragged_steps: true reaches the session: a forward with chunks of 1, 3 and 2 frames is
-    one pool step, and every stream's audio equals its fresh decode."""
-    stage = build_stage(tmp_path, codec_ragged_steps=True)
+def test_a_stage_decodes_a_call_of_mixed_lengths_in_one_step(tmp_path, monkeypatch):
+    """Every step is ragged: a forward with chunks of 3, 3 and 2 frames (beside a stream's 1-frame first chunk
+    before it) is one pool step, its rows shortest first and packed (enforce_eager: shaped exactly), and every
+    stream's audio equals its fresh decode."""
+    stage = build_stage(tmp_path)
     codes = [_codes(stage, n, seed=10 + i) for i, n in enumerate((4, 3, 2))]
     run(stage, [codes[0][:, :1]], [delay_info()], ["a"])
-    assert stage._session.options.ragged_steps is True
-    before = stage._session.stats()["steps_by_path"]["eager"]
+    steps = count_steps(stage._session, monkeypatch)
     outs = run(stage, [codes[0][:, 1:], codes[1], codes[2]], [delay_info()] * 3, ["a", "b", "c"])
-    assert stage._session.stats()["steps_by_path"]["eager"] == before + 1
+    assert steps == [(3, 3, 8)] and stage._session.stats()["padded_frames"] == 0
     _assert_audio(outs[0], fresh_decode(stage, codes[0], [1, 3])[..., -outs[0].shape[-1] :], "a")
     _assert_audio(outs[1], fresh_decode(stage, codes[1], [3]), "b")
     _assert_audio(outs[2], fresh_decode(stage, codes[2], [2]), "c")
@@ -557,30 +558,30 @@ def test_audio_of_a_stream_outside_the_batch_comes_with_its_next_row(stage, capl
 
 
 def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_request(stage, caplog, monkeypatch):
-    """Request f's 5-frame chunk is cut into 3 + 2 frames; the step of its second piece raises: its row returns
-    the 3 frames decoded before (the error logged once), request g's row beside it is exact, and f's next row
-    returns empty audio while g decodes on."""
+    """Request f's 5-frame chunk is cut into 3 + 2 frames; the step of its second piece (round 1, f alone) raises:
+    its row returns the 3 frames decoded before in round 0's step beside g's frame (the error logged once),
+    request g's row is exact, and f's next row returns empty audio while g decodes on."""
     session = stage._ensure_session()
     real, tried = session._steps.eager_step, []
 
-    def step(codes, lengths, slot_ids, valid):
-        tried.append(codes.shape[1:])
-        if len(tried) == 3:  # 1: g's frame, 2: f's first piece, 3: f's second piece
+    def step(codes, lengths, slot_ids, valid, frames):
+        tried.append((lengths.shape[0], frames, codes.shape[1]))
+        if len(tried) == 2:  # 1: g's frame and f's first piece, 2: f's second piece
             raise RuntimeError("injected")
-        return real(codes, lengths, slot_ids, valid)
+        return real(codes, lengths, slot_ids, valid, frames)
 
     monkeypatch.setattr(session._steps, "eager_step", step)
     g, f = _codes(stage, 2, seed=31), _codes(stage, 6, seed=32)
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
         out = run(stage, [g[:, :1], f[:, :5]], [delay_info(), delay_info()], ["g", "f"])
-        assert [tuple(t) for t in tried] == [(1, 1), (1, 3), (1, 3)]
+        assert tried == [(2, 3, 4), (1, 2, 2)]  # (rows, T, packed frames)
         _assert_audio(out[0], fresh_decode(stage, g[:, :1], [1]), "g")
         _assert_audio(out[1], fresh_decode(stage, f[:, :3], [3]), "f: the piece decoded before the failure")
         later = run(stage, [g[:, 1:], f[:, 5:]], [delay_info(), delay_info()], ["g", "f"])
     assert later[1].numel() == 0
     _assert_audio(later[0], fresh_decode(stage, g, [1, 1])[..., -later[0].shape[-1] :], "g after")
     assert _warnings(caplog) == [
-        "MOSS codec request f (batch row 1): request 'f': its decoder step (1 rows x 3 frames) failed with "
+        "MOSS codec request f (batch row 1): request 'f': its decoder step (1 rows x 2 frames) failed with "
         "RuntimeError: injected; the stream was ended, frames left undecoded: 2; returning the 3 frames decoded "
         "before it"
     ]
