@@ -23,11 +23,13 @@ from vllm_omni_moss.model_executor.models.moss_tts.compile import compile_decode
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepShape
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import cpu_uses_triton_interpreter
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
+from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
 from vllm_omni_moss.testing.weights import fill_random_weights_
 
 pytestmark = [pytest.mark.core_model]
@@ -170,11 +172,12 @@ def test_triton_pool_step_traces_fullgraph(ring_decoder):
     torch._dynamo.reset()
     eager, traced = fresh_pool(ring_decoder, None, "triton", 4), fresh_pool(ring_decoder, None, "triton", 4)
     step = compile_decode(traced, backend="eager")
-    for i, (B, T) in enumerate([(2, 3), (3, 7), (4, 2)]):
-        codes = random_codes(ring_decoder, B, T, seed=i)
+    for i, (B, F) in enumerate([(2, 7), (3, 10), (4, 9)]):
+        codes = random_codes(ring_decoder, B, 3, seed=i)
         valid = torch.arange(B) < B - 1 if i == 1 else torch.ones(B, dtype=torch.bool)
-        args = (codes, torch.where(valid, T, 0), torch.tensor([2, 0, 3, 1][:B]), valid)
-        assert torch.equal(step(*args)[0], decode_tensors(eager, *args)[0])
+        lengths = torch.where(valid, 3, 0) - (torch.arange(B) == 0).long()  # row 0 one frame short
+        args = (pack_codes(codes, lengths, F), lengths, torch.tensor([2, 0, 3, 1][:B]), valid, 3)
+        assert torch.equal(step(*args), decode_tensors(eager, *args))
         assert_slot_state_equal(eager, traced, range(4))
     torch._dynamo.reset()
 
@@ -389,24 +392,25 @@ def test_cuda_two_runs_bitwise_identical(semantics, cuda_tiny_decoder):
 def test_cuda_graph_replay_of_the_triton_step_equals_eager(cuda_tiny_decoder):
     dec = cuda_tiny_decoder
     eager, graphed = fresh_pool(dec, None, "triton", 4), fresh_pool(dec, None, "triton", 4)
-    runner = StreamingGraphRunner(graphed, (2, 4), (1, 15), n_vq=dec.config.num_quantizers)
+    shapes = [StepShape(2, 15, 2), StepShape(4, 15, 4), StepShape(4, 15, 24), StepShape(4, 15, 60)]
+    runner = StreamingGraphRunner(graphed, shapes, n_vq=dec.config.num_quantizers)
     runner.capture()
     assert not runner.failures and len(runner.graphs) == 4
-    for step, (T, live) in enumerate([(15, [0, 1]), (1, [2, 0, 1]), (7, [3, 1, 0, 2]), (15, [2])]):
+    cases = [(15, [0, 1], 60), (1, [2, 0, 1], 4), (7, [3, 1, 0, 2], 60), (15, [2], 24), (1, [1, 3], 2)]
+    for step, (T, live, total) in enumerate(cases):
         B = len(live)
         codes = random_codes(dec, B, T, seed=30 + step).cuda()
         ids = torch.tensor(live, device="cuda")
         got = runner.decode(codes, torch.full((B,), T, device="cuda"), ids)
-        bucket, frames = runner.select(B, T)
-        full = torch.zeros(codes.shape[0], bucket, frames, dtype=torch.long, device="cuda")
-        full[:, :B, :T] = codes
-        lengths = torch.zeros(bucket, dtype=torch.long, device="cuda")
+        shape = next(s for s in shapes if s.total_frames == total)
+        lengths = torch.zeros(shape.rows, dtype=torch.long, device="cuda")
         lengths[:B] = T
-        slots = eager.padding_slot_ids(bucket).clone()
+        slots = eager.padding_slot_ids(shape.rows).clone()
         slots[:B] = ids
-        valid = torch.arange(bucket, device="cuda") < B
-        ref, _ = decode_batch(eager, full, lengths, slots, valid)
-        assert torch.equal(got, ref[:B]), f"step {step}: replay differs from eager"
+        valid = torch.arange(shape.rows, device="cuda") < B
+        audio = decode_tensors(eager, pack_codes(codes, lengths[:B], total), lengths, slots, valid, 15)
+        ref = unpack_audio(audio, lengths[:B], T, dec.config.samples_per_frame)
+        assert torch.equal(got, ref), f"step {step}: replay differs from eager"
         assert_slot_state_equal(eager, graphed, range(4))
 
 
@@ -417,16 +421,18 @@ def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
     dec = cuda_tiny_decoder
     eager, compiled = fresh_pool(dec, None, "triton", 4), fresh_pool(dec, None, "triton", 4)
     step = compile_decode(compiled)
-    for i, (B, T) in enumerate([(4, 3), (2, 15), (3, 1)]):
-        codes = random_codes(dec, B, T, seed=60 + i).cuda()
+    for i, (B, F) in enumerate([(4, 60), (2, 30), (3, 4)]):
+        codes = random_codes(dec, B, 15, seed=60 + i).cuda()
+        lengths = torch.tensor([15, 1, 7, 3][:B], device="cuda")
         args = (
-            codes,
-            torch.full((B,), T, device="cuda"),
+            pack_codes(codes, lengths, F),
+            lengths,
             torch.arange(B, device="cuda"),
             torch.ones(B, device="cuda").bool(),
+            15,
         )
-        ref, _ = decode_tensors(eager, *args)
-        got, _ = step(*args)
+        ref = decode_tensors(eager, *args)
+        got = step(*args)
         assert torch.isfinite(got).all() and _rel_rms(got, ref) <= 2.5e-2, f"step {i}"
         assert torch.equal(eager.frames_decoded, compiled.frames_decoded)
     torch._dynamo.reset()

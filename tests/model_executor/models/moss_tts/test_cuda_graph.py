@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA-graph runner and compiled step.
 
-CUDA tests: graph replay equals the eager step on the same padded batch bit for bit
-(padding rows, reordering, an all-padding step, a midway reset; the null slot stays
+CUDA tests: graph replay equals the eager step of the same shape bit for bit
+(padding rows, dummy frames, reordering, an all-padding step, a midway reset; the null slot stays
 zero), strict dynamic compilation stays close to eager, session staging with a tiny
 codec, stable state addresses under allocator churn, returned audio never aliases the
 static output. CPU tests: Dynamo traces the step as one dynamic graph without
@@ -29,16 +29,20 @@ from vllm_omni_moss.model_executor.models.moss_tts.compile import (
 )
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool, make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
+from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
 
 pytestmark = [pytest.mark.core_model]
 
 CAPACITY = 4
-BUCKETS = (2, 4)
-FRAMES = (1, 3)
-# (T, live slots in row order): reordering, partial buckets, a full bucket, an all-padding step.
+FRAMES = 3
+#: The step shapes the CUDA tests capture: every packed total up to 4 rows of 3 frames on the ladder below.
+LADDER = StepLadder(CAPACITY, FRAMES, (1, 2, 4, 8, 12))
+SHAPES = [LADDER.shape_of_total(n) for n in LADDER.totals]
+# (T, live slots in row order): reordering, partial shapes, every slot, an all-padding step.
 SCRIPT = [
     (1, [0, 1]),
     (3, [1, 0, 2]),
@@ -59,7 +63,7 @@ def cuda_ring_decoder(tmp_path):
 
 def _pool(decoder, kind):
     pool = make_state_pool(decoder, kind)
-    pool.initialize(CAPACITY, max(BUCKETS))
+    pool.initialize(CAPACITY, CAPACITY)
     return pool
 
 
@@ -71,17 +75,29 @@ def _assert_null_slot_zero(pool):
     assert all(torch.count_nonzero(r[:, null]) == 0 for r in pool.rings)
 
 
-def _padded(pool, codes, live, bucket):
-    """The batch a graph of ``bucket`` rows sees: live rows first, then padding."""
-    n_vq, B, T = codes.shape
-    full = torch.zeros(n_vq, bucket, T, dtype=torch.long, device=codes.device)
-    full[:, :B] = codes
-    ids = pool.padding_slot_ids(bucket).clone()
+def _shaped(pool, codes, lengths, live, shape):
+    """The inputs a graph of ``shape`` sees for a ``(n_vq, B, T)`` grid of rows ``live`` with valid frames
+    ``lengths``: packed codes, then per row (live rows first, then padding rows) valid frames, slots, validity."""
+    B = codes.shape[1]
+    frames = torch.zeros(shape.rows, dtype=torch.long, device=codes.device)
+    frames[:B] = lengths
+    ids = pool.padding_slot_ids(shape.rows).clone()
     ids[:B] = torch.tensor(live, dtype=torch.long, device=ids.device)
-    valid = torch.zeros(bucket, dtype=torch.bool, device=codes.device)
-    valid[:B] = True
-    lengths = torch.where(valid, T, 0)
-    return full, lengths, ids, valid
+    valid = torch.arange(shape.rows, device=codes.device) < B
+    return pack_codes(codes, frames[:B], shape.total_frames), frames, ids, valid
+
+
+def _eager_like(pool, codes, lengths, live, shape):
+    """The eager step of ``shape`` on ``pool`` for the grid ``codes``: its ``(B, channels, T * spf)`` audio."""
+    packed, frames, ids, valid = _shaped(pool, codes, lengths, live, shape)
+    audio = decode_tensors(pool, packed, frames, ids, valid, shape.frames)
+    return unpack_audio(audio, frames[: codes.shape[1]], codes.shape[2], pool.config.samples_per_frame)
+
+
+def _chosen(runner, B, T, real):
+    # The shape runner.decode replays for B rows of at most T frames holding `real` frames.
+    fits = [s for s in runner.graphs if s.rows >= B and s.frames >= T and s.total_frames >= real]
+    return min(fits, key=lambda s: (s.total_frames, s.rows, s.frames))
 
 
 def _assert_close_to_peak(got, ref, peak_tol=0.02, l2_tol=2.5e-2):
@@ -107,9 +123,10 @@ def _assert_close_to_peak(got, ref, peak_tol=0.02, l2_tol=2.5e-2):
 def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
     dec = cuda_ring_decoder
     eager, graphed = _pool(dec, kind), _pool(dec, kind)
-    runner = StreamingGraphRunner(graphed, BUCKETS, FRAMES, n_vq=dec.config.num_quantizers)
+    runner = StreamingGraphRunner(graphed, SHAPES, n_vq=dec.config.num_quantizers)
     runner.capture()
-    assert sorted(runner.graphs) == sorted((b, t) for b in BUCKETS for t in FRAMES) and not runner.failures
+    assert sorted(runner.graphs, key=lambda s: s.total_frames) == SHAPES and not runner.failures
+    assert runner.captured_totals == LADDER.totals
     assert_slot_state_equal(eager, graphed, range(CAPACITY))  # capture touched no live slot
     _assert_null_slot_zero(graphed)
 
@@ -117,11 +134,11 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
         B = len(live)
         codes = random_codes(dec, B, T, seed=10 + step).cuda()
         ids = torch.tensor(live, dtype=torch.long, device="cuda")
-        got = runner.decode(codes, torch.full((B,), T, device="cuda"), ids)
-        bucket = runner.select(B, T)[0]
-        ref, _ = decode_batch(eager, *_padded(eager, codes, live, bucket))
+        lengths = torch.full((B,), T, device="cuda")
+        got = runner.decode(codes, lengths, ids)
+        ref = _eager_like(eager, codes, lengths, live, _chosen(runner, B, T, B * T))
         assert got is not None and got.shape == (B, dec.config.number_channels, T * dec.config.samples_per_frame)
-        assert torch.equal(got, ref[:B]), f"step {step}: replay differs from eager"
+        assert torch.equal(got, ref), f"step {step}: replay differs from eager"
         if B:
             assert torch.isfinite(got).all() and got.abs().sum() > 0
         assert_slot_state_equal(eager, graphed, range(CAPACITY))
@@ -133,31 +150,30 @@ def test_replay_bit_identical_to_eager(kind, cuda_ring_decoder):
 
 
 @pytest.mark.cuda
-def test_graphs_of_a_frame_size_share_one_output_buffer_and_stay_within_their_budget(cuda_ring_decoder):
-    """Every bucket of one frame size replays into one buffer of the largest bucket (outside the graphs' pool);
-    a ladder whose buffers alone exceed the budget fails before any capture, naming the sizes and the budget."""
+def test_graphs_share_one_output_buffer_and_stay_within_their_budget(cuda_ring_decoder):
+    """Every graph replays into one packed buffer of the largest total (outside the graphs' pool); a ladder whose
+    buffer alone exceeds the budget fails before any capture, naming the shapes and the budget."""
     from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import GraphMemoryError
 
     dec = cuda_ring_decoder
     pool = _pool(dec, "compact")
-    runner = StreamingGraphRunner(pool, BUCKETS, FRAMES, n_vq=dec.config.num_quantizers)
+    runner = StreamingGraphRunner(pool, SHAPES, n_vq=dec.config.num_quantizers)
     runner.capture()
     spf, channels = dec.config.samples_per_frame, dec.config.number_channels
-    for t in FRAMES:
-        ptrs = {runner.graphs[(b, t)].audio.data_ptr() for b in BUCKETS}
-        assert len(ptrs) == 1 and runner.graphs[(BUCKETS[-1], t)].audio.shape == (BUCKETS[-1], channels, t * spf)
-    assert runner.output_bytes() == sum(BUCKETS[-1] * channels * t * spf * 4 for t in FRAMES)
+    assert len({g.audio.data_ptr() for g in runner.graphs.values()}) == 1
+    assert all(g.audio.shape == (channels, s.total_frames * spf) for s, g in runner.graphs.items())
+    assert runner.output_bytes() == 12 * channels * spf * 4
     assert runner.memory_bytes >= runner.output_bytes()
-    # Buffers alone over the budget: refused before the first capture. Buffers within it, the first graph's pool
+    # Buffer alone over the budget: refused before the first capture. Buffer within it, the first graph's pool
     # over it: refused after that graph. Either way the runner is left without graphs.
     for budget, captured in ((runner.output_bytes() - 1, 0), (runner.output_bytes(), 1)):
         small = StreamingGraphRunner(
-            _pool(dec, "compact"), BUCKETS, FRAMES, n_vq=dec.config.num_quantizers, memory_budget_bytes=budget
+            _pool(dec, "compact"), SHAPES, n_vq=dec.config.num_quantizers, memory_budget_bytes=budget
         )
         with pytest.raises(GraphMemoryError) as err:
             small.capture()
-        head = f"CUDA graphs of batch buckets {list(BUCKETS)} x frame sizes {list(FRAMES)} take "
-        assert str(err.value).startswith(head) and f" after {captured} of 4 graphs (output buffers " in str(err.value)
+        head = "CUDA graphs of 5 step shapes (up to 4 rows x 3 frames, 12 packed frames) take "
+        assert str(err.value).startswith(head) and f" after {captured} graphs (output buffer " in str(err.value)
         assert "over their memory budget of 0.00 GiB; raise the budget (codec_graph_memory_gib)" in str(err.value)
         assert not small.graphs
 
@@ -167,7 +183,7 @@ def test_legacy_runner_needs_scratch_for_every_padding_row(cuda_ring_decoder):
     pool = make_state_pool(cuda_ring_decoder, "legacy")
     pool.initialize(CAPACITY, 2)
     with pytest.raises(ValueError, match="4 padding rows need 4 scratch slots; this pool has 2"):
-        StreamingGraphRunner(pool, BUCKETS, FRAMES, n_vq=2)
+        StreamingGraphRunner(pool, SHAPES, n_vq=2)
 
 
 @pytest.mark.cuda
@@ -178,19 +194,17 @@ def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
     dec = cuda_ring_decoder
     eager, compiled_pool = _pool(dec, kind), _pool(dec, kind)
     step = compile_decode(compiled_pool)
-    for i, (B, T) in enumerate([(4, 3), (2, 1), (3, 4)]):
+    for i, (B, T, F) in enumerate([(4, 3, 12), (2, 3, 4), (3, 3, 8)]):
         codes = random_codes(dec, B, T, seed=i).cuda()
-        live = list(range(B))[::-1]
+        lengths = torch.tensor([T, 1, 2, T][:B], device="cuda")
         args = (
-            codes,
-            torch.full((B,), T, device="cuda"),
-            torch.tensor(live, device="cuda"),
+            pack_codes(codes, lengths, F),
+            lengths,
+            torch.tensor(list(range(B))[::-1], device="cuda"),
             torch.ones(B, dtype=torch.bool, device="cuda"),
+            T,
         )
-        ref, ref_len = decode_tensors(eager, *args)
-        got, got_len = step(*args)
-        _assert_close_to_peak(got, ref)
-        assert torch.equal(got_len, ref_len)
+        _assert_close_to_peak(step(*args), decode_tensors(eager, *args))
         for s in range(CAPACITY):
             assert torch.equal(eager.slot_state(s)["layer_offsets"], compiled_pool.slot_state(s)["layer_offsets"])
     _assert_null_slot_zero(compiled_pool)
@@ -202,47 +216,49 @@ def test_runner_captures_the_compiled_step_and_stages_null_padding(cuda_ring_dec
     torch._dynamo.reset()
     dec = cuda_ring_decoder
     eager, pool = _pool(dec, "compact"), _pool(dec, "compact")
-    runner = StreamingGraphRunner(pool, (4,), (3,), n_vq=2, callable=compile_decode(pool))
+    shape = StepShape(4, 3, 8)
+    runner = StreamingGraphRunner(pool, [shape], n_vq=2, callable=compile_decode(pool))
     runner.capture()
-    assert runner.compiled_keys == {(4, 3)} and not runner.failures, runner.failures
+    assert runner.compiled_keys == {shape} and not runner.failures, runner.failures
     for i in range(3):
         codes = random_codes(dec, 2, 3, seed=40 + i).cuda()
-        got = runner.decode(codes, torch.full((2,), 3, device="cuda"), torch.tensor([0, 1], device="cuda"))
-        ref, _ = decode_batch(eager, *_padded(eager, codes, [0, 1], 4))
-        assert got.shape[0] == 2
-        _assert_close_to_peak(got, ref[:2])
-        assert runner.graphs[(4, 3)].slot_ids.tolist() == [0, 1, 4, 4]
+        lengths = torch.full((2,), 3, device="cuda")
+        got = runner.decode(codes, lengths, torch.tensor([0, 1], device="cuda"))
+        _assert_close_to_peak(got, _eager_like(eager, codes, lengths, [0, 1], shape))
+        assert runner.graphs[shape].slot_ids.tolist() == [0, 1, 4, 4]
         _assert_null_slot_zero(pool)
 
 
 @pytest.mark.cuda
 def test_session_staging_with_a_tiny_codec(tmp_path):
-    """The session's graph path with the tiny v2 preset: one null slot, static slot ids
-    ``[live..., null...]``, audio equal to the eager step on the same padded batch.
+    """The session's graph path with the tiny v2 preset: one null slot, static slot ids ``[live..., null...]``,
+    audio equal to the eager step of the same shape.
 
     Only T = 1: the preset's last group holds 40 tokens and gets 32 per frame, so longer
     chunks are oversized and their scatter is nondeterministic on CUDA.
     """
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(1, 2, 4), graph_frame_sizes=(1,))
-    assert session.runner is not None and sorted(session.runner.graphs) == [(1, 1), (2, 1), (4, 1)]
+    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=(1, 2, 4), graph_frame_sizes=(1,))
+    shapes = [StepShape(1, 1, 1), StepShape(2, 1, 2), StepShape(4, 1, 4)]
+    assert session.runner is not None and sorted(session.runner.graphs, key=lambda s: s.total_frames) == shapes
     assert isinstance(session.pool, CompactDecoderStatePool) and session.pool.num_slots == CAPACITY + 1
     null = session.pool.null_slot
     reference = make_state_pool(dec)
     reference.initialize(CAPACITY)
     gen = torch.Generator().manual_seed(0)
     K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
-    for names, bucket in (("abc", 4), ("a", 1), ("bc", 2), ("abc", 4)):
+    for names, shape in (("abc", shapes[2]), ("a", shapes[0]), ("bc", shapes[1]), ("abc", shapes[2])):
         codes = torch.randint(0, K, (n_vq, len(names), 1), generator=gen)
         got = session.decode([ChunkRequest(r, codes[:, i]) for i, r in enumerate(names)])
         live = [session.live_requests[r] for r in names]
         assert live == ["abc".index(r) for r in names]  # fresh session: a, b, c acquire 0, 1, 2
-        ref, _ = decode_batch(reference, *_padded(reference, codes.cuda(), live, bucket))
+        lengths = torch.ones(len(names), dtype=torch.long, device="cuda")
+        ref = _eager_like(reference, codes.cuda(), lengths, live, shape)
         for i, r in enumerate(names):
             assert torch.equal(got[r].audio, ref[i].float().cpu()), f"{r}: graph path differs from eager"
-        g = session.runner.graphs[(bucket, 1)]
-        assert g.slot_ids.tolist() == live + [null] * (bucket - len(live))
-        assert g.valid.tolist() == [True] * len(live) + [False] * (bucket - len(live))
+        g = session.runner.graphs[shape]
+        assert g.slot_ids.tolist() == live + [null] * (shape.rows - len(live))
+        assert g.valid.tolist() == [True] * len(live) + [False] * (shape.rows - len(live))
         _assert_null_slot_zero(session.pool)
     session.on_requests_finished(["a", "b", "c"])
     assert session.free_slots == CAPACITY
@@ -250,24 +266,24 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
 
 
 @pytest.mark.cuda
-def test_ragged_session_replays_packed_graphs_bitwise_as_the_eager_packed_step(tmp_path):
-    """With ragged steps the runner captures every (bucket, T) graph and, at the largest frame size, the packed
-    ones (bucket x each smaller frame size, those its steps can replay); a call of rows of 1, 2 and 4 frames is one replay of a packed graph,
-    bit for bit the eager step of the same padded batch at the same packed length, and the null slot stays
-    zero."""
+def test_session_replays_one_packed_graph_a_call_bitwise_as_the_eager_step_of_its_shape(tmp_path):
+    """The session captures one graph per ladder total (``frame_totals(4 x 4)``); a call of rows of mixed lengths
+    is one replay of the graph of the smallest total holding its real frames, bit for bit the eager step of the
+    same shape (padding rows, dummy frames), and the null slot stays zero."""
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(
-        dec, CAPACITY, graph_batch_sizes=(2, 4), graph_frame_sizes=(1, 2, 4), ragged_steps=True
-    )
+    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=frame_totals(16), graph_frame_sizes=(1, 2, 4))
     runner = session.runner
-    # Bucket 2 serves steps of 1-2 rows (at least 4 frames at T = 4), bucket 4 steps of 3-4 rows (at least 6).
-    assert runner.keys() == [(4, 4), (4, 4, 8), (4, 2), (4, 1), (2, 4), (2, 4, 4), (2, 2), (2, 1)]
-    assert sorted(runner.graphs) == sorted(runner.keys()) and not runner.failures
+    assert runner.captured_totals == tuple(range(1, 17)) and not runner.failures
+    assert session.step_ladder == StepLadder(CAPACITY, 4, tuple(range(1, 17)))
     reference = make_state_pool(dec)
     reference.initialize(CAPACITY)
     gen = torch.Generator().manual_seed(5)
     K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
-    for lengths, key in (((1, 2, 4), (4, 4, 8)), ((4, 4, 4), (4, 4)), ((1, 1), (2, 1)), ((3, 1), (2, 4, 4))):
+    for lengths, shape in (
+        ((1, 2, 4), StepShape(4, 4, 7)),
+        ((4, 4, 4), StepShape(4, 4, 12)),
+        ((1, 1), StepShape(2, 4, 2)),
+    ):
         names = "abc"[: len(lengths)]
         codes = torch.randint(0, K, (n_vq, len(names), max(lengths)), generator=gen)
         chunks = [ChunkRequest(r, codes[:, i, : lengths[i]]) for i, r in enumerate(names)]
@@ -275,33 +291,22 @@ def test_ragged_session_replays_packed_graphs_bitwise_as_the_eager_packed_step(t
         got = session.decode(chunks)
         assert session.stats()["steps_by_path"]["graph"] == before + 1
         live = [session.live_requests[r] for r in names]
-        bucket, T = key[0], key[1]
-        full, _, ids, valid = _padded(
-            reference, torch.zeros(n_vq, len(names), T, dtype=torch.long).cuda(), live, bucket
-        )
-        for i, n in enumerate(lengths):
-            full[:, i, :n] = codes[:, i, :n].cuda()
-        frames = torch.tensor(list(lengths) + [0] * (bucket - len(names)), device="cuda")
-        packed = {"total_frames": key[2]} if len(key) == 3 else {}
-        ref, _ = decode_batch(reference, full, frames, ids, valid, **packed)
+        valid = torch.tensor(lengths, device="cuda")
+        ref = _eager_like(reference, codes.cuda(), valid, live, shape)
         spf = int(dec.config.samples_per_frame)
         for i, r in enumerate(names):
-            assert torch.equal(got[r].audio, ref[i, :, : lengths[i] * spf].float().cpu()), f"{r}: {key} differs"
+            assert torch.equal(got[r].audio, ref[i, :, : lengths[i] * spf].float().cpu()), f"{r}: {shape} differs"
         _assert_null_slot_zero(session.pool)
-    codes = torch.zeros(n_vq, 2, 4, dtype=torch.long, device="cuda")
-    frames, slots = torch.tensor([4, 1], device="cuda"), torch.tensor([0, 1], device="cuda")
-    with pytest.raises(ValueError, match=r"total_frames 3 is not the sum of valid_frames \(5\)"):
-        runner.decode(codes, frames, slots, total_frames=3)
     session.close()
 
 
 @pytest.mark.cuda
-def test_session_pins_the_audio_rows_of_every_graph_frame_size_at_startup(tmp_path):
-    """After construction no graph step pins host memory: a full bucket at each graph frame size, smallest first,
-    creates no page-locked block (torch's caching host allocator serves a row only from its own power-of-two
-    size class, so warming only the largest size left the smaller sizes' first steps to pin theirs)."""
+def test_session_pins_the_audio_rows_of_every_row_size_class_at_startup(tmp_path):
+    """After construction no graph step pins host memory: every slot at each chunk size, smallest first, creates
+    no page-locked block (torch's caching host allocator serves a row only from its own power-of-two size class,
+    so warming one size alone left the other sizes' first steps to pin theirs)."""
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(2, 4), graph_frame_sizes=(1, 2, 3))
+    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=frame_totals(12), graph_frame_sizes=(1, 2, 3))
     spf = int(dec.config.samples_per_frame) * int(dec.config.number_channels) * 4
     assert len({(spf * t - 1).bit_length() for t in (1, 2, 3)}) == 3, "the sizes must fall in distinct classes"
     torch.cuda.synchronize()
@@ -324,14 +329,15 @@ def test_session_counts_clamped_codes_of_host_and_device_chunks(tmp_path):
     device chunks on the device (read when ``clamped_codes`` is read); the audio is that of the
     clamped codes, through the graph path."""
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(2,), graph_frame_sizes=(1,))
-    clean = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=(2,), graph_frame_sizes=(1,))
+    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=(1, 2), graph_frame_sizes=(1,))
+    clean = CodecStreamSession(dec, CAPACITY, graph_frame_totals=(1, 2), graph_frame_sizes=(1,))
     K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
     codes = torch.randint(0, K, (n_vq, 2, 1), generator=torch.Generator().manual_seed(3))
     raw = codes.clone()
     raw[0, 0, 0], raw[1, 0, 0], raw[2, 1, 0] = K, -5, K + 9
     got = session.decode([ChunkRequest("host", raw[:, 0]), ChunkRequest("dev", raw[:, 1].cuda())])
     assert session.clamped_codes == 3 and session.stats()["clamped_codes"] == 3
+    assert session.stats()["steps_by_path"] == {"graph": 1, "eager": 0}
     want = clean.decode(
         [ChunkRequest("host", raw[:, 0].clamp(0, K - 1)), ChunkRequest("dev", raw[:, 1].clamp(0, K - 1).cuda())]
     )
@@ -346,18 +352,21 @@ def test_session_counts_clamped_codes_of_host_and_device_chunks(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["compact", "legacy"])
 def test_replay_with_mixed_lengths_equals_eager_of_the_same_batch(kind, cuda_ring_decoder):
-    """Rows of lengths 3, 1, 2 and 0 in one 3-frame graph: bitwise the eager step of that batch."""
+    """Rows of lengths 3, 1, 2 and 0 (6 real frames): the graph of 8 packed frames, bitwise the validated eager step
+    of that batch at the same packed length."""
     dec = cuda_ring_decoder
     eager, graphed = _pool(dec, kind), _pool(dec, kind)
-    runner = StreamingGraphRunner(graphed, BUCKETS, FRAMES, n_vq=dec.config.num_quantizers)
+    runner = StreamingGraphRunner(graphed, SHAPES, n_vq=dec.config.num_quantizers)
     runner.capture()
     spf = dec.config.samples_per_frame
     for step in range(4):
         codes = random_codes(dec, 4, 3, seed=70 + step).cuda()
         lengths = torch.tensor([3, 1, 2, 0], device="cuda").roll(step)
         ids = torch.tensor([0, 1, 2, 3], device="cuda")
+        assert _chosen(runner, 4, 3, 6) == StepShape(4, 3, 8)
         got = runner.decode(codes, lengths, ids)
-        ref, ref_len = decode_batch(eager, codes, lengths, ids, torch.ones(4, dtype=torch.bool, device="cuda"))
+        valid = torch.ones(4, dtype=torch.bool, device="cuda")
+        ref, ref_len = decode_batch(eager, codes, lengths, ids, valid, total_frames=8)
         assert torch.equal(got, ref), f"step {step}: replay differs from eager"
         assert torch.equal(ref_len, lengths * spf)
         assert_slot_state_equal(eager, graphed, range(CAPACITY))
@@ -366,10 +375,10 @@ def test_replay_with_mixed_lengths_equals_eager_of_the_same_batch(kind, cuda_rin
 
 @pytest.mark.cuda
 def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
-    """Chunks of every length up to the largest graph frame size never run eagerly, and each
-    stream stays within bf16 rounding of its solo reference decode at its own chunk lengths."""
+    """Chunks of every length up to the largest chunk size never run eagerly, one step a call, and each stream
+    stays within bf16 rounding of its solo reference decode at its own chunk lengths."""
     dec = cuda_ring_decoder
-    session = CodecStreamSession(dec, CAPACITY, graph_batch_sizes=BUCKETS, graph_frame_sizes=(1, 5))
+    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=frame_totals(20), graph_frame_sizes=(1, 5))
     gen = torch.Generator().manual_seed(5)
     streams = {rid: [1] + [1 + (i + k) % 5 for k in range(4)] for i, rid in enumerate("abcd")}
     codes = {rid: torch.randint(0, 16, (2, sum(s)), generator=gen) for rid, s in streams.items()}
@@ -383,9 +392,8 @@ def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
             audio[rid].append(res.audio)
         if k == 0:
             first = {rid: a[0].clone() for rid, a in audio.items()}
-    # Rows are grouped by the graph frame size they pad to: calls 2-4 each hold one 1-frame chunk beside
-    # longer ones, so they take a T1 and a T5 step; calls 0 and 1 take one step each (1 + 1 + 3 x 2).
-    assert session.stats()["steps_by_path"] == {"graph": 8, "eager": 0}
+    assert session.stats()["steps_by_path"] == {"graph": 5, "eager": 0}
+    assert session.stats()["padded_frames"] == 0  # every total up to 20 is on the ladder
     # Each row comes back in page-locked memory of its own: what the session returned stays its caller's.
     for rid in streams:
         assert torch.equal(audio[rid][0], first[rid]), f"a later step changed {rid}'s first chunk"
@@ -411,7 +419,9 @@ def test_steps_of_one_call_queued_behind_a_busy_device_equal_one_step_per_call(c
     codes = {rid: torch.randint(0, 16, (2, 13), generator=gen) for rid in "abc"}
 
     def run(one_call: bool) -> dict[str, torch.Tensor]:
-        session = CodecStreamSession(dec, 2, graph_batch_sizes=(2,), graph_frame_sizes=(1, 5), max_waiting_streams=1)
+        session = CodecStreamSession(
+            dec, 2, graph_frame_totals=frame_totals(10), graph_frame_sizes=(1, 5), max_waiting_streams=1
+        )
         session.decode([ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1])])
         assert session.decode([ChunkRequest("c", codes["c"][:, :1])])["c"].queued  # both slots taken
         if one_call:  # 12 frames each in pieces of 5, 5, 2; a and b end, c takes a freed slot
@@ -444,7 +454,7 @@ def test_steps_of_one_call_queued_behind_a_busy_device_equal_one_step_per_call(c
 def test_state_addresses_stable_and_returned_audio_private(cuda_ring_decoder):
     dec = cuda_ring_decoder
     pool = _pool(dec, "compact")
-    runner = StreamingGraphRunner(pool, BUCKETS, FRAMES, n_vq=2)
+    runner = StreamingGraphRunner(pool, SHAPES, n_vq=2)
     runner.capture()
     ptrs = runner.state_data_ptrs()
     assert len(ptrs) == len(pool.rings) + 1
@@ -461,7 +471,7 @@ def test_state_addresses_stable_and_returned_audio_private(cuda_ring_decoder):
             junk.pop(rng.randrange(len(junk)))
         if i % 10 == 0:
             torch.cuda.empty_cache()
-        B, T = rng.randint(1, CAPACITY), rng.choice(FRAMES)
+        B, T = rng.randint(1, CAPACITY), rng.choice((1, 3))
         live = rng.sample(range(CAPACITY), B)
         out = runner.decode(
             random_codes(dec, B, T, seed=100 + i).cuda(),
@@ -483,9 +493,9 @@ def test_state_addresses_stable_and_returned_audio_private(cuda_ring_decoder):
 @pytest.mark.cpu
 @pytest.mark.parametrize("kind,ffn_row_chunk", [("compact", None), ("legacy", None), ("compact", 7)])
 def test_step_traces_as_one_dynamic_graph(kind, ffn_row_chunk, ring_decoder, monkeypatch):
-    """fullgraph + dynamic on CPU (Dynamo only, backend "eager" for speed): new batch and
-    frame sizes >= 2 reuse the first graph, and results equal the eager step; also when every
-    step has more token rows than the eager FFN takes at once (FFN_ROW_CHUNK)."""
+    """fullgraph + dynamic on CPU (Dynamo only, backend "eager" for speed): new row counts and packed lengths
+    >= 2 reuse the first graph (``frames``, a session constant, is the same in every call), and results equal the
+    eager step; also when every step has more token rows than the eager FFN takes at once (FFN_ROW_CHUNK)."""
     if ffn_row_chunk is not None:
         monkeypatch.setattr(decoder_module, "FFN_ROW_CHUNK", ffn_row_chunk)
     torch._dynamo.reset()
@@ -499,8 +509,9 @@ def test_step_traces_as_one_dynamic_graph(kind, ffn_row_chunk, ring_decoder, mon
         valid = torch.arange(B) < B - 1 if i == 1 else torch.ones(B, dtype=torch.bool)  # a padding row
         ids = torch.tensor([2, 0, 3, 1][:B])
         ids[~valid] = traced.padding_slot_ids(1)
-        args = (codes, torch.where(valid, T, 0), ids, valid)
-        got, want = step(*args)[0], decode_tensors(eager, *args)[0]
+        lengths = torch.where(valid, T, 0)
+        args = (pack_codes(codes, lengths, B * T + 1), lengths, ids, valid, T)  # one dummy frame
+        got, want = step(*args), decode_tensors(eager, *args)
         if ffn_row_chunk is None:
             assert torch.equal(got, want)
         else:  # the eager FFN runs in slices, the traced one in one pass: GEMM rounding only
@@ -510,8 +521,8 @@ def test_step_traces_as_one_dynamic_graph(kind, ffn_row_chunk, ring_decoder, mon
 
     run(0, 2, 3)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        run(1, 3, 5)
-        run(2, 4, 2)
+        run(1, 3, 3)
+        run(2, 4, 3)
     torch._dynamo.reset()
 
 
@@ -533,4 +544,4 @@ def test_runner_rejects_a_cpu_pool(ring_decoder):
     pool = make_state_pool(ring_decoder)
     pool.initialize(2)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA pool"):
-        StreamingGraphRunner(pool, (2,), (1,), n_vq=2)
+        StreamingGraphRunner(pool, [StepShape(2, 1, 2)], n_vq=2)
