@@ -273,7 +273,7 @@ def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():
         "page size",
         "page table",
         "null page",
-        "bucket",
+        "step shape",
         "frame size",
         "graph ladder",
         "ring semantics",
