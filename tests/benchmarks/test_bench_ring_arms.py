@@ -14,6 +14,7 @@ import pytest
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.state import state_bytes_for
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors
+from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes
 from vllm_omni_moss.testing import upstream as oracle
 
 pytestmark = [pytest.mark.cpu]
@@ -109,14 +110,21 @@ def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
     reference = make_state_pool(decoder, "compact", attention_backend="triton")
     reference.initialize(2, 2)
     try:
-        unfused = arm.step.args[0].decoder  # the arm's step is decode_tensors bound to its pool
+        pool = arm._close.__self__  # the arm closes its pool: pool.close bound to it
+        unfused = pool.decoder
         assert unfused is not decoder and unfused.fused_glue is False and decoder.fused_glue is True
         assert unfused.lut is decoder.lut and unfused.groups is decoder.groups  # the same weights
         gen = torch.Generator().manual_seed(5)
         codes = torch.randint(0, decoder.config.codebook_size, (decoder.config.num_quantizers, 2, 3), generator=gen)
-        args = (codes, torch.tensor([3, 2]), torch.tensor([0, 1]), torch.tensor([True, True]))
-        # CPU steps run the references either way: the two arms decode bitwise alike.
-        assert torch.equal(arm.step(*args)[0], decode_tensors(reference, *args)[0])
+        rows = (torch.tensor([3, 2]), torch.tensor([0, 1]), torch.tensor([True, True]))
+        # The arm packs the (n_vq, B, T) grid into B x T = 6 frames (5 real, 1 dummy) and returns packed audio.
+        # CPU steps run the references either way: the two arms decode the real frames bitwise alike (a dummy's
+        # samples are unspecified).
+        spf = decoder.config.samples_per_frame
+        got = arm.step(codes, *rows)
+        want = decode_tensors(reference, pack_codes(codes, rows[0], 6), *rows, 3)
+        assert got.shape == want.shape == (decoder.config.number_channels, 6 * spf)
+        assert torch.equal(got[:, : 5 * spf], want[:, : 5 * spf]) and want[:, : 5 * spf].abs().max() > 0
     finally:
         arm.close()
         reference.close()
