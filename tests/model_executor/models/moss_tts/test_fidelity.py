@@ -46,7 +46,7 @@ def _stream(decoder: CodecDecoder, codes: torch.Tensor, semantics: str) -> torch
         decoder,
         B,
         ring_semantics=semantics,
-        graph_batch_sizes=(B,),
+        graph_frame_totals=(B, 15 * B),  # every call: B rows of 1 frame, then of 15
         graph_frame_sizes=(1, 15),
         max_step_frames=15,
         n_vq=codes.shape[0],
