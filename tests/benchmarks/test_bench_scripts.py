@@ -453,7 +453,7 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
         ("bench_codec_memory", ["--n-vq", "99"], "--n-vq must be in 1..32 for preset 'v2', got 99"),
         ("bench_codec_memory", ["--page-fraction", "0.5", "--arms", "v2"], "--page-fraction 0.5 applies to the v2-paged arm, not to v2"),
         ("bench_codec_startup", ["--checkpoint", "/nonexistent/codec"], "--checkpoint '/nonexistent/codec': no such directory"),
-        ("bench_codec_startup", ["--checkpoint", ".", "--graph-batch-sizes", "1,,2"], "--graph-batch-sizes '1,,2': empty item"),
+        ("bench_codec_startup", ["--checkpoint", ".", "--graph-frame-totals", "1,,2"], "--graph-frame-totals '1,,2': empty item"),
         ("bench_gemm_shapes", ["--batch", "64,"], "--batch '64,': empty item in '64,'"),
         ("bench_codec_memory", ["--streams", "1000000"], "--streams 1000000: at most 65536"),
         ("bench_codec_memory", ["--context-frames", "10000000"], "--context-frames 10000000: at most 45000"),
@@ -577,14 +577,14 @@ def test_step_context_frames_start_every_slot_there(tmp_path):
     decoder = bench.common.random_decoder("tiny-v2", "cpu")
     for kind in ("v2", "v2-exact"):
         arm = bench._our_arm(decoder, kind, 3, context_frames=7)
-        pool = arm.step.args[0]
+        pool = arm._close.__self__  # the arm closes its pool: pool.close bound to it
         assert pool.frames_decoded.tolist() == [7, 7, 7, 0]
         codes = bench.common.random_codes(1, 12, 3, 2, decoder.config.codebook_size, "cpu", 0)[0]
         arm.step(codes, torch.full((3,), 2), torch.arange(3), torch.ones(3, dtype=torch.bool))
         assert pool.frames_decoded.tolist() == [9, 9, 9, 0]
         arm.close()
     fresh = bench._our_arm(decoder, "v2", 3)
-    assert fresh.step.args[0].frames_decoded.tolist() == [0, 0, 0, 0]
+    assert fresh._close.__self__.frames_decoded.tolist() == [0, 0, 0, 0]
     argv = ["--preset", "tiny-v2", "--device", "cpu", "--arms", "v2", "--batch", "2", "--frames", "1"]
     argv += ["--modes", "eager", "--repeats", "1", "--steps-per-round", "1", "--no-floor", "--context-frames", "30"]
     result = bench.main([*argv, "--json", str(tmp_path / "step.json")])
