@@ -11,6 +11,7 @@ import torch
 from moss_codecs import build_decoder, random_codes, ring_codec_raw
 from moss_codecs import step_valid_rows as _step
 
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
     PagedDecoderStatePool,
@@ -307,7 +308,7 @@ def test_cuda_graph_session_on_a_paged_pool(page_fraction, cuda_ring_decoder):
 
 def _paged_session_case(dec, page_fraction):
     on_cuda = next(dec.parameters()).is_cuda
-    graphs = dict(graph_batch_sizes=(1, 2, 3), graph_frame_sizes=(1, 4))
+    graphs = dict(graph_frame_totals=frame_totals(3 * 4), graph_frame_sizes=(1, 4))  # the stage's ladder
     compact = CodecStreamSession(dec, 3, pool_kind="compact", attention_backend="triton", **graphs)
     paged = CodecStreamSession(dec, 3, pool_kind="paged", page_fraction=page_fraction, **graphs)
     assert (compact.runner is not None and paged.runner is not None) == on_cuda
