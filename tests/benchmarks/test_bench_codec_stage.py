@@ -25,7 +25,7 @@ import torch
 import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
-from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepShape, frame_totals
 
 pytestmark = [pytest.mark.cpu]
 
@@ -66,18 +66,19 @@ def _check_run(arm: str, c: str, figures: dict, details: dict, requests: int) ->
     assert figures["steps_by_path"]["graph"] == 0 and figures["peak_memory_bytes"] is None  # no graphs on CPU
     padded, decoded = details["padded_frames"], details["decoded_frames"]
     assert figures["padded_frame_fraction"] == round(padded / (decoded + padded), 6)
-    assert details["padding_rows"] == 0  # only graph replays pad with rows
+    assert details["padding_rows"] == 0  # no graphs on CPU: no ladder, every step shaped exactly by its rows
     if arm == "ideal":
         assert lat["p99"] == 0.0 and figures["steps_by_path"]["eager"] == 0 and padded == 0
         assert details["slots"] == int(c) and details["state_bytes"] == details["peak_state_bytes"] == 0
     elif arm == "upstream":
         # Upstream without graphs: one step per distinct chunk length, every row at its own length.
         assert figures["steps_by_path"]["eager"] >= details["steps"] > 0 and padded == 0 and lat["p50"] > 0
-        assert details["graph_batch_sizes"] == [b for b in (1, 2) if b < int(c)] + [int(c)]
+        assert details["graph_ladder"] == [b for b in (1, 2) if b < int(c)] + [int(c)]  # its batch buckets
     else:
-        # Ours: one step per decode call, every chunk padded to the step's graph frame size.
-        assert figures["steps_by_path"]["eager"] >= details["steps"] > 0 and padded > 0 and lat["p50"] > 0
-        assert details["graph_batch_sizes"] == batch_buckets(int(c))
+        # Ours: one packed step per round of a call; without graphs each packs exactly its real frames.
+        assert figures["steps_by_path"]["eager"] >= details["steps"] > 0 and padded == 0 and lat["p50"] > 0
+        # The frame totals of C slots x 15 frames (every total up to 64).
+        assert details["graph_ladder"] == frame_totals(int(c) * 15) == list(range(1, int(c) * 15 + 1))
     if arm != "ideal":
         # Slots: compact pool N + 1 (the null slot); legacy and upstream have no scratch slots without graphs.
         assert details["slots"] == int(c) + (arm == "v2") and details["graphs"] == 0
@@ -112,7 +113,7 @@ def test_stage_cpu_tiny_trace(tmp_path, capsys):
     assert run["preset"] == "tiny-v2" and run["device"] == "cpu" and run["cuda_graphs"] is False
     assert (run["arrival"], run["burstiness"], run["talker_rtf"], run["request_rate"]) == ("wave", None, 0.5, None)
     assert run["requests"] == {"2": 4, "3": 6} and run["chunks"] == [1, 4, 15] and run["keys"] == ["2", "3"]
-    assert run["graph_frame_sizes"] == [1, 4, 15] and "graph_batch_sizes" not in run
+    assert run["graph_frame_sizes"] == [1, 4, 15] and "graph_ladder" not in run and "graph_batch_sizes" not in run
     assert run["command"].endswith(argv + f" --out {tmp_path}") and run["date"].endswith("+00:00")
 
     frames = {}
@@ -312,7 +313,7 @@ def test_poisson_run_of_our_arm(tmp_path):
     f, d = result["arms"]["v2"]["rate=3"], result["details"]["v2"]["rate=3"]
     assert d["requests"] == result["run"]["requests"]["rate=3"] > 0 and d["finished_requests"] == d["requests"]
     assert f["ttfp_ms"]["p99"] >= f["first_chunk_latency_ms"]["p99"] > 40.0 and f["live_streams"]["max"] <= 2
-    assert d["graph_batch_sizes"] == [1, 2] and d["slots"] == 3
+    assert d["graph_ladder"] == list(range(1, 2 * 15 + 1)) and d["slots"] == 3  # frame_totals(2 slots x 15)
 
 
 # ------------------------------------------------------------------------------------------ SLO lines, helpers
@@ -466,7 +467,7 @@ def test_stage_state_plan_buys_whole_pools_or_pages():
     assert pool.page_fraction == pytest.approx(
         (int(2.5 * slot) - pool.budget.null_bytes()) / (4 * pool.budget.stream_bytes())
     )
-    assert arm.ladder == batch_buckets(4)
+    assert arm.ladder == frame_totals(4 * 15) == list(range(1, 61))
     arm.close()
 
 
@@ -520,7 +521,7 @@ def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatc
     result = bench.main(argv)
     kwargs = seen["paged"]
     assert kwargs["state_budget_bytes"] == int(0.0003 * 2**30) and kwargs["expected_stream_frames"] == 54
-    assert kwargs["page_fraction"] is None and kwargs["graph_batch_sizes"] == ()  # no graphs on CPU
+    assert kwargs["page_fraction"] is None and kwargs["graph_frame_totals"] == ()  # no graphs on CPU
     details = result["details"]["v2-paged"]["2"]
     assert not details["stopped_early"] and details["finished_requests"] == 2
 
@@ -551,14 +552,19 @@ def test_stage_trace_calls_reports_each_phase_and_the_slowest_call(tmp_path):
     assert "call_trace_ms" not in details and "trace" not in details["slowest_step"] and "step_cost" not in details
 
 
-def test_stage_ragged_arm_takes_one_step_a_call_and_decodes_what_v2_decodes(tmp_path):
-    """v2-ragged is v2 with ragged steps: on the ramp 1, 2, 4, 6 with staggered starts its calls take one step
-    each where v2's take one per frame size present, and both decode every frame of every request."""
-    flags = "--arms v2,v2-ragged --arrival staggered --concurrency 3 --requests-per-stream 2 --chunks 1,2,4,6"
+def test_stage_our_arms_take_one_step_a_call_on_a_staggered_ramp(tmp_path, capsys):
+    """Every step is ragged (the v2-ragged arm is gone: naming it is a usage error): on the ramp 1, 2, 4, 6 with
+    staggered starts, calls holding chunks of several lengths, every call of v2 and legacy takes one step, and
+    both decode every frame of every request."""
+    flags = "--arms v2,legacy --arrival staggered --concurrency 3 --requests-per-stream 2 --chunks 1,2,4,6"
     result = _bench().main(_cpu(flags + " --trace-calls --give-up-ms 600000", out=tmp_path))
-    v2, ragged = result["details"]["v2"]["3"], result["details"]["v2-ragged"]["3"]
-    assert ragged["decoded_frames"] == v2["decoded_frames"] and ragged["finished_requests"] == 6
-    assert ragged["step_cost"]["steps_per_call"] == 1.0 < v2["step_cost"]["steps_per_call"]
+    v2, legacy = result["details"]["v2"]["3"], result["details"]["legacy"]["3"]
+    assert v2["decoded_frames"] == legacy["decoded_frames"] and v2["finished_requests"] == 6
+    assert v2["step_cost"]["steps_per_call"] == legacy["step_cost"]["steps_per_call"] == 1.0
+    assert v2["padded_frames"] == legacy["padded_frames"] == 0  # no graphs on CPU: exact packed steps
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(_cpu("--arms v2-ragged", out=tmp_path / "gone"))
+    assert exc.value.code == 2 and "--arms 'v2-ragged': 'v2-ragged' not in" in capsys.readouterr().err
 
 
 def test_step_cost_recovers_the_fixed_cost_per_step_and_the_cost_per_frame():
@@ -892,23 +898,21 @@ def test_time_replays_times_every_graph_replay_of_the_session(monkeypatch):
     channels, spf = session.channels, session.samples_per_frame
 
     class Graphs:
-        n_vq = session.n_vq
-        graphs = {}
+        # No ladder without graphs on CPU: each step's shape is exact (rows, longest piece, real frames).
+        graphs = {StepShape(2, 1, 2): None, StepShape(2, 4, 7): None}
 
-        def select(self, batch, frames):
-            return (2, 4 if frames > 1 else 1)
-
-        def buffers(self, key):
-            zeros = torch.zeros(key[0], dtype=torch.long)
+        def buffers(self, shape):
+            R, F = shape.rows, shape.total_frames
+            zeros = torch.zeros(R, dtype=torch.long)
             return types.SimpleNamespace(
-                codes=torch.zeros(session.n_vq, *key, dtype=torch.long), valid_frames=zeros.clone(),
-                slot_ids=zeros.clone(), valid=torch.zeros(key[0], dtype=torch.bool), padding_host=zeros,
+                codes=torch.zeros(session.n_vq, F, dtype=torch.long), valid_frames=zeros.clone(),
+                slot_ids=zeros.clone(), valid=torch.zeros(R, dtype=torch.bool), padding_host=zeros,
             )  # fmt: skip
 
-        def replay(self, key, rows):
-            replays.append((key, rows))
+        def replay(self, shape):
+            replays.append(shape)
             time.sleep(0.002)
-            return torch.zeros(rows, channels, key[1] * spf)
+            return torch.zeros(channels, shape.total_frames * spf)
 
         def decode(self, codes, valid_frames, slot_ids):  # what the session called before it staged steps itself
             raise AssertionError("the session no longer calls decode")
@@ -921,8 +925,11 @@ def test_time_replays_times_every_graph_replay_of_the_session(monkeypatch):
     arm._time_replays(graphs)
     arm.time_replays = True
     codes = torch.zeros(12, 4, dtype=torch.long)
-    arm.decode([upstream_stage.StageChunk("a", codes[:, :1], False), upstream_stage.StageChunk("b", codes, False)])
-    assert replays == [((2, 1), 1), ((2, 4), 1)]
+    arm.decode(
+        [upstream_stage.StageChunk("a", codes[:, :1], False), upstream_stage.StageChunk("b", codes[:, :1], False)]
+    )
+    arm.decode([upstream_stage.StageChunk("a", codes[:, :3], False), upstream_stage.StageChunk("b", codes, False)])
+    assert replays == [StepShape(2, 1, 2), StepShape(2, 4, 7)]  # one step a call: 1 + 1 frames, then 3 + 4
     assert syncs == [session.device] * 4  # before and after each replay
     assert arm.take_replay_seconds() >= 0.004 and arm.take_replay_seconds() == 0.0
     arm.close()
