@@ -5,8 +5,8 @@ Each file goes through vLLM-Omni's own deploy-config loader (``config/stage_conf
 ``base_config`` inheritance, ``merge_pipeline_deploy`` with the MOSS-TTS-Local pipeline) and its transfer-config
 loader, and:
 
-* gives Stage 1 the slots, graph ladder (``graph_ladder.batch_buckets(max_num_seqs)``) and memory share its
-  comments state, and a state that fits that share (``deploy_sizing.check_stage_state``, as the stage checks at
+* gives Stage 1 the slots, graph ladder (``graph_ladder.frame_totals(max_num_seqs x the largest chunk size)``,
+  the stage's own: vLLM's ``cudagraph_capture_sizes`` is not read) and memory share its comments state, and a state that fits that share (``deploy_sizing.check_stage_state``, as the stage checks at
   startup) within the streams one H200 held at the SLO;
 * places its replicas on the GPUs its comments name (vLLM-Omni's ``split_devices_for_replicas``);
 * resolves Stage 1 to this package's class in a fresh process set up as that replica's process, with the slots
@@ -33,7 +33,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.deploy_sizing import (
     check_stage_state,
     slots_that_fit,
 )
-from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import batch_buckets
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
@@ -205,13 +205,15 @@ def test_deploy_file_gives_stage_1_the_slots_ladder_and_memory_its_comments_stat
     _, stages = _stages(path)
     codec, runtime = stages[1]
     n = codec["max_num_seqs"]
-    ladder = batch_buckets(n)
     assert codec["model_arch"] == ARCH and codec["enforce_eager"] is False
-    assert codec["compilation_config"]["cudagraph_capture_sizes"] == ladder
+    _assert_capture_sizes_end_at_the_slots(codec)
     # vLLM keeps only capture sizes <= max_num_batched_tokens (vllm/config/vllm.py, _set_cudagraph_sizes).
-    steady = _schedule(path).steady
-    assert codec["max_num_batched_tokens"] >= n * N_VQ * steady  # full batches of steady chunks
-    assert codec["max_num_batched_tokens"] >= max(ladder)
+    schedule = _schedule(path)
+    assert codec["max_num_batched_tokens"] >= n * N_VQ * schedule.steady  # full batches of steady chunks
+    assert codec["max_num_batched_tokens"] >= max(codec["compilation_config"]["cudagraph_capture_sizes"])
+    # The stage's own ladder: packed frame totals up to the slots x the largest chunk size.
+    largest = max(schedule.frame_sizes)
+    totals = frame_totals(n * largest)
     share = MemoryShare(codec["gpu_memory_utilization"], H200)
     slots, state = n + 1, (n + 1) * SLOT
     fit = slots_that_fit(SLOT, share, WEIGHTS + STEP_RESERVE_BYTES)
@@ -227,8 +229,9 @@ def test_deploy_file_gives_stage_1_the_slots_ladder_and_memory_its_comments_stat
         else f"gpu_memory_utilization {codec['gpu_memory_utilization']:.2f} of 139.80 GiB",
         f"{share.bytes / GIB:.2f} GiB",
         f"{fit:,} slots",
-        f"batch_buckets({n})",
-        str(ladder),
+        f"graph_ladder.frame_totals({n} x {largest})",
+        f"{len(totals)} packed frame totals",
+        f"1 to {totals[-1]:,}",
         "0342c51",
         "0702d10",
     ):
@@ -237,11 +240,18 @@ def test_deploy_file_gives_stage_1_the_slots_ladder_and_memory_its_comments_stat
 
 
 @pytest.mark.parametrize("path", sorted(DEPLOY_DIR.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_deploy_file_captures_the_graph_ladder_and_fits_stage_1_state(path):
+def test_every_deploy_file_gives_vllm_capture_sizes_up_to_its_slots_and_fits_stage_1_state(path):
     _, stages = _stages(path)
     codec = stages[1][0]
-    assert codec["compilation_config"]["cudagraph_capture_sizes"] == batch_buckets(codec["max_num_seqs"])
+    _assert_capture_sizes_end_at_the_slots(codec)
     _codec_state_check(codec)
+
+
+def _assert_capture_sizes_end_at_the_slots(codec: dict) -> None:
+    """vLLM's ``cudagraph_capture_sizes`` of Stage 1, as written (the stage does not read them: it shapes its steps
+    by its own ladder): distinct, ascending from 1, ending at ``max_num_seqs``."""
+    sizes = codec["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == codec["max_num_seqs"], sizes
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -280,7 +290,7 @@ def test_deploy_file_whose_stage_1_slots_exceed_its_share_fails_naming_slots_byt
         "stages:\n"
         "  - stage_id: 1\n"
         "    max_num_seqs: 2048\n"
-        f"    compilation_config:\n      cudagraph_capture_sizes: {batch_buckets(2048)}\n",
+        "    compilation_config:\n      cudagraph_capture_sizes: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]\n",
         encoding="utf-8",
     )
     _, stages = _stages(bad)
@@ -335,7 +345,7 @@ vllm_config = NS(
 stage = cls(vllm_config=vllm_config)
 print("REPLICA " + json.dumps({
     "cls": f"{cls.__module__}:{cls.__name__}", "arch": arch, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    "slots": stage.state_capacity, "buckets": stage.graph_batch_sizes, "frames": stage.graph_frame_sizes,
+    "slots": stage.state_capacity, "totals": stage.graph_frame_totals, "frames": stage.graph_frame_sizes,
     "tokens": stage.token_budget,
 }))
 """
@@ -360,16 +370,18 @@ def _replica_process(path: Path, devices: str) -> dict:
 )
 def test_plugin_resolves_stage_1_in_a_replica_process_as_in_the_single_gpu_deploy_file(name, codec_devices):
     """The single-GPU file is the reference: every file's codec replica gets this package's class, on its own GPU,
-    with the slots, graph ladder, frame sizes and token budget its file gives."""
+    with the slots, graph ladder (``frame_totals(slots x the largest chunk size)``), frame sizes and token budget its
+    file gives."""
     got = _replica_process(DEPLOY_DIR / name, codec_devices)
     _, stages = _stages(DEPLOY_DIR / name)
     n = stages[1][0]["max_num_seqs"]
+    frame_sizes = _schedule(DEPLOY_DIR / name).frame_sizes
     assert got == {
         "cls": f"{OURS}:{ARCH}",
         "arch": ARCH,
         "visible": codec_devices,
         "slots": n,
-        "buckets": batch_buckets(n),
-        "frames": _schedule(DEPLOY_DIR / name).frame_sizes,
+        "totals": frame_totals(n * max(frame_sizes)),
+        "frames": frame_sizes,
         "tokens": stages[1][0]["max_num_batched_tokens"],
     }
