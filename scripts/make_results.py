@@ -433,8 +433,8 @@ def render_memory(job: Job) -> list[str]:
 # ---------------------------------------------------------------------------------------------- startup
 
 
-STARTUP = {"phases_s": {"*": maybe(NUMBER)}, "total_s": NUMBER, "graph_batch_sizes?": [ANY]}
-STARTUP |= {"graph_frame_sizes?": [ANY], "capacity?": ANY, "graphs?": ANY}
+STARTUP = {"phases_s": {"*": maybe(NUMBER)}, "total_s": NUMBER, "graph_frame_totals?": [ANY]}
+STARTUP |= {"graph_batch_sizes?": [ANY], "graph_frame_sizes?": [ANY], "capacity?": ANY, "graphs?": ANY}
 
 
 @renderer("startup", STARTUP)
@@ -447,14 +447,19 @@ def render_startup(job: Job) -> list[str]:
     rows = [[phase] + [num(job.need(doc, "phases_s").get(phase), 2) for doc in job.docs] for phase in phases]
     rows.append(["**total**"] + [f"**{num(job.need(doc, 'total_s'), 2)}**" for doc in job.docs])
     first = job.docs[0]
-    for key in ("graph_batch_sizes", "graph_frame_sizes", "capacity", "graphs"):
+    # The step shapes' ladder: packed frame totals; files written before 0fecc03 name batch buckets instead.
+    ladder_key = "graph_batch_sizes" if "graph_frame_totals" not in first and "graph_batch_sizes" in first else None
+    for key in (ladder_key or "graph_frame_totals", "graph_frame_sizes", "capacity", "graphs"):
         job.need(first, key)  # the first file's only
-    buckets = ", ".join(str(b) for b in job.need(first, "graph_batch_sizes"))
+    if ladder_key:
+        ladder = "batch buckets " + ", ".join(str(b) for b in job.need(first, ladder_key))
+    else:
+        totals = job.need(first, "graph_frame_totals")
+        ladder = f"{len(totals)} packed frame totals, {totals[0]} to {totals[-1]}" if totals else "no frame totals"
     frames = ", ".join(str(t) for t in job.need(first, "graph_frame_sizes"))
     return table(["phase (s)"] + labels, rows) + [
         "",
-        f"{job.need(first, 'capacity')} slots, {job.need(first, 'graphs')} CUDA graphs (batch buckets {buckets}; "
-        f"frame sizes {frames}).",
+        f"{job.need(first, 'capacity')} slots, {job.need(first, 'graphs')} CUDA graphs ({ladder}; frame sizes {frames}).",
     ]
 
 

@@ -258,7 +258,10 @@ def test_memory_startup_attention_and_gemm_tables():
     def startup(total):
         return {"phases_s": {"imports": 1.0, "capture": total - 1}, "total_s": total, "capacity": 8, "graphs": 4}
 
-    docs = [startup(10.0) | {"graph_batch_sizes": [4, 8], "graph_frame_sizes": [1, 15]}, startup(5.0)]
+    # bench_codec_startup.py's record: the step shapes' packed frame totals (frame_totals(8 x 15): 1 to 64, then
+    # 66, 68, ..., 96, 99, 102, ..., 120).
+    totals = [*range(1, 65), *range(66, 97, 2), *range(99, 121, 3)]
+    docs = [startup(10.0) | {"graph_frame_totals": totals, "graph_frame_sizes": [1, 15]}, startup(5.0)]
     lines = mr.render_startup(_job("startup", docs, labels=["cold", "warm"]))
     assert lines[:5] == [
         "| phase (s) | cold | warm |",
@@ -267,7 +270,14 @@ def test_memory_startup_attention_and_gemm_tables():
         "| capture | 9.00 | 4.00 |",
         "| **total** | **10.00** | **5.00** |",
     ]
-    assert lines[-1] == "8 slots, 4 CUDA graphs (batch buckets 4, 8; frame sizes 1, 15)."
+    assert lines[-1] == "8 slots, 4 CUDA graphs (88 packed frame totals, 1 to 120; frame sizes 1, 15)."
+    # A file written before the ladder of frame totals (benchmarks/results/archive) names batch buckets.
+    old = [startup(10.0) | {"graph_batch_sizes": [4, 8], "graph_frame_sizes": [1, 15]}]
+    assert mr.render_startup(_job("startup", old, labels=["cold"]))[-1] == (
+        "8 slots, 4 CUDA graphs (batch buckets 4, 8; frame sizes 1, 15)."
+    )
+    with pytest.raises(mr.InputError, match="has no 'graph_frame_totals'"):
+        mr.render_startup(_job("startup", [startup(1.0) | {"graph_frame_sizes": [1]}], labels=["cold"]))
 
     def records(ms):
         shape = {"batch": 64, "frames": 15, "tokens": 15, "heads": 2, "capacity": 125}
