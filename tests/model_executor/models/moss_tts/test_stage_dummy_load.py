@@ -92,7 +92,7 @@ def test_dummy_load_format_serves_the_random_codec_of_the_preset(tmp_path, caplo
     assert loaded == [
         f"MOSS codec decoder loaded from random {preset} weights on cpu: {preset[-2:]}, "
         f"{stage._codec.config.sampling_rate} Hz, {stage._channels} channel(s), n_vq=11, precision float32 "
-        "(weights, decode table and state rings; codec_dtype=auto), streams=4, graphs B=[] T=[1, 3]"
+        "(weights, decode table and state rings; codec_dtype=auto), streams=4, chunk sizes [1, 3], 0 step shapes"
     ]
 
 
