@@ -105,9 +105,9 @@ def pack_codes(codes: torch.Tensor, valid_frames: torch.Tensor, total_frames: in
     row order, then code 0 up to ``total_frames`` (``>= sum(valid_frames)``)."""
     n_vq, R, T = codes.shape
     owner, position, _ = _owners(valid_frames, total_frames)
-    index = torch.where(owner < R, owner * T + position, 0)
-    packed = codes.reshape(n_vq, R * T).index_select(1, index)
-    return torch.where(owner < R, packed, torch.zeros((), dtype=codes.dtype, device=codes.device))
+    # Dummies read a zero column past the grid (the grid may be empty: a step of padding rows alone).
+    grid = torch.cat([codes.reshape(n_vq, R * T), codes.new_zeros(n_vq, 1)], dim=1)
+    return grid.index_select(1, torch.where(owner < R, owner * T + position, R * T))
 
 
 def unpack_audio(audio: torch.Tensor, valid_frames: torch.Tensor, frames: int, samples_per_frame: int) -> torch.Tensor:
@@ -119,4 +119,5 @@ def unpack_audio(audio: torch.Tensor, valid_frames: torch.Tensor, frames: int, s
     frames_of = audio.view(C, -1, samples_per_frame).transpose(0, 1)  # (F, C, spf)
     out = audio.new_zeros(R * frames + 1, C, samples_per_frame)
     out.index_copy_(0, torch.where(owner < R, owner * frames + position, R * frames), frames_of)
-    return out[: R * frames].view(R, frames, C, samples_per_frame).permute(0, 2, 1, 3).reshape(R, C, -1)
+    grid = out[: R * frames].view(R, frames, C, samples_per_frame).permute(0, 2, 1, 3)
+    return grid.reshape(R, C, frames * samples_per_frame)
