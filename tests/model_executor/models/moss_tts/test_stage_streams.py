@@ -588,6 +588,37 @@ def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_r
     assert set(session.live_requests) == {"g"}
 
 
+def test_a_session_call_that_raises_fails_its_rows_alone_and_forward_returns(stage, caplog, monkeypatch):
+    """The session's call raises past its checks (its step planner, here): forward returns, each row of the batch
+    returns empty audio with its error logged once, the session ended their streams (a later row of one returns
+    empty audio), and a new stream decodes exactly in the next forward. A call that the session refuses before
+    it changes anything (a closed session: a programming error, no request's) still raises from forward."""
+    session = stage._ensure_session()
+    g, f, h = (_codes(stage, 2, seed=seed) for seed in (41, 42, 43))
+    run(stage, [g[:, :1]], [delay_info()], ["g"])
+
+    def broken(round_pieces):
+        raise RuntimeError("injected planner failure")
+
+    monkeypatch.setattr(session._steps, "plan_round", broken)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = run(stage, [g[:, 1:], f[:, :1]], [delay_info(), delay_info()], ["g", "f"])
+    monkeypatch.undo()
+    assert [o.numel() for o in out] == [0, 0]
+    assert _warnings(caplog) == [
+        f"MOSS codec request {rid} (batch row {i}): request {rid!r}: its decode call failed with RuntimeError: "
+        "injected planner failure; the stream was ended; returning empty audio"
+        for i, rid in enumerate("gf")
+    ]
+    assert session.live_requests == {}
+    later = run(stage, [f[:, 1:], h], [delay_info(), delay_info()], ["f", "h"])
+    assert later[0].numel() == 0
+    _assert_audio(later[1], fresh_decode(stage, h, [2]), "h")
+    session.close()
+    with pytest.raises(RuntimeError, match="^this CodecStreamSession is closed$"):
+        run(stage, [h], [delay_info()], ["h2"])
+
+
 def test_bookkeeping_of_ended_streams_does_not_grow_without_on_requests_finished(stage, caplog):
     """A caller that drives the stage without vLLM-Omni's runner never calls ``on_requests_finished``: what the
     stage keeps per stream (the warnings it logged once) is dropped when the stream's terminal chunk ends it."""

@@ -236,7 +236,9 @@ class MossTTSCodecDecoder(nn.Module):
             nothing to decode yet; and ``["sr"]``: per request int32 scalar tensors.
         Raises:
             RuntimeError: ``seq_token_counts`` missing or longer than ``input_ids``, or ``request_ids`` of
-                another length than ``seq_token_counts``.
+                another length than ``seq_token_counts``; a session call refused before it changed anything
+                (a programming error that no request caused). A session call that fails past that point fails
+                each of its requests alone (logged; empty audio) instead.
             TypeError: ``seq_token_counts`` is not a list or tuple.
             ValueError: an entry of ``seq_token_counts`` that is not an integer ``>= 0`` (named in the message).
         """
@@ -344,7 +346,7 @@ class MossTTSCodecDecoder(nn.Module):
             elif c.dropped is not None:
                 self._report(c.key, c.index, c.dropped, outcome="this row decodes")
         requests = [ChunkRequest(c.key, c.codes, c.finished) for c in chunks if c.codes is not None]
-        results = self._ensure_session().decode(requests) if requests else {}
+        results = self._decode_session(requests) if requests else {}
         audios = [self._empty_audio() for _ in batch]
         for c in chunks:
             result = results.pop(c.key, None) if c.key is not None else None
@@ -361,6 +363,29 @@ class MossTTSCodecDecoder(nn.Module):
                 self._reported.discard(c.key)
                 self._mismatch_warned.discard(c.key)
         return audios
+
+    def _decode_session(self, requests: list[ChunkRequest]) -> dict[str, ChunkResult]:
+        """The session's results for ``requests``. A call that raises past the session's argument checks
+        (``last_call_error``: the session ended the call's streams) fails each of its requests alone with an
+        error naming the exception, logged once with its traceback; anything else (a call the session refused:
+        a programming error that no request caused) raises."""
+        session = self._ensure_session()
+        try:
+            return session.decode(requests)
+        except Exception as exc:
+            if exc is not session.last_call_error:
+                raise
+            logger.error(
+                "MOSS codec: a decode call of %d requests failed; each of them ends with an error", len(requests),
+                exc_info=exc,
+            )  # fmt: skip
+            empty, why = torch.zeros(self._channels, 0), f"its decode call failed with {type(exc).__name__}: {exc}"
+            return {
+                r.request_id: ChunkResult(
+                    empty, session.sample_rate, 0, f"request {r.request_id!r}: {why}; the stream was ended"
+                )
+                for r in requests
+            }
 
     def _deliver(self, chunk: StreamChunk, result: ChunkResult) -> torch.Tensor:
         """The audio a batch row returns: anything held for its stream, then this step's (with an error, the

@@ -282,6 +282,223 @@ def test_a_failing_admission_fails_the_admitted_stream_alone(ring_decoder, monke
     assert s.live_requests == {} and s.free_slots == 2
 
 
+# ----------------------------------------------------------------------------- reservations and releases
+
+
+def _failing_for(session, monkeypatch, method: str, slot: int, times: int | None = None) -> None:
+    """Make the later calls of the pool's ``method`` that name ``slot`` raise (before they change anything): the
+    first ``times`` of them, or every one."""
+    real, raised = getattr(session.pool, method), []
+
+    def broken(slots, *args, **kwargs):
+        if slot in list(slots) and (times is None or len(raised) < times):
+            raised.append(slot)
+            raise RuntimeError(f"injected {method} failure")
+        return real(slots, *args, **kwargs)
+
+    monkeypatch.setattr(session.pool, method, broken)
+
+
+def _call_error(rid: str, what: str, method: str, undecoded: int) -> str:
+    return (
+        f"request {rid!r}: {what} failed with RuntimeError: injected {method} failure; the stream was ended, "
+        f"frames left undecoded: {undecoded}"
+    )
+
+
+def _pages(session) -> list[int] | None:
+    return session.pool.free_page_counts() if hasattr(session.pool, "free_page_counts") else None
+
+
+@pytest.mark.parametrize("pool_kind", ["compact", "paged"])
+def test_a_failing_reservation_before_a_step_fails_the_ready_streams_not_the_call(
+    pool_kind, ring_decoder, monkeypatch, caplog
+):
+    """The joint reservation of every ready stream's pages before a step raises: no one stream is to blame, so
+    each ready stream ("a", and "b" with its terminal chunk) fails with an error naming the reservation (logged
+    once each); decode() returns instead of raising; their slots and pages are free. "k", live without a chunk
+    in that call, decodes exactly afterwards; "a" stays refused until it ends, the ended "b" starts afresh."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 3, pool_kind=pool_kind)
+    full = _pages(s)
+    a, b, k = (_codes(ring_decoder, 6, seed) for seed in (1, 2, 3))
+    s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1]), ChunkRequest("k", k[:, :1])])
+
+    _failing(s, monkeypatch, "reserve")
+    with caplog.at_level(logging.ERROR):
+        got = s.decode([ChunkRequest("a", a[:, 1:5]), ChunkRequest("b", b[:, 1:3], True)])
+    monkeypatch.undo()
+    what = "reserving decoder state pages for the step of the 2 ready streams"
+    errors = {"a": _call_error("a", what, "reserve", 4), "b": _call_error("b", what, "reserve", 2)}
+    for rid, error in errors.items():
+        assert (got[rid].error, got[rid].frames, got[rid].queued) == (error, 0, False)
+        assert _logged(caplog, error) == 1
+    assert set(got) == {"a", "b"} and set(s.live_requests) == {"k"} and s.free_slots == 2
+    assert s.stats()["request_errors"] == 2
+
+    last = s.decode([ChunkRequest("a", a[:, 5:], True), ChunkRequest("k", k[:, 1:], True)])
+    assert (last["a"].error, last["a"].frames) == (errors["a"], 0)
+    assert last["k"].error is None
+    _close(last["k"].audio, ring_decoder.decode(k[:, None], [1, 5])[0][:, spf:], "k")
+    fresh = s.decode([ChunkRequest("b", b[:, :2], True)])["b"]
+    assert fresh.error is None
+    _close(fresh.audio, ring_decoder.decode(b[:, None, :2], [2])[0], "b afresh")
+    assert s.live_requests == {} and s.free_slots == 3 and _pages(s) == full
+
+
+def test_a_failing_reservation_of_the_live_streams_before_an_admission_fails_them_not_the_newcomer(
+    ring_decoder, monkeypatch, caplog
+):
+    """Admitting the new stream "n" first reserves the live streams' pages for their chunks of the call; that
+    reservation raises: the live stream with a chunk ("a") fails, naming it, and "n" is admitted and decodes
+    exactly in the same call; every slot and page is free once "n" ends."""
+    s = CodecStreamSession(ring_decoder, 2, pool_kind="paged")
+    full = _pages(s)
+    a, n = _codes(ring_decoder, 4, 1), _codes(ring_decoder, 3, 2)
+    s.decode([ChunkRequest("a", a[:, :1])])
+    _failing_for(s, monkeypatch, "reserve", s.live_requests["a"], times=1)  # "n" gets a's slot once it fails
+    with caplog.at_level(logging.ERROR):
+        got = s.decode([ChunkRequest("a", a[:, 1:4]), ChunkRequest("n", n, True)])
+    monkeypatch.undo()
+    error = _call_error("a", "reserving decoder state pages for the live streams' chunks (1 streams)", "reserve", 3)
+    assert (got["a"].error, got["a"].frames) == (error, 0)
+    assert _logged(caplog, error) == 1
+    assert got["n"].error is None
+    _close(got["n"].audio, ring_decoder.decode(n[:, None], [3])[0], "n")
+    assert s.live_requests == {} and s.free_slots == 2 and _pages(s) == full
+
+
+def test_a_failing_release_of_an_ended_stream_fails_it_alone_and_its_slot_frees_next_call(
+    ring_decoder, monkeypatch, caplog
+):
+    """Two streams end in one call; releasing their slots raises, and so does releasing a's alone: "a" keeps its
+    exact audio with the error beside it, "b" ends normally (its slot released alone). a's slot (and its pages)
+    is released as the next call begins."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 2, pool_kind="paged")
+    full = _pages(s)
+    a, b = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 3, 2)
+    s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
+    _failing_for(s, monkeypatch, "release", s.live_requests["a"])
+    with caplog.at_level(logging.ERROR):
+        got = s.decode([ChunkRequest("a", a[:, 1:], True), ChunkRequest("b", b[:, 1:], True)])
+    monkeypatch.undo()
+    error = _call_error("a", "releasing its decoder slot as it ended", "release", 0)
+    assert (got["a"].error, got["a"].frames) == (error, 2)
+    assert _logged(caplog, error) == 1
+    _close(got["a"].audio, ring_decoder.decode(a[:, None], [1, 2])[0][:, spf:], "a")
+    assert got["b"].error is None
+    _close(got["b"].audio, ring_decoder.decode(b[:, None], [1, 2])[0][:, spf:], "b")
+    assert s.live_requests == {} and s.free_slots == 1 and _pages(s) != full
+    assert s.decode([]) == {}
+    assert s.free_slots == 2 and _pages(s) == full
+    fresh = s.decode([ChunkRequest("a", a, True)])["a"]  # it ended: the id starts afresh
+    assert fresh.error is None
+    _close(fresh.audio, ring_decoder.decode(a[:, None], [3])[0], "a afresh")
+
+
+def test_a_failing_release_after_a_step_failure_adds_to_the_streams_error(ring_decoder, monkeypatch):
+    """A step raises and releasing its stream's slot raises too: the stream's error names both; the slot is
+    released as the next call begins."""
+    s = CodecStreamSession(ring_decoder, 1)
+    a = _codes(ring_decoder, 3, 1)
+    s.decode([ChunkRequest("a", a[:, :1])])
+    _inject(s, monkeypatch, 1, "before")
+    _failing_for(s, monkeypatch, "release", s.live_requests["a"])
+    got = s.decode([ChunkRequest("a", a[:, 1:2])])["a"]
+    monkeypatch.undo()
+    assert got.error == (
+        "request 'a': its decoder step (1 rows x 1 frames) failed with RuntimeError: injected failure in step 1; "
+        "the stream was ended, frames left undecoded: 1; releasing its decoder slot failed with RuntimeError: "
+        "injected release failure"
+    )
+    assert s.free_slots == 0
+    assert s.decode([ChunkRequest("a", a[:, 2:], True)])["a"].error == got.error  # refused until it ends
+    assert s.free_slots == 1 and s.live_requests == {}
+
+
+def test_a_failing_release_of_a_preempted_stream_fails_it_and_another_is_preempted(ring_decoder, monkeypatch, caplog):
+    """ "l2" is preempted for the waiting "w"'s terminal chunk; its state is saved but freeing its slot raises:
+    "l2" fails (it cannot wait to resume a slot that is not free), so "l1" is preempted in its place, "w" decodes
+    exactly in its call and "l1" resumes exactly once "w" ended. The next call releases l2's slot first: once
+    "l1" ends every slot is free."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 2)
+    l1, l2, w = (_codes(ring_decoder, n, seed) for n, seed in ((3, 1), (4, 2), (3, 3)))
+    s.decode([ChunkRequest("l1", l1[:, :1]), ChunkRequest("l2", l2[:, :1])])
+    assert s.decode([ChunkRequest("w", w[:, :1])])["w"].queued
+    _failing_for(s, monkeypatch, "release", s.live_requests["l2"])
+    batch = [ChunkRequest("l1", l1[:, 1:2]), ChunkRequest("l2", l2[:, 1:3]), ChunkRequest("w", w[:, 1:], True)]
+    with caplog.at_level(logging.ERROR):
+        got = s.decode(batch)
+    monkeypatch.undo()
+    error = _call_error("l2", "freeing its decoder slot to preempt it", "release", 2)
+    assert (got["l2"].error, got["l2"].frames, got["l2"].queued) == (error, 0, False)
+    assert _logged(caplog, error) == 1
+    assert got["w"].error is None and got["l1"].error is None
+    _close(got["w"].audio, ring_decoder.decode(w[:, None], [1, 2])[0], "w")
+    _close(got["l1"].audio, ring_decoder.decode(l1[:, None, :2], [1, 1])[0][:, spf:], "l1")
+    assert set(s.live_requests) == {"l1"} and s.waiting_requests == [] and s.free_slots == 0
+    assert s.stats()["preemptions"] == 1 and s.stats()["request_errors"] == 1
+
+    last = s.decode([ChunkRequest("l1", l1[:, 2:], True)])
+    _close(last["l1"].audio, ring_decoder.decode(l1[:, None], [1, 1, 1])[0][:, 2 * spf :], "l1 after")
+    assert s.live_requests == {} and s.waiting_requests == [] and s.free_slots == 2
+
+
+def test_a_failing_release_as_requests_finish_does_not_raise_and_the_slot_frees_next_call(ring_decoder, monkeypatch):
+    """on_requests_finished: releasing the finished streams' slots raises (a's alone too): the call returns, b's
+    slot is free at once, a's as the next decode begins."""
+    s = CodecStreamSession(ring_decoder, 2)
+    s.decode([ChunkRequest(rid, _codes(ring_decoder, 1, seed)) for seed, rid in enumerate("ab")])
+    _failing_for(s, monkeypatch, "release", s.live_requests["a"])
+    s.on_requests_finished(["a", "b"])
+    monkeypatch.undo()
+    assert s.live_requests == {} and s.free_slots == 1
+    assert s.decode([]) == {} and s.free_slots == 2
+
+
+def _broken_planner(session, monkeypatch) -> None:
+    def broken(round_pieces):
+        raise RuntimeError("injected planner failure")
+
+    monkeypatch.setattr(session._steps, "plan_round", broken)
+
+
+def test_a_call_that_raises_past_its_checks_ends_the_streams_it_touched(ring_decoder, monkeypatch):
+    """Something outside a pool step raises in a call (the step planner here): decode() raises it, as documented,
+    and keeps it in ``last_call_error``; the call's streams ("a" live, "n" new) are ended (slots free) and stay
+    refused until they end, the error naming the call; "k", live without a chunk in the call, decodes on
+    exactly. A successful call clears ``last_call_error``; a refused one (a duplicate id) never sets it."""
+    spf = ring_decoder.config.samples_per_frame
+    s = CodecStreamSession(ring_decoder, 3)
+    a, k, n = (_codes(ring_decoder, 3, seed) for seed in (1, 2, 3))
+    s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("k", k[:, :1])])
+    assert s.last_call_error is None
+
+    _broken_planner(s, monkeypatch)
+    with pytest.raises(RuntimeError, match="^injected planner failure$") as info:
+        s.decode([ChunkRequest("a", a[:, 1:2]), ChunkRequest("n", n[:, :1])])
+    monkeypatch.undo()
+    assert s.last_call_error is info.value
+    assert set(s.live_requests) == {"k"} and s.waiting_requests == [] and s.free_slots == 2
+
+    last = s.decode(
+        [ChunkRequest("a", a[:, 2:], True), ChunkRequest("n", n[:, 1:], True), ChunkRequest("k", k[:, 1:], True)]
+    )
+    assert s.last_call_error is None
+    for rid in ("a", "n"):
+        assert last[rid].error == (
+            f"request {rid!r}: its decode call failed with RuntimeError: injected planner failure; the stream was ended"
+        )
+        assert last[rid].frames == 0
+    _close(last["k"].audio, ring_decoder.decode(k[:, None], [1, 2])[0][:, spf:], "k")
+    assert s.live_requests == {} and s.free_slots == 3
+    with pytest.raises(ValueError, match="appears twice"):
+        s.decode([ChunkRequest("a", a), ChunkRequest("a", a)])
+    assert s.last_call_error is None
+
+
 # ----------------------------------------------------------------------------- one caller
 
 

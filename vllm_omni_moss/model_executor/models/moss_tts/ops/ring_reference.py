@@ -9,6 +9,13 @@ pool: scatter the chunk's valid tokens into the rows, then SDPA with the step's 
 (:func:`logical_rings`, stored back by :func:`store_logical_rings`, whose boolean row selection is a
 host sync on CUDA): a reference path for CPU execution and tests, not for graph capture. Nothing here
 runs Triton.
+
+Padding frames change nothing, bit for bit, on CPU (``docs/ring_semantics.md``, "Padded frames and per-frame
+validity"): under ``exact`` semantics a query's keys are ``[pre-write ring || chunk]``, ``C + T`` of them, so a
+padded step (larger ``T``) would hand PyTorch's CPU SDPA more masked keys, and its blocking gives other bits (in
+bf16 about 3e-3 of the audio's peak). On CPU each query therefore attends over its own ``C`` keys instead
+(:func:`_attend_own_window`): the ring as it stands once the chunk's tokens up to the query are written, the
+same unmasked keys (the window is ``C``), a key count that does not depend on ``T``.
 """
 
 from __future__ import annotations
@@ -48,7 +55,10 @@ def attend_gathered_rows(
     """
     k, v = k.to(rows.dtype), v.to(rows.dtype)
     B, H, T, Dh = k.shape
-    if ring_semantics == "exact":
+    own_window = ring_semantics == "exact" and q.device.type == "cpu"
+    if own_window:  # before the writes below: the keys are the pre-write ring's
+        out = _attend_own_window(rows, meta, q.to(rows.dtype), k, v)
+    elif ring_semantics == "exact":
         # Padding tokens may carry non-finite values (queries that saw no key); a masked key
         # still meets its value in SDPA's product (0 x NaN), so they are zeroed here.
         valid = (torch.arange(T, device=k.device) < meta.valid_tokens.view(B, 1)).view(B, 1, T, 1)
@@ -64,9 +74,41 @@ def attend_gathered_rows(
             empty = (meta.valid_tokens == 0).view(B, 1, 1, 1)
             written = torch.where(empty, plane.gather(2, cell[:, :, :1]), written)
         plane.scatter_(2, cell, written)
+    if own_window:
+        return out
     if ring_semantics == "upstream":
         keys, values = rows[0], rows[1]
     return F.scaled_dot_product_attention(q.to(rows.dtype), keys, values, attn_mask=meta.mask)
+
+
+def _attend_own_window(
+    rows: torch.Tensor, meta: RingMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """``exact`` attention in which every query attends over ``C`` keys whatever ``T``: query ``t`` (position
+    ``p_t = offset + t``) reads in ring cell ``c`` the latest position ``p <= p_t`` with ``p mod C == c``, the
+    chunk's token ``p - offset`` when ``p >= offset``, else the pre-write ring's cell (which holds that
+    position); a cell with ``p < 0`` was never written and is masked. These are exactly the keys of
+    ``[pre-write ring || chunk]`` that the step's mask leaves a valid query (the window is ``C``: positions
+    ``p_t - C < p <= p_t``), so a valid query never reads a padding token. A query is computed alone (one SDPA
+    over ``B x H x T`` batches of one query and ``C`` keys), so its bits depend neither on ``T`` nor on the
+    other rows. ``rows`` is only read; returns ``(B, H, T, Dh)``."""
+    B, H, T, Dh = q.shape
+    C = rows.shape[3]
+    start = meta.offsets.view(B, 1, 1)
+    query = start + torch.arange(T, device=q.device).view(1, T, 1)  # (B, T, 1)
+    cells = torch.arange(C, device=q.device).view(1, 1, C)
+    position = query - torch.remainder(query - cells, C)  # (B, T, C)
+    in_chunk = position >= start
+    token = torch.where(in_chunk, position - start, 0).view(B, 1, T * C, 1).expand(B, H, T * C, Dh)
+    shape = (B, H, T, C, Dh)
+
+    def window(plane: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from_chunk = x.gather(2, token).view(shape)
+        return torch.where(in_chunk.view(B, 1, T, C, 1), from_chunk, plane.unsqueeze(2).expand(shape))
+
+    mask = (position >= 0).view(B, 1, T, 1, C)
+    out = F.scaled_dot_product_attention(q.unsqueeze(3), window(rows[0], k), window(rows[1], v), attn_mask=mask)
+    return out.squeeze(3)
 
 
 def logical_rings(ring: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:

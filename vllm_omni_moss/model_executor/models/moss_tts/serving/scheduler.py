@@ -16,10 +16,15 @@ been preempted as often; and new streams are admitted in the order they arrived:
 must be decoded at once takes the new streams queued ahead of it along, as far as the pool holds them
 (:meth:`admit_ending`).
 
-A pool call that raises an ``Exception`` while a stream is admitted, preempted (its state saved) or resumed (its
-state restored) fails that stream alone, as a failing step fails its rows' streams (:meth:`Scheduler.fail`):
-its slot is released (reset), its buffered chunks are dropped, and the call goes on (docs/serving.md, "A step
-that raises").
+Every pool call the scheduler makes is contained (docs/serving.md, "A pool call that raises outside a step"): one
+that raises an ``Exception`` while a stream is admitted, preempted (its state saved, its slot freed) or resumed
+(its state restored) fails that stream alone, as a failing step fails its rows' streams (:meth:`Scheduler.fail`):
+its slot is released (reset), its buffered chunks are dropped, and the call goes on. A call made for several
+streams at once that raises fails each of them, with an error naming the call: the reservation of every ready
+stream's pages before a step (:meth:`Scheduler.ready`), or of the live streams' pages before an admission. A
+release of several slots that raises is retried slot by slot; a slot whose own release raises fails its stream
+(a stream that ended gets the error beside its audio) and is released again as the next call begins
+(:attr:`Scheduler.unreleased`), so no slot or page is lost to a passing failure.
 """
 
 from __future__ import annotations
@@ -58,10 +63,17 @@ class Scheduler:
         self._live_reserved = False  # during a call: the live streams' pending chunks hold their pages
         # During a call: request id -> the error of a stream that failed outside a step (:meth:`_failed`).
         self.failures: dict[str, str] = {}
+        # Slots whose release raised (:meth:`_release`): still in use, released again as the next call begins.
+        self.unreleased: list[int] = []
+        # During a call: ids of the streams admitted or scheduled in it (:meth:`abandon` ends them).
+        self.touched: set[str] = set()
 
     def begin(self, accepted: list[ChunkRequest]) -> None:
         """Start a call whose valid chunks are ``accepted``: admission accounts for their frames."""
-        self.incoming, self.failures = {}, {}
+        self.incoming, self.failures, self.touched = {}, {}, set()
+        if self.unreleased:  # slots a failed release left in use: their streams are gone, the slots come back
+            slots, self.unreleased = self.unreleased, []
+            self._release([slot for slot in slots if slot in self.pool.slots_in_use])
         for req in accepted:
             self.incoming[req.request_id] = self.incoming.get(req.request_id, 0) + req.codes.shape[1]
         self._live_reserved = False
@@ -71,12 +83,19 @@ class Scheduler:
         # Once per call: every live stream's buffered and incoming frames get their state first, so that
         # admitting a newcomer never makes a live stream run short (a paged pool would then preempt).
         if not self._live_reserved:
-            targets = {}
+            targets, streams = {}, []
             for rid, s in self.live.items():
                 pending = s.buffered_frames + self.incoming.get(rid, 0)
                 if pending:
                     targets[s.slot] = s.frames_decoded + pending
-            self._live_reserved = self.pool.reserve(targets)
+                    streams.append(s)
+            try:
+                self._live_reserved = self.pool.reserve(targets)
+            except Exception as exc:  # no one stream to blame: each of them fails; the others need no pages
+                what = f"reserving decoder state pages for the live streams' chunks ({len(streams)} streams)"
+                for s in streams:
+                    self._failed(s, what, s.buffered_frames + self.incoming.get(s.request_id, 0), exc)
+                self._live_reserved = True
         return self._live_reserved
 
     def _admit(self, stream: Stream, chunk_frames: int) -> bool:
@@ -90,8 +109,9 @@ class Scheduler:
                 return False
             stream.slot = self.pool.acquire()
             if not self.pool.reserve({stream.slot: stream.frames_decoded + chunk_frames}):
-                slot, stream.slot = stream.slot, None
-                self.pool.release([slot])  # the slot is back on top of the free list, as it was
+                what = "returning the decoder slot it could not get pages for"
+                self.pool.release([stream.slot])  # the slot is back on top of the free list, as it was
+                stream.slot = None
                 return False
             if stream.saved is not None:  # a preempted stream resumes exactly where it stopped
                 what = "restoring its preempted decoder state"
@@ -103,6 +123,7 @@ class Scheduler:
             self._failed(stream, what, chunk_frames, exc)
             return False
         self.live[stream.request_id] = stream
+        self.touched.add(stream.request_id)
         return True
 
     def admit_waiting(self) -> None:
@@ -179,7 +200,7 @@ class Scheduler:
         streams, to resume exactly; its chunks stay buffered. Streams that only wait to end give their state
         back first."""
         ready = [s for s in self.live.values() if s.chunks]
-        while ready and not self.pool.reserve({s.slot: s.frames_decoded + s.buffered_frames for s in ready}):
+        while ready and not self._reserve_ready(ready):
             done = [s for s in self.live.values() if s.finished and not s.chunks]
             if done:
                 self.end(done)
@@ -191,6 +212,19 @@ class Scheduler:
             ready = [s for s in ready if s is not victim]
         return ready
 
+    def _reserve_ready(self, ready: list[Stream]) -> bool:
+        """The pool's answer for the pages of every ``ready`` stream's next step. When the call raises, no one
+        stream is to blame: each of them fails (:meth:`_failed`, the error naming the reservation), ``ready`` is
+        emptied and the answer is True (nothing is left to reserve for)."""
+        try:
+            return self.pool.reserve({s.slot: s.frames_decoded + s.buffered_frames for s in ready})
+        except Exception as exc:
+            what = f"reserving decoder state pages for the step of the {len(ready)} ready streams"
+            for s in ready:
+                self._failed(s, what, s.buffered_frames, exc)
+            ready.clear()
+            return True
+
     def schedule(self) -> list[ScheduledChunks]:
         """The work of this round: every ready stream's buffered chunks (:meth:`ready`: their state reserved),
         taken out of the streams, which then buffer nothing. The step runner decodes it; :meth:`update` then
@@ -199,6 +233,7 @@ class Scheduler:
         work = [ScheduledChunks(s.request_id, s.slot, tuple(s.chunks)) for s in ready]
         for s in ready:
             s.chunks = []
+            self.touched.add(s.request_id)
         return work
 
     def update(self, decoded_frames: dict[str, int]) -> None:
@@ -273,7 +308,12 @@ class Scheduler:
             undecoded = victim.buffered_frames + self.incoming.get(victim.request_id, 0)
             self._failed(victim, "saving its decoder state to preempt it", undecoded, exc)
             return
-        self.pool.release([victim.slot])
+        failed = self._release([victim.slot])
+        if failed:  # its state is saved, but the slot it leaves is not free: it cannot wait to resume
+            victim.slot = None  # set aside in self.unreleased
+            undecoded = victim.buffered_frames + self.incoming.get(victim.request_id, 0)
+            self._failed(victim, "freeing its decoder slot to preempt it", undecoded, next(iter(failed.values())))
+            return
         self.counters.preemption_s += time.perf_counter() - started
         self.counters.preempted_bytes += victim.saved.nbytes
         victim.slot = None
@@ -291,34 +331,71 @@ class Scheduler:
         return [s for s in self.live.values() if s.finished]
 
     def end(self, streams: list[Stream]) -> None:
-        """Remove finished live ``streams`` and release their slots."""
+        """Remove finished live ``streams`` and release their slots. A stream whose slot's release raises gets the
+        error beside its audio (:attr:`failures`); its slot is released again as the next call begins."""
         for stream in streams:
             del self.live[stream.request_id]
             self._count_ended(stream)
-        if streams:
-            self.pool.release([s.slot for s in streams])
+        failed = self._release([s.slot for s in streams])
+        for stream in streams:
+            exc = failed.get(stream.slot)
+            if exc is not None:
+                rid = stream.request_id
+                error = _error(rid, "releasing its decoder slot as it ended", 0, exc)
+                logger.error("MOSS codec: %s", error, exc_info=exc)
+                stream.error, self.failures[rid] = error, error
 
     def fail(self, errors: dict[str, str]) -> None:
         """End the live streams of ``errors`` (request id -> error) whose step raised: their slots are released
         (reset; their state is unknown). A stream that has not got its terminal chunk stays refused with its
-        error until its request ends, so that it never resumes from an empty state."""
+        error until its request ends, so that it never resumes from an empty state. A slot whose release raises
+        adds that to its stream's error (in ``errors``) and is released again as the next call begins."""
         streams = [self.live.pop(rid) for rid in errors]
+        failed = self._release([s.slot for s in streams])
         for stream in streams:
+            rid = stream.request_id
+            exc = failed.get(stream.slot)
+            if exc is not None:
+                logger.error("MOSS codec: request %r: releasing its decoder slot failed", rid, exc_info=exc)
+                errors[rid] = f"{errors[rid]}; releasing its decoder slot failed with {type(exc).__name__}: {exc}"
             if not stream.finished:
-                self.refused[stream.request_id] = errors[stream.request_id]
-        self.pool.release([s.slot for s in streams])
+                self.refused[rid] = errors[rid]
 
-    def _failed(self, stream: Stream, what: str, undecoded: int, exc: Exception) -> None:
+    def _release(self, slots: list[int]) -> dict[int, Exception]:
+        """Release (reset) ``slots``, never raising an ``Exception``: when the call raises, each slot still in use
+        is released alone. Returns the slots whose own release raised, with the exception: they are set aside in
+        :attr:`unreleased` (in use, their state unknown) and released again as the next call begins."""
+        if not slots:
+            return {}
+        try:
+            self.pool.release(slots)
+            return {}
+        except Exception as exc:
+            if len(slots) == 1:
+                failed = {slots[0]: exc}
+            else:
+                logger.warning("MOSS codec: releasing decoder slots %s raised; releasing them one by one", slots)
+                failed = {}
+                for slot in slots:
+                    try:
+                        if slot in self.pool.slots_in_use:  # a pool that released part of them keeps it
+                            self.pool.release([slot])
+                    except Exception as one:
+                        failed[slot] = one
+        for slot, exc in failed.items():
+            logger.error("MOSS codec: releasing decoder slot %d failed; retried as the next call begins", slot,
+                         exc_info=exc)  # fmt: skip
+        self.unreleased.extend(failed)
+        return failed
+
+    def _failed(self, stream: Stream, what: str, undecoded: int | None, exc: Exception) -> None:
         """End ``stream`` (live or waiting) because a pool call for it (``what``) raised ``exc`` outside a step, as
         :meth:`fail` ends a failing step's streams: its error (naming ``what``, the exception and the ``undecoded``
         frames) is logged once with the traceback and kept in :attr:`failures` and ``stream.error``; the slot it
         holds is released (reset: its state is unknown); its buffered chunks and saved state are dropped; a stream
         without its terminal chunk stays refused until its request ends."""
         rid = stream.request_id
-        error = (
-            f"request {rid!r}: {what} failed with {type(exc).__name__}: {exc}; the stream was ended, "
-            f"frames left undecoded: {undecoded}"
-        )
+        error = _error(rid, what, undecoded, exc)
         logger.error("MOSS codec: %s", error, exc_info=exc)
         stream.error, stream.chunks, stream.saved = error, [], None
         self.failures[rid] = error
@@ -328,7 +405,21 @@ class Scheduler:
             self.refused[rid] = error
         if stream.slot is not None:
             slot, stream.slot = stream.slot, None
-            self.pool.release([slot])
+            self._release([slot])  # a slot whose release raises is released again as the next call begins
+
+    def abandon(self, accepted: list[ChunkRequest], exc: Exception) -> None:
+        """The call raised ``exc`` past its checks, at a point nobody knows: end every stream it may have changed
+        (those of its ``accepted`` chunks, and those it admitted or scheduled) as :meth:`_failed` does, the error
+        naming the call; an id of a chunk that is not terminal stays refused even without a stream, so that no
+        stream resumes from an empty state."""
+        ids = dict.fromkeys([*(req.request_id for req in accepted), *sorted(self.touched)])
+        finished = {req.request_id for req in accepted if req.finished}
+        for rid in ids:
+            stream = self.live.get(rid) or self.waiting.get(rid)
+            if stream is not None:
+                self._failed(stream, "its decode call", None, exc)
+            elif rid not in finished and rid not in self.refused:
+                self.refused[rid] = _error(rid, "its decode call", None, exc)
 
     # ------------------------------------------------------------------ lifecycle
     def finish_requests(self, request_ids) -> None:
@@ -356,9 +447,9 @@ class Scheduler:
                     if ended is not None:
                         self._count_ended(ended)
         finally:
-            # An iterable that fails part-way still frees the slots of the streams it ended.
-            if released:
-                self.pool.release(released)
+            # An iterable that fails part-way still frees the slots of the streams it ended; a slot whose release
+            # raises is logged and released again as the next call begins (its request has ended: no one to tell).
+            self._release(released)
 
     def own_buffered_chunks(self, accepted: list[ChunkRequest]) -> None:
         """Copy the chunks of this call (``accepted``) that are still buffered as it returns (streams that wait,
@@ -373,3 +464,11 @@ class Scheduler:
     def clear(self) -> None:
         self.live.clear()
         self.waiting.clear()
+        self.unreleased.clear()
+
+
+def _error(rid: str, what: str, undecoded: int | None, exc: BaseException) -> str:
+    """The error of a stream that a pool call (``what``) failed outside a step; ``undecoded``: its frames left
+    undecoded, None when they are not known."""
+    error = f"request {rid!r}: {what} failed with {type(exc).__name__}: {exc}; the stream was ended"
+    return error if undecoded is None else f"{error}, frames left undecoded: {undecoded}"

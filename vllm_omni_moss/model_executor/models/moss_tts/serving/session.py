@@ -33,7 +33,10 @@ The Stage-1 codec receives, per engine step, one chunk of codes per request (doc
   raises (a CUDA out-of-memory error, say) fails the streams of its rows alone: each gets its audio decoded
   before the failure with ``error`` set, its slot is released, and later chunks under its id get that error
   until the request ends; every other stream decodes on, in that call and later ones. So does a pool call that
-  raises while a stream is admitted, preempted (its state saved) or resumed (restored): that stream alone fails.
+  raises while a stream is admitted, preempted (its state saved) or resumed (restored): that stream alone fails;
+  a pool call made for several streams (the page reservation before a step) fails each of them, and a slot
+  whose release raises is released as the next call begins (:mod:`.scheduler`). A call that raises past its
+  argument checks otherwise ends the streams it touched and keeps the exception in :attr:`last_call_error`.
 * **One caller.** A session is not thread-safe: one caller at a time, as vLLM's runner calls ``forward``. Its
   mutating methods (:meth:`decode`, :meth:`on_requests_finished`, :meth:`close`, the call-trace switches) raise
   ``RuntimeError`` when called while another of them runs, from another thread or from inside it (a
@@ -195,6 +198,7 @@ class CodecStreamSession:
         )
         self._closed = False
         self._caller, self._running = threading.Lock(), None  # _one_caller's lock, and the method holding it
+        self._call_error: Exception | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -244,6 +248,13 @@ class CodecStreamSession:
         sent again). Reading it waits for the device when chunks arrived on it (their counts stay on the device
         until read)."""
         return self._steps.clamped_codes
+
+    @property
+    def last_call_error(self) -> Exception | None:
+        """The ``Exception`` the last :meth:`decode` call raised past its argument checks (its streams were ended),
+        or None: a caller tells a failure its requests met (an error for each of them) from a call it made
+        wrongly (one refused before anything changed: this stays None)."""
+        return self._call_error
 
     @property
     def call_traces(self) -> deque[CallTrace] | None:
@@ -326,11 +337,16 @@ class CodecStreamSession:
             TypeError: ``requests`` is not a sequence of :class:`ChunkRequest`.
             ValueError: a request id appears twice. Nothing is modified.
             RuntimeError: the session is closed, or another of its methods runs (one caller at a time).
+            Exception: whatever raised past those checks outside a pool step (an asynchronous device fault at the
+                call's wait, say): every stream of the call's chunks, and every stream it admitted or scheduled,
+                is ended as a failed step's are (refused until its request ends), and :attr:`last_call_error`
+                holds the exception.
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
         tracing = self._tracer.traces is not None  # decided once per call
         started = time.perf_counter() if tracing else 0.0
+        self._call_error = None
         requests, ids = _checked(requests)
         if tracing:  # the batch's checks above count as planning
             self._tracer.begin(len(requests), started)
@@ -341,8 +357,11 @@ class CodecStreamSession:
         gc.disable()
         try:
             return self._decode_batch(requests, ids)
-        except BaseException:
+        except BaseException as exc:
             self._tracer.fail()
+            if isinstance(exc, Exception):  # the call's streams are in an unknown state: they end (docs/serving.md)
+                self._call_error = exc
+                self._scheduler.abandon([r for r in requests if chunk_error(r, self.n_vq) is None], exc)
             raise
         finally:
             self._steps.await_host_copies()  # after a failure too: no copy into a returned row outlives the call
