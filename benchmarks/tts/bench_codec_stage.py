@@ -144,7 +144,8 @@ one line naming the file and the key, exit 2, and no report is written. Bad flag
 line on stderr) before any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}; a CPU run prints
 first, and writes at the top of ``results.md``, that it checks the pipeline and shows no speed-up by design
 (``report.cpu_note``); ``results.md`` then says what the run found, arm by arm and load by load
-(``report.run_findings``). ``--chunks`` sizes are at most the stage's chunk limit, 100 frames
+(``report.run_findings``). Before the first run every run prints a legend of its arms and figures once
+(``report.legend``; the terms: docs/glossary.md, "Benchmarks and serving"). ``--chunks`` sizes are at most the stage's chunk limit, 100 frames
 (``stage_options.DEFAULT_MAX_STEP_FRAMES``). ``results.md`` names the interpreter ``python`` with its version (``run.python``).
 
 Changed from the single-module version of this job: ``--talker-rtf`` defaults to 0.5 (it was 1: frames at

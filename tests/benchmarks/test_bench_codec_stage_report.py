@@ -208,3 +208,20 @@ def test_wall_seconds_count_from_the_process_start_through_the_reports(tmp_path,
     assert json.loads((tmp_path / "results.json").read_text())["run"]["invocations"][-1]["wall_seconds"] == wall
     script = (bench_modules.BENCH_DIR / "bench_codec_stage.py").read_text()
     assert script.index("STARTED = time.perf_counter()") < script.index("from codec_stage.sweep import main")
+
+
+# ------------------------------------------------------------------------------------------ item 11
+
+
+def test_the_main_job_prints_a_legend_of_its_arms_and_figures_once(tmp_path, capsys):
+    report = _module("report")
+    _ideal(tmp_path, "--concurrency 2 --requests-per-stream 1")
+    printed = capsys.readouterr().out
+    text = report.wrapped(report.legend(["ideal"], 150.0, False))
+    assert printed.count(text) == 1 and printed.index(text) < printed.index("ideal C=2:")  # before the first run
+    assert "Legend." in text and printed.count("Legend.") == 1
+    line = report.legend(["v2", "upstream", "ideal", "v2-ragged"], 120.0, True)
+    assert "v2 = this package's session (the default pool); upstream = vLLM-Omni 0.30.0's own codec stage;" in line
+    assert "; v2-ragged. Loads: rate=R: R requests/s arriving (Poisson)." in line  # no meaning: named alone
+    assert "SLO: codec p99 <= 120 ms over the run" in line and "C100: the share of requests" in line
+    assert "More: docs/glossary.md, 'Benchmarks and serving'." in line

@@ -13,7 +13,9 @@ import common
 from .metrics import clean_status, key_order, run_entries, slo_status, sweep_limit
 
 __all__ = [
+    "ARM_MEANINGS",
     "cpu_note",
+    "legend",
     "fmt",
     "limit_text",
     "plural",
@@ -42,6 +44,30 @@ def cpu_note(device: str, preset: str) -> str | None:
         "does not run: here upstream's pool needs no scratch slots, so its state is the smaller by our null slot, "
         "and our padding to graph frame sizes buys nothing. Figures measured on one H200: benchmarks/RESULTS.md "
         "and the table at the top of README.md."
+    )
+
+
+#: What each arm is, for the legend the job prints once (an arm missing here is printed by name alone).
+ARM_MEANINGS = {
+    "v2": "this package's session (the default pool)",
+    "legacy": "the same session on the legacy pool",
+    "upstream": "vLLM-Omni 0.30.0's own codec stage",
+    "ideal": "no codec: audio at once, so its stalls and TTFP are the chunk schedule's and the talker's alone",
+    "v2-paged": "this package's session on the paged pool",
+}
+
+
+def legend(arms: list[str], slo_ms: float, poisson: bool) -> str:
+    """What the job's arms and figures mean, printed once before the first run (terms: docs/glossary.md)."""
+    named = "; ".join(f"{arm} = {ARM_MEANINGS[arm]}" if arm in ARM_MEANINGS else arm for arm in arms)
+    load = "rate=R: R requests/s arriving (Poisson)" if poisson else "C=N: N streams live at once"
+    return (
+        f"Legend. Arms (one configuration each, all on the same trace): {named}. Loads: {load}. Codec p50/p99: "
+        "codec-added latency of a chunk, its audio out minus its last frame generated. SLO: codec p99 <= "
+        f"{slo_ms:g} ms over the run (held, missed, or unknown without the figure). TTFP: a request's arrival "
+        "to its first audio. Underrun: a playback stall (a request's longest); C100: the share of requests whose "
+        "longest stall is at most 100 ms. audio-s/s: seconds of audio delivered per second. Talker RTF: seconds "
+        "the talker takes per second of codes. More: docs/glossary.md, 'Benchmarks and serving'."
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from .arms import arm_builder
 from .cli import Load, Settings, parse_args, resolve
 from .metrics import NO_STEPS, downsample_max, preemptions_per_stream, summarize
-from .report import cpu_note, sweep_markdown, wrapped
+from .report import cpu_note, legend, sweep_markdown, wrapped
 from .results import (
     merge_previous,
     new_result,
@@ -221,6 +221,7 @@ def main(argv: list[str] | None, description: str, started: float | None = None)
     note = cpu_note(settings.device.type, settings.preset)
     if note:
         print(wrapped(note) + "\n", flush=True)
+    print(wrapped(legend(settings.arms, args.slo_ms, settings.poisson)) + "\n", flush=True)
     if settings.device.type == "cpu":
         torch.set_num_threads(1)  # tiny kernels: a second intra-op thread only adds contention
     for arm, reason in settings.skipped.items():
