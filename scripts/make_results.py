@@ -540,8 +540,9 @@ def render_gemm(job: Job) -> list[str]:
 QUANTILES = {"p50": maybe(NUMBER), "p99": maybe(NUMBER)}
 SERVING_RESULT = {
     "codec_latency_ms": QUANTILES,
-    "ttfp_ms": QUANTILES,
+    "ttfp_ms": QUANTILES | {"p95?": maybe(NUMBER)},  # p95 since issue 51: older files show "n/a"
     "underrun_ms": QUANTILES,
+    "underrun_requests?": maybe(INT),  # requests whose playback stalled at least once; since issue 51
     "continuity": {"*": maybe(NUMBER)},
     "live_streams": {"mean": maybe(NUMBER), "max": maybe(NUMBER)},
 }
@@ -552,15 +553,53 @@ SERVING = {
 }
 
 
+def serving_status(result: dict[str, Any], detail: dict[str, Any], slo: float) -> str:
+    """``held``, ``missed`` (a larger p99, a run stopped early or failed) or ``unknown`` (no p99: a missing
+    figure is never a pass)."""
+    if "error" in detail or detail.get("stopped_early"):
+        return "missed"
+    p99 = result["codec_latency_ms"]["p99"]
+    return "unknown" if p99 is None else "held" if p99 <= slo else "missed"
+
+
+def clean_status(result: dict[str, Any], detail: dict[str, Any], slo: float) -> str:
+    """``held`` when the run holds the SLO with no request's playback stalled, ``missed`` when either fails,
+    ``unknown`` when a figure is missing (``underrun_requests`` is absent from files older than issue 51; their
+    worst-stall quantiles still tell a run with a stall)."""
+    status, underruns = serving_status(result, detail, slo), result.get("underrun_requests")
+    stalls = [result["underrun_ms"][q] for q in ("p50", "p99")]
+    stalled = any(v is not None and v > 0 for v in stalls)  # a worst stall above 0: some request stalled
+    if status == "missed" or stalled or (underruns is not None and underruns > 0):
+        return "missed"
+    return "unknown" if status == "unknown" or underruns is None else "held"
+
+
+def highest_load(statuses: dict[str, str]) -> str:
+    """The highest load (``C=8``, ``rate=2``) of a file's runs that held, ``at least`` it when every run held,
+    ``none`` when none did, ``n/a`` when a run is unknown."""
+    if not statuses or any(s == "unknown" for s in statuses.values()):
+        return "n/a"
+    held = [k for k, s in statuses.items() if s == "held"]
+    if not held:
+        return "none"
+    best = max(held, key=sort_key)
+    best = best if "=" in best else f"C={best}"
+    return f"at least {best}" if len(held) == len(statuses) else best
+
+
 @renderer("serving", SERVING)
 def render_serving(job: Job) -> list[str]:
     """Serving runs under arrival models (``bench_codec_stage.py --arrival``), one file per command (per
     schedule of a ``--chunks`` sweep): per arm and load (``C`` or ``rate=R``) the codec-added latency, time to
-    first packet, worst stalls, continuity, live streams and the SLO. Job options: ``chunks`` (label rows with
-    the file's chunk schedule), ``arms`` (the arms to show; the notes then say what the others gave)."""
-    header = ["arrival, talker RTF", "arm", "load", "codec-added p50 / p99 ms", "TTFP p50 / p99 ms"]
-    header += ["worst stall p50 / p99 ms", "C50 / C100 / C200", "live streams mean / max", "SLO"]
-    rows = []
+    first packet, worst stalls, the underrun count (requests that stalled at least once), continuity, live
+    streams and the SLO; then, for each file and arm of several loads (a sweep), the highest load holding the
+    SLO, and holding it with no underrun.
+    Job options: ``chunks`` (label rows with the file's chunk schedule), ``arms`` (the arms to show; the notes
+    then say what the others gave)."""
+    header = ["arrival, talker RTF", "arm", "load", "codec-added p50 / p99 ms", "TTFP p50 / p95 / p99 ms"]
+    header += ["worst stall p50 / p99 ms", "requests with an underrun", "C50 / C100 / C200"]
+    header += ["live streams mean / max", "SLO"]
+    rows, limits = [], []
     available = list(dict.fromkeys(arm for doc in job.docs for arm in job.need(doc, "arms")))
     shown = job.shown_arms(available)
     for doc in job.docs:
@@ -573,21 +612,29 @@ def render_serving(job: Job) -> list[str]:
         label += f", chunks {job.need(doc, 'run', 'chunks')}" if job.option("chunks") else ""
         for arm in (arm for arm in shown if arm in job.need(doc, "arms")):
             per_load = job.need(doc, "arms", arm)
+            slo_line, clean_line = {}, {}
             for load in sorted((k for k in per_load if RUN_KEY.matches(k)), key=sort_key):
                 r, d = per_load[load], job.need(doc, "details", arm, load)
+                slo_line[load], clean_line[load] = serving_status(r, d, slo), clean_status(r, d, slo)
                 if "error" in d:
-                    rows.append([label, arm, load, "-", "-", "-", "-", "-", d["error"].split(":")[0]])
+                    rows.append([label, arm, load, "-", "-", "-", "-", "-", "-", d["error"].split(":")[0]])
                     continue
                 lat, ttfp, stall = r["codec_latency_ms"], r["ttfp_ms"], r["underrun_ms"]
-                held = lat["p99"] is not None and lat["p99"] <= slo and not d.get("stopped_early")
+                p95 = "n/a" if "p95" not in ttfp else num(ttfp["p95"])
+                underruns = "n/a" if "underrun_requests" not in r else num(r["underrun_requests"])
                 rows.append(
                     [label, arm, load if "=" in load else f"C={load}", f"{num(lat['p50'])} / {num(lat['p99'])}"]
-                    + [f"{num(ttfp['p50'])} / {num(ttfp['p99'])}", f"{num(stall['p50'])} / {num(stall['p99'])}"]
-                    + [" / ".join(num(v, 3) for v in r["continuity"].values())]
+                    + [f"{num(ttfp['p50'])} / {p95} / {num(ttfp['p99'])}", f"{num(stall['p50'])} / {num(stall['p99'])}"]
+                    + [underruns, " / ".join(num(v, 3) for v in r["continuity"].values())]
                     + [f"{num(r['live_streams']['mean'])} / {num(r['live_streams']['max'], 0)}"]
-                    + ["held" if held else "missed"]
+                    + [slo_line[load]]
                 )
-    return table(header, rows)
+            if len(slo_line) > 1:  # a sweep: a file of one load says it in its row
+                limits.append(f"{arm} ({label}) {highest_load(slo_line)} / {highest_load(clean_line)}")
+    if not limits:
+        return table(header, rows)
+    said = "Highest load at the SLO / at the SLO with no underrun, per sweep: " + "; ".join(limits) + "."
+    return table(header, rows) + ["", said]
 
 
 FIDELITY = {

@@ -9,6 +9,7 @@ import functools
 import math
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,56 @@ def test_glossary_is_linked_from_readme_and_the_pages_that_use_its_terms():
         "reserve",
         "state budget",
     }
+
+
+#: The terms README's first screen and the main job's tables use (issue 51): each has a glossary entry.
+BENCHMARK_TERMS = {"main job", "arm", "load", "slo", "talker rtf", "ttfp", "underrun", "c100", "audio-s/s", "b x t"}
+
+
+def test_glossary_defines_the_benchmark_terms_readme_uses_before_it_uses_them():
+    text = _text("glossary.md")
+    terms = {t.lower() for t in re.findall(r"^- \*\*([^*]+?)\.?\*\*", text, re.M)}
+    assert BENCHMARK_TERMS <= terms, sorted(BENCHMARK_TERMS - terms)
+    assert "\n## Benchmarks and serving\n" in text  # the anchor README links to
+    entries = dict(re.findall(r"^- \*\*([^*]+?)\.?\*\*(.*?)(?=^- \*\*|^## |\Z)", text, re.M | re.S))
+    assert "150 ms" in entries["SLO"] and "unknown, never a pass" in entries["SLO"]
+    assert "C100 is vLLM-Omni's" in entries["C100"] and "B128/T15" in entries["B x T"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    intro, _, rest = readme.partition("```bash\n")
+    # One sentence on what the project is, and the glossary link, before the two commands, which stay first.
+    assert intro.startswith("# vllm-omni-moss\n\nA plugin that gives vLLM-Omni 0.30.0 a faster MOSS-TTS codec stage")
+    assert "[glossary](docs/glossary.md#benchmarks-and-serving)" in intro and "```" not in intro
+    commands = [line.split("#")[0].strip() for line in rest.split("```")[0].splitlines()]
+    assert commands == [
+        "bash scripts/install.sh && .venv/bin/python benchmarks/tts/bench_codec_stage.py",
+        "bash scripts/install.sh --vllm && bash scripts/test.sh",
+    ]
+
+
+def test_readme_claims_no_stale_suite_figures_and_marks_where_they_go():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.count("<!-- suite-figures -->") == 1
+    for stale in ("1,085 passed", "14 skipped", "726 s", "207 s", "231 s"):
+        assert stale not in readme, stale
+
+
+def test_readme_fork_table_names_every_file_patch_0003_leaves_out():
+    """The build leaves out any test or benchmark whose code still names the plugin after the rewrite
+    (``scripts/fork/build_fork.py``, ``plugin_code_references``); README's row of patch 0003 names each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_fork_for_docs", ROOT / "scripts" / "fork" / "build_fork.py")
+    build_fork = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = build_fork  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(build_fork)
+    left_out = []
+    for folder in (build_fork.TESTS_SRC, build_fork.BENCH_SRC):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = build_fork.rewrite_text(path.read_text(encoding="utf-8"))
+            if build_fork.plugin_code_references(text, path.name):
+                left_out.append(path.relative_to(ROOT).as_posix())
+    assert "benchmarks/tts/bench_chunker.py" in left_out
+    row = next(
+        line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines() if line.startswith("| 0003 |")
+    )
+    assert [p for p in left_out if f"`{p}`" not in row] == []

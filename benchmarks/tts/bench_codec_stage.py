@@ -71,8 +71,10 @@ wave and staggered, ``"rate=<R>"`` (``%g``) for poisson):
   time its audio comes out minus the time its last frame was generated.
 * ``first_chunk_latency_ms`` {p50, p99}: first audio minus the request's start (the first chunk's
   generation included: ``F`` x 80 ms for a 1-frame chunk).
-* ``ttfp_ms`` {p50, p99}: first audio minus the request's arrival (= start in closed loop; queueing counts).
-* ``underrun_ms`` {p50, p99}: over requests, each request's worst stall.
+* ``ttfp_ms`` {p50, p95, p99}: first audio minus the request's arrival (= start in closed loop; queueing
+  counts).
+* ``underrun_ms`` {p50, p99}: over requests, each request's worst stall. ``underrun_requests``: the underrun
+  count, requests whose playback stalled at least once (worst stall > 0; null without a request with audio).
 * ``continuity`` {c50, c100, c200}: share of requests whose worst stall is at most 50 / 100 / 200 ms (c100 is
   vLLM-Omni's "continuity OK rate").
 * ``live_streams`` {mean, max}: streams started and not ended, time-weighted mean and max over the
@@ -110,6 +112,9 @@ what was decoded) and misses the SLO whatever its p99. Sweep lines in ``arms.<ar
 (wave, staggered: the largest concurrency holding the SLO, null if none), or ``max_rate_at_slo`` (the largest
 rate holding it) and ``live_streams_at_max_rate`` (that run's ``live_streams.mean``) for poisson; and
 ``slo_held_by_every_run`` (the limit is then only a lower bound: printed "at least N"; "none" when none held).
+results.md recomputes these lines from the runs' figures, and adds per arm the largest load that holds the SLO
+with no underrun (``underrun_requests`` 0). A complete run without a p99 (or, for the second line, without
+``underrun_requests``) is "unknown", never a pass: its row and the arm's sweep line say so.
 A warning is printed when a run's step time max exceeds 10x its p50, naming the slowest step's batch.
 
 ``run``: date, commit, command, invocations, device, device_name, torch, preset, n_vq, seed, ``arrival``,
@@ -117,7 +122,11 @@ A warning is printed when a run's step time max exceeds 10x its p50, naming the 
 otherwise), ``talker_rtf``, chunks, cuda_graphs, graph_frame_sizes, concurrency (poisson: [slots]), ``keys``
 (the run keys), requests_per_stream (null for poisson), requests {key: counted requests}, length_model,
 frame_rate, slo, give_up_ms, state_budget_gib, expected_stream_seconds, page_fraction, time_replays,
-trace_calls, skipped {arm: reason}. Top level: ``run``, ``arms``, ``details``, ``warnings``.
+trace_calls, skipped {arm: reason}, ``host_load`` {cores, before, after, busy} (``os.getloadavg()`` before the
+first run and after the last; busy, and a warning printed and kept in ``warnings``, when the 1-minute figure
+exceeds cores - 0.5 before or cores + 0.5 after: this job's own process counts about 1 there),
+``invocations[].wall_seconds`` (from the process start, imports included, through the reports). Top level:
+``run``, ``arms``, ``details``, ``warnings``.
 
 Writes into ``--out``: ``results.json`` (rewritten after every run), ``latencies.npz`` (every chunk's
 codec-added latency in ms, keys ``"<arm>/<key>"``), ``results.md``, ``latency_cdf.png``, ``concurrency.png``
@@ -130,11 +139,15 @@ and ``sweep.md`` (one table over the schedules), both rewritten after every run.
 adds runs to an existing ``--out`` made at the same commit with the same settings (a sweep longer than one
 command's time limit split in parts);
 ``--report-only`` rewrites the reports and plots from ``--out``, after reading and checking every file it needs
-(``codec_stage.results.RESULTS_SHAPE``): a missing, truncated or bad one (``NaN``, a ``null`` or missing key) is
+(``codec_stage.results.RESULTS_SHAPE``; ``latencies.npz`` included): a missing, truncated or bad one (``NaN``, a
+``null`` or missing key) is
 one line naming the file and the key, exit 2, and no report is written. Bad flags are usage errors (exit 2, one
 line on stderr) before any arm runs. On a CPU the default is a tiny-v2 run with ``C`` in {4, 8}; a CPU run prints
 first, and writes at the top of ``results.md``, that it checks the pipeline and shows no speed-up by design
-(``report.cpu_note``). ``results.md`` names the interpreter ``python`` with its version (``run.python``).
+(``report.cpu_note``); ``results.md`` then says what the run found, arm by arm and load by load
+(``report.run_findings``). Before the first run every run prints a legend of its arms and figures once
+(``report.legend``; the terms: docs/glossary.md, "Benchmarks and serving"). ``--chunks`` sizes are at most the stage's chunk limit, 100 frames
+(``stage_options.DEFAULT_MAX_STEP_FRAMES``). ``results.md`` names the interpreter ``python`` with its version (``run.python``).
 
 Changed from the single-module version of this job: ``--talker-rtf`` defaults to 0.5 (it was 1: frames at
 12.5 frames/s); the ``ideal`` arm is a default arm; our arms' graph buckets are ``batch_buckets(slots)``
@@ -145,9 +158,13 @@ bad flag exits 2 (some exited 1 with a message, some with a traceback).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from typing import Any
+import time
+
+STARTED = time.perf_counter()  # run.invocations[].wall_seconds counts from here: imports and reports included
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -157,7 +174,7 @@ from codec_stage.sweep import main as _main  # noqa: E402
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the job (flags as in ``--help``); returns ``results.json``'s content, or for a ``--chunks`` sweep
     ``{"sweep": sweep.json's content, "results": {sub-directory: results}}``."""
-    return _main(argv, __doc__.split("\n\n")[0])
+    return _main(argv, __doc__.split("\n\n")[0], STARTED if argv is None else None)
 
 
 if __name__ == "__main__":

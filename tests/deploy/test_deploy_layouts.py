@@ -194,8 +194,10 @@ def test_deploy_file_with_a_misspelt_schedule_key_fails_naming_it(tmp_path):
     )
     with pytest.raises(ValueError) as err:
         _schedule(bad)
-    assert "connector extra 'codec_chunk_ramps' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'?" in str(
-        err.value
+    assert str(err.value) == (
+        "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec_chunk_ramps' "
+        "(did you mean 'codec_chunk_ramp'?). The chunk schedule's keys: codec_chunk_frames, codec_chunk_ramp, "
+        "initial_codec_chunk_frames"
     )
 
 

@@ -16,6 +16,7 @@ import common
 import torch
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config
+from vllm_omni_moss.model_executor.models.moss_tts.stage_options import DEFAULT_MAX_STEP_FRAMES
 
 from .arms import ARMS, AUTO_ARMS, OUR_ARMS, StatePlan, state_plan
 from .metrics import rate_key
@@ -101,7 +102,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
         "--chunks",
         action="append",
         default=None,
-        help="chunk ramp(s) in frames, the last size repeated (1,15); ';' or repeat",
+        help=f"chunk ramp(s) in frames, the last size repeated (1,15; sizes <= {DEFAULT_MAX_STEP_FRAMES}); ';' or repeat",
     )
     p.add_argument("--n-vq", type=int, default=12, help="codebooks per frame (MOSS-TTS-Local: 12)")
     p.add_argument("--slo-ms", type=float, default=150.0, help="codec-added latency p99 bound (150 ms)")
@@ -332,7 +333,8 @@ def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
         schedules = parse_schedules(args.chunks or ["1,15"])
     except ValueError as exc:
         p.error(f"--chunks {';'.join(args.chunks or [])!r}: {exc}")
-    common.check_at_most(p, "--chunks", [max(s) for s in schedules], common.MAX_STEP_FRAMES)
+    # The stage's own chunk limit: a connector schedule with a larger size fails Stage 1 at startup.
+    common.check_at_most(p, "--chunks", [max(s) for s in schedules], DEFAULT_MAX_STEP_FRAMES)
     loads = _loads(args, p, device)
     arms, skipped = _select_arms(args, p, cfg, device)
     settings = Settings(args, p, device, preset, cfg, args.n_vq, schedules, loads, arms, skipped)

@@ -18,6 +18,7 @@ __all__ = [
     "NO_STEPS",
     "STATE_TRACE_POINTS",
     "downsample_max",
+    "clean_status",
     "holds_slo",
     "is_run_key",
     "live_stream_stats",
@@ -27,6 +28,8 @@ __all__ = [
     "rate_key",
     "run_entries",
     "slo_limits",
+    "slo_status",
+    "sweep_limit",
     "stall_warning",
     "summarize",
 ]
@@ -85,8 +88,11 @@ def _playback_figures(run: Run) -> dict[str, Any]:
         share[f"c{ms}"] = round(float(np.mean(np.asarray(stalls) <= ms / 1e3 + 1e-9)), 4) if stalls else None
     waits = run.queue_wait
     return {
-        "ttfp_ms": {f"p{q}": _pct(run.ttfp, q) for q in (50, 99)},
+        "ttfp_ms": {f"p{q}": _pct(run.ttfp, q) for q in (50, 95, 99)},
         "underrun_ms": {f"p{q}": _pct(stalls, q) for q in (50, 99)},
+        # Requests whose playback stalled at least once (worst stall above 1 ns of float slack); null without any
+        # request that had audio.
+        "underrun_requests": int(sum(1 for s in stalls if s > 1e-9)) if stalls else None,
         "continuity": share,
         "live_streams": live_stream_stats(run.live_trace, run.window),
         "queued_requests": int(sum(1 for w in waits if w > 1e-9)),
@@ -226,11 +232,48 @@ def downsample_max(points: list[tuple[float, int]], limit: int = STATE_TRACE_POI
     return out
 
 
+def slo_status(figures: dict[str, Any], details: dict[str, Any], slo_ms: float) -> str:
+    """``"held"`` (``codec_latency_ms.p99 <= slo_ms`` over a whole run), ``"missed"`` (a larger p99, or a run
+    stopped early or failed, whatever its p99) or ``"unknown"`` (a complete run without a p99: a missing figure
+    is never a pass)."""
+    if details.get("stopped_early") or "error" in details:
+        return "missed"
+    p99 = figures.get("codec_latency_ms", {}).get("p99")
+    if p99 is None:
+        return "unknown"
+    return "held" if p99 <= slo_ms else "missed"
+
+
 def holds_slo(figures: dict[str, Any], details: dict[str, Any], slo_ms: float) -> bool:
-    """``codec_latency_ms.p99 <= slo_ms`` over a whole run (a run stopped early or failed never holds it)."""
-    p99 = figures["codec_latency_ms"]["p99"]
-    complete = not details.get("stopped_early") and "error" not in details
-    return complete and p99 is not None and p99 <= slo_ms
+    """:func:`slo_status` is ``"held"``."""
+    return slo_status(figures, details, slo_ms) == "held"
+
+
+def clean_status(figures: dict[str, Any], details: dict[str, Any], slo_ms: float) -> str:
+    """``"held"`` when the run holds the SLO and no request's playback stalled (``underrun_requests`` 0),
+    ``"missed"`` when either fails (a worst-stall quantile above 0 tells a stall without the count),
+    ``"unknown"`` when neither fails and a figure is missing (a results file older than ``underrun_requests``)."""
+    slo = slo_status(figures, details, slo_ms)
+    underruns = figures.get("underrun_requests")
+    stalls = figures.get("underrun_ms", {})
+    stalled = any((stalls.get(q) or 0) > 0 for q in ("p50", "p99"))  # a worst stall above 0: some request stalled
+    if slo == "missed" or stalled or (underruns is not None and underruns > 0):
+        return "missed"
+    return "unknown" if slo == "unknown" or underruns is None else "held"
+
+
+def sweep_limit(statuses: dict[str, str]) -> tuple[str, str | None]:
+    """The sweep line of one arm over its runs' statuses (run key -> held, missed or unknown):
+    ``("unknown", None)`` when any run is unknown, ``("none", None)`` when none held, else ``("at least",
+    key)`` when every run held (the largest load tried is a lower bound) or ``("exactly", key)``: the largest
+    load that held."""
+    if any(s == "unknown" for s in statuses.values()):
+        return "unknown", None
+    held = [k for k, s in statuses.items() if s == "held"]
+    if not held:
+        return "none", None
+    best = max(held, key=key_order)
+    return ("at least" if len(held) == len(statuses) else "exactly"), best
 
 
 def max_streams_at_slo(

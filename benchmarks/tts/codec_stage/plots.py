@@ -3,7 +3,8 @@
 
 * ``latency_cdf.png``: per arm (``ideal`` left out: its codec adds nothing) the CDF of codec-added latency.
 * ``concurrency.png`` (``request_rate.png`` for poisson): audio seconds per second and codec p50/p99.
-* ``playback.png``: TTFP p50/p99, worst stall (underrun) p50/p99 and continuity (C100, band C50 to C200).
+* ``playback.png``: TTFP p50/p99, worst stall (underrun) p50/p99 (both y axes from 0) and continuity (C100, band
+  C50 to C200, y from 0 to 1).
 * ``state_over_time.png``: decoder state in use against the simulated clock, one panel per run, in the largest
   binary unit (GiB, MiB or KiB) that the figure's largest peak fills; each arm its own line style and markers, so
   that arms holding the same state (legacy and upstream on a CPU) stay visible.
@@ -231,6 +232,9 @@ def plot_playback(result: dict[str, Any], path: Path) -> None:
     stall.set_ylabel("worst stall per request (ms; faint: p50)")
     cont.set_ylabel("share of requests (C100; band: C50 to C200)")
     cont.set_ylim(-0.02, 1.02)
+    # From zero: a y axis zoomed to the data made differences of 1 to 4 % fill the panel.
+    ttfp.set_ylim(bottom=0)
+    stall.set_ylim(bottom=0)
     note = continuity_note(result)
     if note:
         box = {"boxstyle": "round", "facecolor": "white", "edgecolor": "0.6"}

@@ -80,6 +80,7 @@ _FIGURES = {
 _PLAYBACK = {
     "ttfp_ms": _QUANTILES,
     "underrun_ms": {"*": maybe(NUMBER), "p99": maybe(NUMBER)},
+    "underrun_requests?": maybe(INT),  # runs since issue 51; results.md shows "-" without it
     "continuity": _QUANTILES,
     "live_streams": _QUANTILES,
     "queued_requests": maybe(INT),
@@ -135,7 +136,8 @@ def read_results(directory: Path, in_sweep: bool = False) -> tuple[dict[str, Any
     Raises:
         ValueError: one line naming the file and the key: a missing, truncated or foreign file, a key that
             :data:`RESULTS_SHAPE` needs missing, ``null`` or of another type, ``NaN`` anywhere, a run of
-            ``arms`` without its ``details``, or an array of latencies.npz that is not finite ms of a run.
+            ``arms`` without its ``details``, a missing latencies.npz, or an array of it that is not finite ms
+            of a run.
     """
     path = directory / "results.json"
     result = json_shape.load(path, _IN_SWEEP if in_sweep else RESULTS_SHAPE)
@@ -146,7 +148,9 @@ def read_results(directory: Path, in_sweep: bool = False) -> tuple[dict[str, Any
             if key not in result["details"][arm]:
                 raise ValueError(f"{path}: details.{arm}.{key} is missing (arms.{arm}.{key} is a run)")
     npz = directory / "latencies.npz"
-    if npz.is_file() and not zipfile.is_zipfile(npz):  # numpy would try it as a pickle and say so
+    if not npz.is_file():  # the latency CDF is drawn from it: without it there is no report to rewrite
+        raise ValueError(f"{npz} does not exist")
+    if not zipfile.is_zipfile(npz):  # numpy would try it as a pickle and say so
         raise ValueError(f"{npz} is not readable: not an .npz (zip) archive")
     try:
         latencies = load_latencies(directory)

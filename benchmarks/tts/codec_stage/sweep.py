@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import platform
 import sys
 import time
@@ -18,7 +19,7 @@ import torch
 from .arms import arm_builder
 from .cli import Load, Settings, parse_args, resolve
 from .metrics import NO_STEPS, downsample_max, preemptions_per_stream, summarize
-from .report import cpu_note, sweep_markdown, wrapped
+from .report import cpu_note, legend, sweep_markdown, wrapped
 from .results import (
     merge_previous,
     new_result,
@@ -191,9 +192,33 @@ def _report_only(out: Path, prog: str) -> dict[str, Any]:
     return {"sweep": sweep, "results": results} if sweep is not None else loaded[0][0]
 
 
-def main(argv: list[str] | None, description: str) -> dict[str, Any]:
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def host_load(before: tuple[float, ...], after: tuple[float, ...], cores: int) -> tuple[dict[str, Any], str | None]:
+    """``run.host_load`` (``os.getloadavg()`` before the first run and after the reports) and the warning of a
+    busy host: a 1-minute load average above ``cores - 0.5`` before the runs, or above ``cores + 0.5`` after
+    them (this job's own process counts about 1 there), means other work shared the cores and the timings."""
+    busy = before[0] > cores - 0.5 or after[0] > cores + 0.5
+    record = {"cores": cores, "before": [round(v, 2) for v in before], "after": [round(v, 2) for v in after]}
+    record["busy"] = busy
+    if not busy:
+        return record, None
+    return record, (
+        f"the host was busy: 1-minute load average {before[0]:.2f} before the runs and {after[0]:.2f} after, on "
+        f"{cores} cores (busy above {cores - 0.5:g} before, {cores + 0.5:g} after): other work shared the cores, "
+        "so step times and every latency may be slower than this machine's"
+    )
+
+
+def main(argv: list[str] | None, description: str, started: float | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the results of the one schedule, or for a ``--chunks`` sweep
-    ``{"sweep": sweep.json, "results": {directory: results}}``."""
+    ``{"sweep": sweep.json, "results": {directory: results}}``. ``started``: ``time.perf_counter()`` at the
+    process start (the script's first line), from which ``wall_seconds`` counts; now when not given."""
+    started = time.perf_counter() if started is None else started
+    load_before = os.getloadavg()
     command = [sys.executable, "benchmarks/tts/bench_codec_stage.py", *(sys.argv[1:] if argv is None else argv)]
     args, parser = parse_args(argv, description)
     if args.report_only:
@@ -202,13 +227,13 @@ def main(argv: list[str] | None, description: str) -> dict[str, Any]:
     note = cpu_note(settings.device.type, settings.preset)
     if note:
         print(wrapped(note) + "\n", flush=True)
+    print(wrapped(legend(settings.arms, args.slo_ms, settings.poisson)) + "\n", flush=True)
     if settings.device.type == "cpu":
         torch.set_num_threads(1)  # tiny kernels: a second intra-op thread only adds contention
     for arm, reason in settings.skipped.items():
         print(f"skipped arm {arm}: {reason}")
     schedules = _schedules(settings, command)
     models: dict[str, Any] = {}
-    t_all = time.perf_counter()
     # `ideal` takes no device time: it runs first, so that a command cut short by its time limit still has the
     # schedule's own stalls for every schedule. The tables keep the order of --arms (new_result made the keys).
     for name in sorted(settings.arms, key=lambda arm: arm != "ideal"):
@@ -220,10 +245,17 @@ def main(argv: list[str] | None, description: str) -> dict[str, Any]:
                     _write_sweep(settings, schedules, quiet=True)
     models.clear()
     common.free_memory(settings.device)
+    load, warning = host_load(load_before, os.getloadavg(), host_cores())
+    if warning:
+        print("warning: " + warning)
     for s in schedules:
-        s.result["run"]["invocations"][-1]["wall_seconds"] = round(time.perf_counter() - t_all, 1)
-        common.write_json(s.out / "results.json", s.result)
+        s.result["run"]["host_load"] = load
+        s.result["warnings"] += [warning] if warning else []
         write_reports(s.result, s.latencies, s.out)
+    # From the process start (imports, set-up) through the reports: the wall time a reader waits.
+    for s in schedules:
+        s.result["run"]["invocations"][-1]["wall_seconds"] = round(time.perf_counter() - started, 1)
+        common.write_json(s.out / "results.json", s.result)
     if len(schedules) == 1:
         return schedules[0].result
     return _write_sweep(settings, schedules)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -21,6 +23,14 @@ from stage_helpers import build_stage, delay_info, run, vllm_config
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
 STAGE = "vllm_omni_moss.model_executor.models.moss_tts.stage"
+#: The end of every closed-set refusal (connector_keys.check_connector_keys).
+SCHEDULE = "The chunk schedule's keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames"
+
+
+def vllm_omni_root() -> str | None:
+    """The installed vLLM-Omni package's folder (None without it)."""
+    spec = importlib.util.find_spec("vllm_omni")
+    return str(Path(spec.origin).parent) if spec and spec.origin else None
 
 
 @pytest.fixture
@@ -346,35 +356,64 @@ def test_connector_chunk_frames_cover_the_schedule(extra, sizes):
         ),
         (
             {"codec_chunk_frame": 6},
-            "connector extra 'codec_chunk_frame' is not a chunk-schedule key; did you mean 'codec_chunk_frames'? "
-            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec_chunk_frame' "
+            "(did you mean 'codec_chunk_frames'?). " + SCHEDULE,
         ),
         (
             {"codec_chunk_ramps": [1, 2, 4], "codec_chunk_frames": 6},
-            "connector extra 'codec_chunk_ramps' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'? "
-            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec_chunk_ramps' "
+            "(did you mean 'codec_chunk_ramp'?). " + SCHEDULE,
         ),
-        (  # YAML and command lines spell options with hyphens; the difflib ratio alone let these through
+        (  # YAML and command lines spell options with hyphens
             {"codec-chunk-frames": 6},
-            "connector extra 'codec-chunk-frames' is not a chunk-schedule key; did you mean 'codec_chunk_frames'? "
-            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec-chunk-frames' "
+            "(did you mean 'codec_chunk_frames'?). " + SCHEDULE,
         ),
         (
             {"Codec-Chunk-Ramp": [1, 2]},
-            "connector extra 'Codec-Chunk-Ramp' is not a chunk-schedule key; did you mean 'codec_chunk_ramp'? "
-            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'Codec-Chunk-Ramp' "
+            "(did you mean 'codec_chunk_ramp'?). " + SCHEDULE,
         ),
         (
             {"initial codec chunk frames": 1},
-            "connector extra 'initial codec chunk frames' is not a chunk-schedule key; did you mean "
-            "'initial_codec_chunk_frames'? "
-            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: "
+            "'initial codec chunk frames' (did you mean 'initial_codec_chunk_frames'?). " + SCHEDULE,
         ),
         (
             {"Initial_Codec_Chunk_Frames": 1},
-            "connector extra 'Initial_Codec_Chunk_Frames' is not a chunk-schedule key; did you mean "
-            "'initial_codec_chunk_frames'? "
-            "(the schedule keys: codec_chunk_frames, codec_chunk_ramp, initial_codec_chunk_frames)",
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: "
+            "'Initial_Codec_Chunk_Frames' (did you mean 'initial_codec_chunk_frames'?). " + SCHEDULE,
+        ),
+        (  # issue 51: these three started on "[] then 15" without a word (the difflib ratio was below 0.92)
+            {"codec_initial_chunk_frames": 1, "codec_chunk_frames": 6},
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: "
+            "'codec_initial_chunk_frames' (did you mean 'initial_codec_chunk_frames'?). " + SCHEDULE,
+        ),
+        (
+            {"initial_chunk_frames": 1, "codec_chunk_frames": 6},
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: "
+            "'initial_chunk_frames' (did you mean 'initial_codec_chunk_frames'?). " + SCHEDULE,
+        ),
+        (
+            {"codec_ramp": [1, 2, 4], "codec_chunk_frames": 6},
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec_ramp' "
+            "(did you mean 'codec_chunk_ramp'?). " + SCHEDULE,
+        ),
+        (  # every unknown key is named, sorted
+            {"codec_ramp": [1, 2], "initial_chunk_frames": 1, "codec_chunk_frames": 6},
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec_ramp' "
+            "(did you mean 'codec_chunk_ramp'?); 'initial_chunk_frames' (did you mean "
+            "'initial_codec_chunk_frames'?). " + SCHEDULE,
+        ),
+        (  # a codec_* key of no reader: an hf_overrides field put in the connector is read by nobody there
+            {"codec_language_id": 1, "codec_chunk_frames": 6},
+            "connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: 'codec_language_id' "
+            "(did you mean 'codec_streaming'?). " + SCHEDULE,
+        ),
+        (  # a removed key is refused with its own message, before the closed set's
+            {"codec_ragged_steps": True, "codec_ramp": [1, 2]},
+            "connector extra 'codec_ragged_steps': codec_ragged_steps was removed: every step is ragged (packed), "
+            "there is no grid step to switch from",
         ),
     ],
 )
@@ -386,17 +425,31 @@ def test_connector_chunk_frames_reject_bad_values(extra, message):
     assert str(err.value) == message
 
 
-def test_other_models_connector_keys_are_not_taken_for_misspelt_schedule_keys():
-    """Keys vLLM-Omni 0.30.0's other stage input processors read from a connector's extra (grep of the wheel's
-    ``stage_input_processors/``): a deploy file may carry them, and none resembles a schedule key enough."""
+def test_every_known_connector_key_is_accepted_and_outside_keys_are_not_checked():
+    """The closed set: every key vLLM-Omni 0.30.0 reads from a connector's extra (or sets in its own deploy files)
+    passes, and so does any key outside the schedule's namespace (neither ``codec_*`` nor naming a chunk or ramp)."""
+    from vllm_omni_moss.model_executor.models.moss_tts.connector_keys import KNOWN_CONNECTOR_KEYS
     from vllm_omni_moss.model_executor.models.moss_tts.stage import connector_chunk_frames
 
-    others = [
-        "codec_left_context_frames", "codec_vocab_size", "video_codec_options", "codec_language_id",
-        "pretrained_codec_model", "codec_token_offset", "codec_stream_scale_factor", "codec_right_holdback_frames",
-        "codec_pre_lookahead_frames", "codec_max_chunk_frames", "codec_config",
-    ]  # fmt: skip
-    assert connector_chunk_frames({**dict.fromkeys(others, 1), "codec_chunk_frames": 6}) == [6]
+    others = dict.fromkeys(set(KNOWN_CONNECTOR_KEYS) - {"codec_chunk_ramp", "initial_codec_chunk_frames"}, 1)
+    outside = {"connector_get_sleep_s": 0.005, "video_codec_options": {}, "pretrained_codec_model": "x"}
+    assert connector_chunk_frames({**others, **outside, "codec_chunk_frames": 6}) == [6]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(glob.glob(str(Path(vllm_omni_root()) / "deploy" / "*.yaml"))) if vllm_omni_root() else [],
+)
+def test_vllm_omnis_own_deploy_files_pass_the_connector_key_check(path):
+    """Every connector extra of vLLM-Omni 0.30.0's shipped deploy files passes: the closed set misses no key it
+    sets."""
+    import yaml
+
+    from vllm_omni_moss.model_executor.models.moss_tts.connector_keys import check_connector_keys
+
+    extras = [c.get("extra") or {} for c in (yaml.safe_load(Path(path).read_text()).get("connectors") or {}).values()]
+    for extra in extras:
+        check_connector_keys(extra)
 
 
 @pytest.mark.parametrize(("value", "shown"), [(0, "0"), (-2, "-2"), (2.0, "2.0"), ("8", "'8'"), (True, "True")])

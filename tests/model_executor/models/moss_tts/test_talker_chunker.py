@@ -298,6 +298,24 @@ def _sent_sizes(fn, extra: dict, frames: int) -> set[int]:
             "connector extra sets both codec_chunk_ramp [1, 4] and initial_codec_chunk_frames 2: the ramp's first size "
             "is the first chunk; drop one",
         ),
+        *(  # issue 51: misspelt schedule keys outside the old difflib ratio; the closed set refuses them
+            (
+                {key: value, "codec_chunk_frames": 6},
+                f"connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: {key!r} (did you mean "
+                f"{near!r}?). The chunk schedule's keys: codec_chunk_frames, codec_chunk_ramp, "
+                "initial_codec_chunk_frames",
+            )
+            for key, value, near in (
+                ("codec_initial_chunk_frames", 1, "initial_codec_chunk_frames"),
+                ("initial_chunk_frames", 1, "initial_codec_chunk_frames"),
+                ("codec_ramp", [1, 2, 4], "codec_chunk_ramp"),
+            )
+        ),
+        (
+            {"codec_ragged_steps": True},
+            "connector extra 'codec_ragged_steps': codec_ragged_steps was removed: every step is ragged (packed), "
+            "there is no grid step to switch from",
+        ),
     ],
 )
 def test_bad_schedule_fails_at_stage_startup_and_at_the_chunkers_first_call(tmp_path, extra, message):

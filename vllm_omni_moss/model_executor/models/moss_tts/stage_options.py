@@ -23,6 +23,7 @@ import torch
 
 from .attention import ATTENTION_BACKENDS
 from .config import CODEC_ABILITIES, PRESETS
+from .connector_keys import check_connector_keys
 from .decoder import chunk_frames_at
 from .graph_ladder import frame_totals
 from .serving.options import SessionOptions
@@ -245,35 +246,6 @@ def _frame_count(extra: dict[str, Any], name: str) -> int:
     return frames[0]
 
 
-#: The connector ``extra`` keys a chunk schedule is read from (vLLM-Omni 0.30.0's names).
-SCHEDULE_KEYS = ("codec_chunk_frames", "codec_chunk_ramp", "initial_codec_chunk_frames")
-#: How alike (``difflib`` ratio, case ignored) a key must be to a schedule key to be taken for its misspelling.
-#: Other models' keys stay below it: the closest, ``codec_max_chunk_frames``, is 0.90 from ``codec_chunk_frames``.
-MISSPELT_RATIO = 0.92
-
-
-def check_schedule_keys(extra: dict[str, Any]) -> None:
-    """Refuse a connector ``extra`` key that looks like a misspelt schedule key (another case, hyphens or spaces
-    for underscores, a letter missing or extra): read by nobody, it would leave the talker and the stage on a
-    schedule nobody asked for.
-
-    Raises:
-        ValueError: naming the key and the schedule key it resembles.
-    """
-    for key in extra:
-        if not isinstance(key, str) or key in SCHEDULE_KEYS:
-            continue
-        # Separators compared as underscores: `codec-chunk-frames` is 0.89 from its key as typed, below the ratio.
-        plain = _plain_key(key)
-        ratios = {name: difflib.SequenceMatcher(None, plain, name).ratio() for name in SCHEDULE_KEYS}
-        near = max(ratios, key=ratios.get)
-        if ratios[near] >= MISSPELT_RATIO:
-            raise ValueError(
-                f"connector extra {key!r} is not a chunk-schedule key; did you mean {near!r}? "
-                f"(the schedule keys: {', '.join(SCHEDULE_KEYS)})"
-            )
-
-
 def resolve_chunk_schedule(
     extra: dict[str, Any], parse_ramp: RampParser | None, max_frames: int = DEFAULT_MAX_STEP_FRAMES
 ) -> ChunkSchedule:
@@ -291,10 +263,11 @@ def resolve_chunk_schedule(
         ValueError: a non-integer or negative frame count (as :func:`connector_chunk_frames` always did); a ramp
             ``parse_ramp`` refuses (empty, one size, a size < 1), or a ramp without ``parse_ramp``; a ramp
             together with ``initial_codec_chunk_frames`` (vLLM-Omni's chunkers read one or the other); a size
-            above ``max_frames``; a key that looks like a misspelt schedule key (:func:`check_schedule_keys`).
-            Each message names the key and its value.
+            above ``max_frames`` (each message names the key and its value); a removed key, or a key of the
+            schedule's namespace that neither this package nor vLLM-Omni 0.30.0 reads
+            (:func:`.connector_keys.check_connector_keys`, naming the key and the nearest known one).
     """
-    check_schedule_keys(extra)
+    check_connector_keys(extra)
     steady = _frame_count(extra, "codec_chunk_frames") or TALKER_DEFAULT_STEADY_FRAMES
     initial = min(_frame_count(extra, "initial_codec_chunk_frames"), steady)
     raw = extra.get("codec_chunk_ramp")
