@@ -352,7 +352,7 @@ class CodecStreamSession:
             self._tracer.begin(len(requests), started)
         # No garbage collection inside the call, which every stream waits on: Python's collector is paused and
         # resumes as the call returns, so a collection that comes due runs between calls (docs/serving.md,
-        # "Steps"). A call makes no cyclic garbage of its own (tests/.../test_session.py checks it).
+        # "Steps"). A call makes no cyclic garbage of its own (serving/test_step_runner.py checks it).
         collecting = gc.isenabled()
         gc.disable()
         try:
