@@ -22,7 +22,7 @@ import torch
 import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, collector_paused
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 
 from .trace import FRAME_RATE
@@ -274,7 +274,10 @@ class OurArm(Arm):
         """Audio per request id decoded in this call (a stream resumed from the queue may return several
         chunks at once, or come back without a chunk in ``chunks``); None for a chunk left queued (its
         stream waits for a slot or state pages)."""
-        results = self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks])
+        with collector_paused():  # as the stage's forward(): no collection anywhere in the call
+            return self._results(self.session.decode([ChunkRequest(c.request_id, c.codes, c.finished) for c in chunks]))
+
+    def _results(self, results) -> dict[str, torch.Tensor | None]:
         self.state_now = self.session.pool.state_in_use_bytes()
         self.peak_state = max(self.peak_state, self.state_now)
         out: dict[str, torch.Tensor | None] = {}

@@ -52,7 +52,7 @@ from .decoder import CodecDecoder
 from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
 from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, meta_of, payload_id, same_request
 from .random_codec import random_decoder
-from .serving import ChunkRequest, ChunkResult, CodecStreamSession
+from .serving import ChunkRequest, ChunkResult, CodecStreamSession, collector_paused
 from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for
 from .state import StateSpec
 from .talker_chunker import chunk_schedule_of
@@ -253,9 +253,12 @@ class MossTTSCodecDecoder(nn.Module):
             return self._output([self._empty_audio() for _ in infos])
         if not self.async_chunk:
             return self._output([self._decode_offline(i, seg, info) for i, (seg, info) in enumerate(batch)])
-        audios = self._decode_streams(batch, kwargs.get("request_ids"))
-        self._maybe_log_stats()
-        return self._output(audios)
+        # No garbage collection anywhere in forward(), which every stream of the batch waits on: it runs between
+        # engine steps (docs/serving.md, "No collector pause inside a call").
+        with collector_paused():
+            audios = self._decode_streams(batch, kwargs.get("request_ids"))
+            self._maybe_log_stats()
+            return self._output(audios)
 
     def _split_batch(self, input_ids, counts_value: Any, infos: list[Any]) -> list[tuple[torch.Tensor, dict]] | None:
         """Per request ``(flat codes, info dict)``; None when there is nothing to split."""

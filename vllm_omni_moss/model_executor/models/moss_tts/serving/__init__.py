@@ -11,7 +11,7 @@
 
 from .options import SessionOptions
 from .requests import ChunkRequest, ChunkResult
-from .session import CodecStreamSession
+from .session import CodecStreamSession, collector_paused
 from .tracing import CallTrace
 
-__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession", "SessionOptions"]
+__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession", "SessionOptions", "collector_paused"]

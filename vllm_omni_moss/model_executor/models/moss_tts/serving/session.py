@@ -47,12 +47,13 @@ The session imports nothing from vLLM; it runs wherever the pool runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -65,7 +66,22 @@ from .scheduler import Scheduler
 from .step_runner import StepRunner
 from .tracing import CallTrace, CallTracer
 
-__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession"]
+__all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession", "collector_paused"]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's garbage collector for the ``with`` block, a call every stream waits on, and resume it after
+    (unless it was off already): a collection that comes due then runs between calls (docs/serving.md, "No
+    collector pause inside a call"). A call makes no cyclic garbage of its own (serving/test_step_runner.py checks
+    it), so nothing piles up. Nests: only the outermost block turns the collector back on."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _one_caller(method):
@@ -350,11 +366,11 @@ class CodecStreamSession:
         requests, ids = _checked(requests)
         if tracing:  # the batch's checks above count as planning
             self._tracer.begin(len(requests), started)
-        # No garbage collection inside the call, which every stream waits on: Python's collector is paused and
-        # resumes as the call returns, so a collection that comes due runs between calls (docs/serving.md,
-        # "Steps"). A call makes no cyclic garbage of its own (serving/test_step_runner.py checks it).
-        collecting = gc.isenabled()
-        gc.disable()
+        with collector_paused():
+            return self._decode_guarded(requests, ids)
+
+    def _decode_guarded(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
+        # decode() past its argument checks: a failure ends the call's streams; host copies are awaited always.
         try:
             return self._decode_batch(requests, ids)
         except BaseException as exc:
@@ -366,8 +382,6 @@ class CodecStreamSession:
         finally:
             self._steps.await_host_copies()  # after a failure too: no copy into a returned row outlives the call
             self._tracer.end()
-            if collecting:
-                gc.enable()
 
     def _decode_batch(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
         # decode() past its argument checks (which change nothing).
