@@ -103,6 +103,27 @@ def test_a_stage_decodes_a_call_of_mixed_lengths_in_one_step(tmp_path, monkeypat
     _assert_audio(outs[2], fresh_decode(stage, codes[2], [2]), "c")
 
 
+def test_forward_runs_no_garbage_collection_and_resumes_it_after(tmp_path, monkeypatch):
+    """Python's collector is off for the whole forward() (the session call and the stage's own work around it, here
+    the stats log) and on again once it returns; a collector the caller turned off stays off."""
+    import gc
+
+    stage = build_stage(tmp_path)
+    seen = []
+    log = stage._maybe_log_stats
+    monkeypatch.setattr(stage, "_maybe_log_stats", lambda: seen.append(gc.isenabled()) or log())
+    codes = _codes(stage, 2, seed=3)
+    assert gc.isenabled()
+    run(stage, [codes[:, :1]], [delay_info()], ["a"])
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        run(stage, [codes[:, 1:]], [delay_info()], ["a"])
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_without_runner_ids_a_payload_without_id_fails_alone(stage, caplog):
     d, r = _codes(stage, 2, seed=5), _codes(stage, 2, seed=6)
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
