@@ -594,8 +594,9 @@ def render_serving(job: Job) -> list[str]:
     first packet, worst stalls, the underrun count (requests that stalled at least once), continuity, live
     streams and the SLO; then, for each file and arm of several loads (a sweep), the highest load holding the
     SLO, and holding it with no underrun.
-    Job options: ``chunks`` (label rows with the file's chunk schedule), ``arms`` (the arms to show; the notes
-    then say what the others gave)."""
+    Job options: ``chunks`` (label rows with the file's chunk schedule), ``commits`` (label rows with the file's
+    commit, for runs of several commits side by side), ``arms`` (the arms to show; the notes then say what the
+    others gave)."""
     header = ["arrival, talker RTF", "arm", "load", "codec-added p50 / p99 ms", "TTFP p50 / p95 / p99 ms"]
     header += ["worst stall p50 / p99 ms", "requests with an underrun", "C50 / C100 / C200"]
     header += ["live streams mean / max", "SLO"]
@@ -610,6 +611,7 @@ def render_serving(job: Job) -> list[str]:
             arrival += f" (burstiness {run.get('burstiness')}, {run.get('request_rate')} req/s)"
         label = f"{arrival}, {run.get('talker_rtf')}"
         label += f", chunks {job.need(doc, 'run', 'chunks')}" if job.option("chunks") else ""
+        label += f", `{job.need(run, 'commit')}`" if job.option("commits") else ""
         for arm in (arm for arm in shown if arm in job.need(doc, "arms")):
             per_load = job.need(doc, "arms", arm)
             slo_line, clean_line = {}, {}

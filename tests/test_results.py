@@ -41,7 +41,7 @@ def test_results_md_stays_short_and_labels_older_commits():
     for heading in re.findall(r"^## (.+)$", text, re.M):
         for commit in re.findall(r"measured at `([0-9a-f]{7})`", heading):
             assert commit != current, heading
-    assert "## Persistent decoder state (`bench_codec_memory.py`) (measured at `3cec6cc`)" in text
+    assert "## Persistent decoder state, on an NVIDIA H200 (`bench_codec_memory.py`) (measured at `3cec6cc`)" in text
 
 
 def test_every_json_under_results_is_valid():
