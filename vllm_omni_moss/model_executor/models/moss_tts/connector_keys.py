@@ -41,7 +41,7 @@ KNOWN_CONNECTOR_KEYS: dict[str, str] = {
     "codec_chunk_frames": "this package; every chunker of stage_input_processors/ (moss_tts.py among them)",
     "codec_chunk_ramp": "this package; chunk_size_utils.parse_chunk_ramp",
     "initial_codec_chunk_frames": "this package; moss_tts.py, qwen3_tts.py, fish_speech.py and other chunkers; "
-    "models/moss_tts/modeling_moss_tts_codec.py",
+    "the MOSS codec model of models/moss_tts/",
     "codec_left_context_frames": "most chunkers of stage_input_processors/; several code2wav models",
     "codec_chunk_frames_at_begin": "stage_input_processors/voxtral_tts.py",
     "codec_right_holdback_frames": "stage_input_processors/higgs_audio_v3.py",

@@ -24,7 +24,7 @@ streams at once that raises fails each of them, with an error naming the call: t
 stream's pages before a step (:meth:`Scheduler.ready`), or of the live streams' pages before an admission. A
 release of several slots that raises is retried slot by slot; a slot whose own release raises fails its stream
 (a stream that ended gets the error beside its audio) and is released again as the next call begins
-(:attr:`Scheduler.unreleased`), so no slot or page is lost to a passing failure.
+(:attr:`SlotReleases.unreleased`), so no slot or page is lost to a passing failure.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .counters import SessionCounters
 from .requests import ChunkRequest
 from .streams import AdmissionQueue, ScheduledChunks, Stream
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "SlotReleases"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,15 @@ class Scheduler:
         self._live_reserved = False  # during a call: the live streams' pending chunks hold their pages
         # During a call: request id -> the error of a stream that failed outside a step (:meth:`_failed`).
         self.failures: dict[str, str] = {}
-        # Slots whose release raised (:meth:`_release`): still in use, released again as the next call begins.
-        self.unreleased: list[int] = []
+        # Slot releases that never raise; slots whose release raised are released again as the next call begins.
+        self.releases = SlotReleases(pool)
         # During a call: ids of the streams admitted or scheduled in it (:meth:`abandon` ends them).
         self.touched: set[str] = set()
 
     def begin(self, accepted: list[ChunkRequest]) -> None:
         """Start a call whose valid chunks are ``accepted``: admission accounts for their frames."""
         self.incoming, self.failures, self.touched = {}, {}, set()
-        if self.unreleased:  # slots a failed release left in use: their streams are gone, the slots come back
-            slots, self.unreleased = self.unreleased, []
-            self._release([slot for slot in slots if slot in self.pool.slots_in_use])
+        self.releases.retry()  # slots a failed release left in use: their streams are gone, the slots come back
         for req in accepted:
             self.incoming[req.request_id] = self.incoming.get(req.request_id, 0) + req.codes.shape[1]
         self._live_reserved = False
@@ -308,9 +306,9 @@ class Scheduler:
             undecoded = victim.buffered_frames + self.incoming.get(victim.request_id, 0)
             self._failed(victim, "saving its decoder state to preempt it", undecoded, exc)
             return
-        failed = self._release([victim.slot])
+        failed = self.releases.release([victim.slot])
         if failed:  # its state is saved, but the slot it leaves is not free: it cannot wait to resume
-            victim.slot = None  # set aside in self.unreleased
+            victim.slot = None  # set aside in self.releases.unreleased
             undecoded = victim.buffered_frames + self.incoming.get(victim.request_id, 0)
             self._failed(victim, "freeing its decoder slot to preempt it", undecoded, next(iter(failed.values())))
             return
@@ -336,7 +334,7 @@ class Scheduler:
         for stream in streams:
             del self.live[stream.request_id]
             self._count_ended(stream)
-        failed = self._release([s.slot for s in streams])
+        failed = self.releases.release([s.slot for s in streams])
         for stream in streams:
             exc = failed.get(stream.slot)
             if exc is not None:
@@ -351,7 +349,7 @@ class Scheduler:
         error until its request ends, so that it never resumes from an empty state. A slot whose release raises
         adds that to its stream's error (in ``errors``) and is released again as the next call begins."""
         streams = [self.live.pop(rid) for rid in errors]
-        failed = self._release([s.slot for s in streams])
+        failed = self.releases.release([s.slot for s in streams])
         for stream in streams:
             rid = stream.request_id
             exc = failed.get(stream.slot)
@@ -360,33 +358,6 @@ class Scheduler:
                 errors[rid] = f"{errors[rid]}; releasing its decoder slot failed with {type(exc).__name__}: {exc}"
             if not stream.finished:
                 self.refused[rid] = errors[rid]
-
-    def _release(self, slots: list[int]) -> dict[int, Exception]:
-        """Release (reset) ``slots``, never raising an ``Exception``: when the call raises, each slot still in use
-        is released alone. Returns the slots whose own release raised, with the exception: they are set aside in
-        :attr:`unreleased` (in use, their state unknown) and released again as the next call begins."""
-        if not slots:
-            return {}
-        try:
-            self.pool.release(slots)
-            return {}
-        except Exception as exc:
-            if len(slots) == 1:
-                failed = {slots[0]: exc}
-            else:
-                logger.warning("MOSS codec: releasing decoder slots %s raised; releasing them one by one", slots)
-                failed = {}
-                for slot in slots:
-                    try:
-                        if slot in self.pool.slots_in_use:  # a pool that released part of them keeps it
-                            self.pool.release([slot])
-                    except Exception as one:
-                        failed[slot] = one
-        for slot, exc in failed.items():
-            logger.error("MOSS codec: releasing decoder slot %d failed; retried as the next call begins", slot,
-                         exc_info=exc)  # fmt: skip
-        self.unreleased.extend(failed)
-        return failed
 
     def _failed(self, stream: Stream, what: str, undecoded: int | None, exc: Exception) -> None:
         """End ``stream`` (live or waiting) because a pool call for it (``what``) raised ``exc`` outside a step, as
@@ -405,7 +376,7 @@ class Scheduler:
             self.refused[rid] = error
         if stream.slot is not None:
             slot, stream.slot = stream.slot, None
-            self._release([slot])  # a slot whose release raises is released again as the next call begins
+            self.releases.release([slot])  # a slot whose release raises is released again as the next call begins
 
     def abandon(self, accepted: list[ChunkRequest], exc: Exception) -> None:
         """The call raised ``exc`` past its checks, at a point nobody knows: end every stream it may have changed
@@ -449,7 +420,7 @@ class Scheduler:
         finally:
             # An iterable that fails part-way still frees the slots of the streams it ended; a slot whose release
             # raises is logged and released again as the next call begins (its request has ended: no one to tell).
-            self._release(released)
+            self.releases.release(released)
 
     def own_buffered_chunks(self, accepted: list[ChunkRequest]) -> None:
         """Copy the chunks of this call (``accepted``) that are still buffered as it returns (streams that wait,
@@ -464,7 +435,56 @@ class Scheduler:
     def clear(self) -> None:
         self.live.clear()
         self.waiting.clear()
-        self.unreleased.clear()
+        self.releases.unreleased.clear()
+
+
+class SlotReleases:
+    """The scheduler's releases of pool slots, contained: a release that raises never escapes a call.
+
+    Args:
+        pool: the pool whose slots are released.
+
+    Attributes:
+        unreleased: slots whose own release raised: still in use, their state unknown; :meth:`retry` releases
+            them again (the scheduler does as each call begins).
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.unreleased: list[int] = []
+
+    def release(self, slots: list[int]) -> dict[int, Exception]:
+        """Release (reset) ``slots``, never raising an ``Exception``: when the call raises, each slot still in use
+        is released alone. Returns the slots whose own release raised, with the exception: they are set aside in
+        :attr:`unreleased`."""
+        if not slots:
+            return {}
+        try:
+            self.pool.release(slots)
+            return {}
+        except Exception as exc:
+            if len(slots) == 1:
+                failed = {slots[0]: exc}
+            else:
+                logger.warning("MOSS codec: releasing decoder slots %s raised; releasing them one by one", slots)
+                failed = {}
+                for slot in slots:
+                    try:
+                        if slot in self.pool.slots_in_use:  # a pool that released part of them keeps it
+                            self.pool.release([slot])
+                    except Exception as one:
+                        failed[slot] = one
+        for slot, exc in failed.items():
+            logger.error("MOSS codec: releasing decoder slot %d failed; retried as the next call begins", slot,
+                         exc_info=exc)  # fmt: skip
+        self.unreleased.extend(failed)
+        return failed
+
+    def retry(self) -> None:
+        """Release again the slots a failed release left in use (their streams are gone)."""
+        if self.unreleased:
+            slots, self.unreleased = self.unreleased, []
+            self.release([slot for slot in slots if slot in self.pool.slots_in_use])
 
 
 def _error(rid: str, what: str, undecoded: int | None, exc: BaseException) -> str:
