@@ -150,8 +150,9 @@ first, and writes at the top of ``results.md``, that it checks the pipeline and 
 (``stage_options.DEFAULT_MAX_STEP_FRAMES``). ``results.md`` names the interpreter ``python`` with its version (``run.python``).
 
 Changed from the single-module version of this job: ``--talker-rtf`` defaults to 0.5 (it was 1: frames at
-12.5 frames/s); the ``ideal`` arm is a default arm; our arms' graph buckets are ``batch_buckets(slots)``
-(they were upstream's buckets below C plus C) and ``run.graph_batch_sizes`` moved into each run's details;
+12.5 frames/s); the ``ideal`` arm is a default arm; our arms take one packed step per round, on the ladder of
+frame totals of their slots (they had upstream's batch buckets below C plus C), and the ladder moved into each
+run's details (``graph_ladder``);
 ``codec_latency_ms`` gains p10 and p90; unpaged arms under a budget count their null or scratch slots; every
 bad flag exits 2 (some exited 1 with a message, some with a traceback).
 """
