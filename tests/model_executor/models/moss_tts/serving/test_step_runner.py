@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from moss_codecs import ChunkDriver, assert_close_to_solo, count_steps, random_codes, solo_decode, stream_codes
 
-from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, SessionOptions
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
@@ -191,31 +191,6 @@ def test_a_valid_row_of_no_frames_in_a_packed_step_writes_nothing(kind, ring_dec
     assert (audio[0] - ref[0]).abs().max().item() <= 1e-6 * ref.abs().max().item()
     state = pool.slot_state(1)
     assert not state["layer_offsets"].any() and not any(r.any() for r in state["rings"])
-
-
-@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
-def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
-    """A paged pool with pages for about two full streams of three: steps preempt and restore streams, and every
-    stream's audio equals its solo decode."""
-    s = CodecStreamSession(
-        ring_decoder, 3, pool_kind="paged", page_fraction=0.67, graph_frame_totals=frame_totals(18),
-        graph_frame_sizes=RAMP,
-    )  # fmt: skip
-    names, schedule = "abcd", [1, 2, 4, 6, 6]
-    codes = {r: stream_codes(ring_decoder, sum(schedule), i) for i, r in enumerate(names)}
-    audio: dict[str, list[torch.Tensor]] = {r: [] for r in names}
-    for call, n in enumerate(schedule):
-        start = sum(schedule[:call])
-        batch = [ChunkRequest(r, codes[r][:, start : start + n], call == len(schedule) - 1) for r in names]
-        for r, res in s.decode(batch).items():
-            assert res.error is None, res.error
-            audio[r].append(res.audio)
-    while s.waiting_requests:  # drain what is still queued
-        for r, res in s.decode([]).items():
-            audio[r].append(res.audio)
-    assert s.stats()["preemptions"] > 0 and s.free_slots == 3
-    for r in names:
-        assert_close_to_solo(torch.cat(audio[r], -1), solo_decode(ring_decoder, codes[r], schedule), r)
 
 
 def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanly(ring_decoder, monkeypatch):
