@@ -47,8 +47,10 @@ class Run:
     step_decoded: list[int] = field(default_factory=list)  # frames of every chunk of each step, summed
     step_replay: list[float] = field(default_factory=list)  # graph replay seconds of each step (--time-replays)
     step_trace: list[Any] = field(default_factory=list)  # session.CallTrace of each step (--trace-calls)
-    # Seconds Python's garbage collector ran during each decode call, and between the previous call and it (in
-    # the driver, as in an engine's loop between forward calls: counted on the simulated clock before the call).
+    # Seconds Python's garbage collector ran inside each decode call, and outside it: between the previous call and
+    # it (in the driver, as in an engine's loop between forward calls: counted on the simulated clock before the
+    # call) and in the device wait after it (where the first allocations after a call run the collection its
+    # paused allocations made due; already in the call's wall).
     step_gc: list[float] = field(default_factory=list)
     step_gc_between: list[float] = field(default_factory=list)
     state_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock s, state bytes) after each step
@@ -216,10 +218,13 @@ class Driver:
             self.clock += between  # the engine pays collections between calls before it calls again
         called_at, t0 = self.clock, time.perf_counter()
         audio = self.arm.decode(chunks)
+        inside = self.collector.lap()
         self.sync()
         wall = time.perf_counter() - t0 if self.arm.timed else 0.0
-        self.run.step_gc.append(self.collector.lap())
-        self.run.step_gc_between.append(between)
+        # A collection the call's paused allocations make due runs at the first allocation after it, here in the
+        # device wait (already in the wall): it counts between calls, as an engine would pay it after forward().
+        self.run.step_gc.append(inside)
+        self.run.step_gc_between.append(between + self.collector.lap())
         self._record_step(wall, chunks)
         missing = {c.request_id for c in chunks} - set(audio)
         if missing:

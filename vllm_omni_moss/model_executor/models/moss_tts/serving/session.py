@@ -47,13 +47,12 @@ The session imports nothing from vLLM; it runs wherever the pool runs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -69,19 +68,26 @@ from .tracing import CallTrace, CallTracer
 __all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession", "collector_paused"]
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+class _CollectorPause:
+    """The context of :func:`collector_paused`: a class, not a generator, so that nothing is allocated once the
+    collector is back on and a collection that came due runs after the caller's block, not at its end."""
+
+    def __enter__(self) -> None:
+        self._collecting = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc_info) -> None:
+        if self._collecting:
+            gc.enable()  # last: the first allocation after the block runs whatever collection came due
+
+
+def collector_paused() -> _CollectorPause:
     """Pause Python's garbage collector for the ``with`` block, a call every stream waits on, and resume it after
-    (unless it was off already): a collection that comes due then runs between calls (docs/serving.md, "No
-    collector pause inside a call"). A call makes no cyclic garbage of its own (serving/test_step_runner.py checks
-    it), so nothing piles up. Nests: only the outermost block turns the collector back on."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
+    (unless it was off already): a collection that comes due then runs after the call, at the caller's next
+    allocation (docs/serving.md, "No collector pause inside a call"). A call makes no cyclic garbage of its own
+    (serving/test_step_runner.py checks it), so nothing piles up. Nests: only the outermost block turns the
+    collector back on."""
+    return _CollectorPause()
 
 
 def _one_caller(method):
