@@ -315,10 +315,18 @@ def test_glossary_defines_the_benchmark_terms_readme_uses_before_it_uses_them():
     ]
 
 
-def test_readme_claims_no_stale_suite_figures_and_marks_where_they_go():
+def test_readme_states_the_suites_figures_with_their_commit_and_no_stale_ones():
+    """The developer-install section gives the CPU suite's counts and seconds at a named commit, and the first
+    screen the second command's duration; none of the figures an older suite had is left."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert readme.count("<!-- suite-figures -->") == 1
-    for stale in ("1,085 passed", "14 skipped", "726 s", "207 s", "231 s"):
+    assert re.search(
+        r"At `[0-9a-f]{7}` \([^)]*2 cores[^)]*\)\s+`bash scripts/test\.sh` ran [\d,]+ tests passed and \d+ skipped in [\d,]+ s",
+        readme,
+    )
+    assert re.search(
+        r"The second command's tests take about \d+ minutes on two idle\s+cores", "\n".join(readme.splitlines()[:45])
+    )
+    for stale in ("1,085 passed", "14 skipped", "726 s", "207 s", "231 s", "<!-- suite-figures -->"):
         assert stale not in readme, stale
 
 
