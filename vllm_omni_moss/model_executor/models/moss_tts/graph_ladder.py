@@ -17,6 +17,7 @@ question a planner asks (:meth:`StepLadder.shape`) and cuts a round whose frames
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,8 +49,14 @@ def frame_totals(max_total: int) -> list[int]:
 
 
 def graph_sizes(sizes) -> list[int]:
-    """Graph frame sizes or frame totals as a session keeps them: distinct, ascending, each ``int(size)``; sizes
-    below 1 are dropped."""
+    """Graph frame sizes or frame totals as a session keeps them: distinct, ascending; sizes below 1 are dropped.
+
+    Raises:
+        ValueError: a size that is not an integer (a float or a bool is refused, never rounded).
+    """
+    bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, numbers.Integral)]
+    if bad:
+        raise ValueError(f"graph sizes must be integers, got {bad[0]!r} in {list(sizes)!r}")
     return sorted({int(n) for n in sizes if 0 < int(n)})
 
 
@@ -84,7 +91,8 @@ class StepLadder:
             graphs.
 
     Raises:
-        ValueError: ``max_rows`` or ``frames`` is not an integer >= 1, or ``totals`` is not ascending integers >= 1.
+        ValueError: ``max_rows`` or ``frames`` is not an integer >= 1, ``totals`` is not ascending integers >= 1, or
+            its largest total is below ``frames`` (a row of ``frames`` frames would fit no step).
     """
 
     max_rows: int
@@ -99,6 +107,11 @@ class StepLadder:
             set(totals)
         ):
             raise ValueError(f"totals must be distinct ascending integers >= 1, got {list(totals)}")
+        if totals and totals[-1] < self.frames:
+            raise ValueError(
+                f"the largest frame total {totals[-1]} is below the frame size {self.frames}: a row of "
+                f"{self.frames} frames would fit no step"
+            )
         object.__setattr__(self, "totals", totals)
 
     @classmethod

@@ -575,7 +575,7 @@ def test_tails_pad_into_the_graph_frame_size_and_stay_exact(kind, ring_decoder, 
     d.check("a")
     d.check("b")
     assert s.free_slots == 4 and s.stats()["padded_frames"] == 0 + 2 + 3
-    assert s.stats()["padding_rows"] == 0 + 2 + 2  # shapes of 2, 4 and 4 rows (min(slots, total))
+    assert s.stats()["padding_rows"] == 0  # eager steps run their rows alone (a graph would carry 0 + 2 + 2)
     _assert_slot_clear(s, 0)
     _assert_slot_clear(s, 1)
 
@@ -896,16 +896,21 @@ def test_a_round_pads_to_the_next_ladder_total_and_is_cut_only_past_the_slots(ri
 
 def test_the_session_keeps_graph_sizes_distinct_ascending(ring_decoder):
     """One normalisation (``graph_ladder.graph_sizes``) for the session and the graph runner: duplicates, zeros
-    and negatives dropped, numbers as ints, ascending; frame totals are not bounded by the slot count (a total
-    counts packed frames)."""
+    and negatives dropped, ascending; a size that is not an integer is refused, never rounded; frame totals are not
+    bounded by the slot count (a total counts packed frames), but their largest must hold a row of the frame size."""
     from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import graph_sizes
 
-    s = CodecStreamSession(
-        ring_decoder, 8, graph_frame_totals=[16, 4, 0, 4, 8, -2, 2.0], graph_frame_sizes=[15, 1, 1, 0]
-    )
-    assert (s.options.graph_frame_totals, s.graph_frame_sizes) == ((2, 4, 8, 16), [1, 15])
-    assert s.step_ladder == StepLadder(8, 15, (2, 4, 8, 16))
-    assert graph_sizes([3, 3.0, 2, -1]) == [2, 3] and graph_sizes([]) == []
+    s = CodecStreamSession(ring_decoder, 8, graph_frame_totals=[16, 4, 0, 4, 8, -2], graph_frame_sizes=[15, 1, 1, 0])
+    assert (s.options.graph_frame_totals, s.graph_frame_sizes) == ((4, 8, 16), [1, 15])
+    assert s.step_ladder == StepLadder(8, 15, (4, 8, 16))
+    assert graph_sizes([3, 3, 2, -1]) == [2, 3] and graph_sizes([]) == []
+    for bad in ([2, 2.0], [True]):
+        with pytest.raises(ValueError) as err:
+            graph_sizes(bad)
+        assert str(err.value) == f"graph sizes must be integers, got {bad[-1]!r} in {bad!r}"
+    with pytest.raises(ValueError) as err:
+        CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 3), graph_frame_sizes=(1, 2, 4, 6))
+    assert str(err.value) == "the largest frame total 3 is below the frame size 6: a row of 6 frames would fit no step"
 
 
 def test_a_call_of_mixed_frame_sizes_is_one_step(ring_decoder, monkeypatch):

@@ -589,3 +589,41 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
     assert refused == [_busy_message("on_requests_finished", "decode")]
     _close(got.audio, ring_decoder.decode(a[:, None], [2])[0], "b")
     assert s.free_slots == 2
+
+
+def test_a_waiting_stream_gets_the_slot_whose_release_failed_once_in_the_same_call(ring_decoder, monkeypatch):
+    """One slot: "x" is live, "y" waits. x ends and y sends its terminal chunk in one call while releasing x's slot
+    raises once: x gets the error beside its audio, the slot is released again before y's admission in that call,
+    and y's terminal chunk decodes exactly in it."""
+    s = CodecStreamSession(ring_decoder, 1)
+    x, y = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 3, 2)
+    s.decode([ChunkRequest("x", x[:, :1])])
+    assert s.decode([ChunkRequest("y", y[:, :1])])["y"].queued
+    _failing_for(s, monkeypatch, "release", s.live_requests["x"], times=1)
+    got = s.decode([ChunkRequest("x", x[:, 1:], True), ChunkRequest("y", y[:, 1:], True)])
+    assert got["x"].error == _call_error("x", "releasing its decoder slot as it ended", "release", 0)
+    assert got["y"].error is None and not got["y"].queued
+    _close(got["y"].audio, ring_decoder.decode(y[:, None], [3])[0], "y")
+    assert s.waiting_requests == [] and s.live_requests == {} and s.free_slots == 1
+
+
+def test_a_terminal_chunk_left_without_a_slot_fails_its_stream_in_its_call(ring_decoder, monkeypatch):
+    """As above, but releasing x's slot raises for the whole call: y's terminal chunk cannot be decoded in its call,
+    so y fails there with an error (never left queued for a request the engine is finishing), and a later chunk
+    under y starts afresh once the slot is back."""
+    s = CodecStreamSession(ring_decoder, 1)
+    x, y = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 3, 2)
+    s.decode([ChunkRequest("x", x[:, :1])])
+    s.decode([ChunkRequest("y", y[:, :1])])
+    _failing_for(s, monkeypatch, "release", s.live_requests["x"])
+    got = s.decode([ChunkRequest("x", x[:, 1:], True), ChunkRequest("y", y[:, 1:], True)])
+    monkeypatch.undo()
+    assert got["y"].error == (
+        "request 'y': decoding its terminal chunk failed with RuntimeError: no decoder slot could be freed for it in "
+        "this call; the stream was ended, frames left undecoded: 3"
+    )
+    assert not got["y"].queued and got["y"].frames == 0 and s.waiting_requests == []
+    fresh = s.decode([ChunkRequest("y", y, True)])["y"]
+    assert fresh.error is None
+    _close(fresh.audio, ring_decoder.decode(y[:, None], [3])[0], "y afresh")
+    assert s.free_slots == 1

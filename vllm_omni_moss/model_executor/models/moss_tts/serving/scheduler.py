@@ -125,7 +125,9 @@ class Scheduler:
         return True
 
     def admit_waiting(self) -> None:
-        """Admit waiting streams, oldest first, while they fit."""
+        """Admit waiting streams, oldest first, while they fit (slots a failed release set aside are released
+        again first: a passing failure then costs no stream its slot)."""
+        self.releases.retry()
         while self.waiting:
             oldest = self.waiting.peek_oldest()
             # All it has buffered and brings in this batch: what the step that follows needs state for.
@@ -271,6 +273,16 @@ class Scheduler:
             stream = self.waiting.get(rid)
             if stream is not None and stream.saved is None and not self._admit_preempting(stream, admitted):
                 return
+
+    def fail_stranded_endings(self) -> None:
+        """Fail every waiting stream whose terminal chunk arrived but that got no slot in this call: the engine
+        finishes its request after the call, so it ends here with an error its client sees rather than queued.
+        Only a pool call that raised can leave one (:meth:`admit_ending` preempts for it otherwise)."""
+        for rid in self.waiting.request_ids:
+            stream = self.waiting.get(rid)
+            if stream is not None and stream.finished and stream.error is None:
+                reason = RuntimeError("no decoder slot could be freed for it in this call")
+                self._failed(stream, "decoding its terminal chunk", stream.buffered_frames, reason)
 
     def _admit_preempting(self, stream: Stream, admitted: set[str]) -> bool:
         """Admit waiting ``stream``, preempting live streams not in ``admitted`` while it does not fit; adds

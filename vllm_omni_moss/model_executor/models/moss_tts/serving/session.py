@@ -442,6 +442,7 @@ class CodecStreamSession:
                     failed.update(errors)
             scheduler.end([s for s in ending if s.request_id not in failed])
             if not (ending and scheduler.waiting):
+                scheduler.fail_stranded_endings()
                 return audio
 
     def _results(self, results, audio, ids) -> dict[str, ChunkResult]:

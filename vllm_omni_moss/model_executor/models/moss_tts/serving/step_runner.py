@@ -72,10 +72,8 @@ class StepRunner:
         self.eager_step: Callable = self._compiled if compile is True else self._plain_step
         self.inputs = StepInputs(self.device, n_vq, self.codebook_size, counters)
         use_graphs = graphs and self.device.type == "cuda" and bool(ladder.totals)
+        # Steps are shaped by the whole ladder on every device; a shape whose capture failed runs eagerly.
         self.graphs = self._capture_graphs() if use_graphs else None
-        if self.graphs is not None:
-            # Steps pad to the totals captured (a shape whose capture failed is not planned for).
-            self.ladder = StepLadder(ladder.max_rows, ladder.frames, self.graphs.captured_totals)
         # Audio rows come page-locked from torch's caching host allocator (_to_host); queued copies not yet
         # awaited: await_host_copies.
         self._copies_pending = False
@@ -225,6 +223,7 @@ class StepRunner:
             self.tracer.lap("stage_ms")
             out = self.graphs.replay(shape)
             c.steps_graph += 1
+            c.padding_rows += batch.padding_rows  # an eager step runs its rows alone
         else:
             codes, slot_ids, valid_frames, valid = self.inputs.stage_eager(batch)
             self.tracer.lap("stage_ms")
@@ -234,7 +233,6 @@ class StepRunner:
         decoded = sum(batch.valid_frames)
         c.decoded_frames += decoded
         c.padded_frames += shape.total_frames - decoded  # the dummies the step's GEMMs ran
-        c.padding_rows += batch.padding_rows
         rows = self._to_host(out, batch.valid_frames)
         self.tracer.lap("to_host_ms")
         if self.tracer.trace is not None:
