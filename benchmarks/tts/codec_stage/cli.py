@@ -114,7 +114,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expected-stream-seconds", type=float, default=None, help="v2-paged budget split by fill")
     p.add_argument("--page-fraction", type=float, default=None, help="v2-paged: pages as a fraction of full rings (1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out/bench_codec_stage", help="output directory")
+    p.add_argument("--out", default="out/bench_codec_stage", help="output directory (out/bench_codec_stage)")
     p.add_argument("--append", action="store_true", help="add these runs to --out's results (same commit, settings)")
     p.add_argument("--report-only", action="store_true", help="run nothing: rewrite reports and plots from --out")
     p.add_argument(
