@@ -108,7 +108,7 @@ def _codec_state_check(engine_args: dict, device_bytes: int = H200) -> None:
         bytes_per_slot=SLOT,
         share=MemoryShare(engine_args["gpu_memory_utilization"], device_bytes),
         reserved_bytes=WEIGHTS + STEP_RESERVE_BYTES,
-        largest_graph_bucket=max(engine_args["compilation_config"]["cudagraph_capture_sizes"]),
+        graph_rows=max(engine_args["compilation_config"]["cudagraph_capture_sizes"]),
         state_budget_bytes=None if budget is None else int(budget * GIB),
     )
 

@@ -111,7 +111,7 @@ def test_pool_slots_are_what_the_pool_allocates(preset, kind, bucket):
         (("pages", 4), "pool_kind must be one of 'compact', 'legacy', 'paged'; got 'pages'"),
         (("compact", 0), "max_num_seqs must be an integer >= 1, got 0"),
         (("compact", 4.0), "max_num_seqs must be an integer >= 1, got 4.0"),
-        (("legacy", 4, -1), "largest_graph_bucket must be an integer >= 0, got -1"),
+        (("legacy", 4, -1), "graph_rows must be an integer >= 0, got -1"),
     ],
 )
 def test_pool_slots_refuse_bad_input(args, message):
@@ -144,7 +144,7 @@ def test_compact_stage_of_2048_streams_on_90_percent_of_an_h200_fails_naming_slo
             bytes_per_slot=SLOT,
             share=MemoryShare(0.9, H200),
             reserved_bytes=WEIGHTS + STEP_RESERVE_BYTES,
-            largest_graph_bucket=2048,
+            graph_rows=2048,
         )
     assert str(err.value) == (
         "Stage 1 max_num_seqs=2048 needs 2049 slots x 88678400 bytes = 181702041600 bytes (169.22 GiB) of decoder "
@@ -158,7 +158,7 @@ def test_legacy_stage_counts_a_scratch_slot_per_padding_row():
     # Upstream's pool at 256 streams with buckets up to 256 needs 512 slots: more than 30% of an H200 holds.
     share = MemoryShare(0.3, H200)
     reserve = WEIGHTS + STEP_RESERVE_BYTES
-    kwargs = dict(bytes_per_slot=SLOT, share=share, reserved_bytes=reserve, largest_graph_bucket=256)
+    kwargs = dict(bytes_per_slot=SLOT, share=share, reserved_bytes=reserve, graph_rows=256)
     check_stage_state(max_num_seqs=256, pool_kind="compact", **kwargs)
     with pytest.raises(
         ValueError, match=r"^Stage 1 max_num_seqs=256 needs 512 slots x 88678400 bytes .* holds 434 slots"

@@ -118,7 +118,7 @@ def adapter_class_for(pool: DecoderStatePool) -> type[_DecodeCompileAdapter]:
 
 
 def _mark_dynamic(tensor: torch.Tensor, dims: dict[int, str]) -> None:
-    # maybe_mark_dynamic, not mark_dynamic: a bucket of size 1 specialises instead of
+    # maybe_mark_dynamic, not mark_dynamic: a row count or packed length of 1 specialises instead of
     # raising, and costs one extra compiled variant rather than a failed capture.
     for dim in dims:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)

@@ -79,23 +79,23 @@ class MemoryShare:
         return f"gpu_memory_utilization {self.utilization:g} of {_gib(self.device_bytes)} = {_gib(self.bytes)}"
 
 
-def pool_slots(pool_kind: str, max_num_seqs: int, largest_graph_bucket: int = 0) -> int:
+def pool_slots(pool_kind: str, max_num_seqs: int, graph_rows: int = 0) -> int:
     """Slots a pool of ``pool_kind`` allocates for ``max_num_seqs`` streams.
 
-    ``"compact"``: one more, the null slot. ``"legacy"``: one scratch slot per padding row of the largest graph
-    bucket (``largest_graph_bucket``, 0 without graphs). ``"paged"`` without a state budget: pages for full rings
+    ``"compact"``: one more, the null slot. ``"legacy"``: one scratch slot per padding row of the graph of most
+    rows (``graph_rows``: one a slot, 0 without graphs). ``"paged"`` without a state budget: pages for full rings
     of every slot plus one null page per group, counted as one more slot (an upper bound).
 
     Raises:
-        ValueError: unknown ``pool_kind``, ``max_num_seqs`` not an integer >= 1 or ``largest_graph_bucket``
+        ValueError: unknown ``pool_kind``, ``max_num_seqs`` not an integer >= 1 or ``graph_rows``
             not an integer >= 0.
     """
     record = pool_kind_record(pool_kind)
     if record is None:
         raise ValueError(f"pool_kind must be one of {', '.join(map(repr, POOL_KINDS))}; got {pool_kind!r}")
     _check_int("max_num_seqs", max_num_seqs, 1)
-    _check_int("largest_graph_bucket", largest_graph_bucket, 0)
-    return max_num_seqs + record.extra_slots(largest_graph_bucket)
+    _check_int("graph_rows", graph_rows, 0)
+    return max_num_seqs + record.extra_slots(graph_rows)
 
 
 def slots_that_fit(bytes_per_slot: int, share: MemoryShare, reserved_bytes: int = 0) -> int:
@@ -137,7 +137,7 @@ def check_stage_state(
     bytes_per_slot: int,
     share: MemoryShare,
     reserved_bytes: int,
-    largest_graph_bucket: int = 0,
+    graph_rows: int = 0,
     state_budget_bytes: int | None = None,
 ) -> None:
     """Raise unless a Stage 1 replica's decoder state fits its memory share.
@@ -152,7 +152,7 @@ def check_stage_state(
             the budget and the share), or an argument is out of range.
     """
     if state_budget_bytes is None:
-        slots = pool_slots(pool_kind, max_num_seqs, largest_graph_bucket)
+        slots = pool_slots(pool_kind, max_num_seqs, graph_rows)
         check_state_fits(
             slots, bytes_per_slot, share, what=f"Stage 1 max_num_seqs={max_num_seqs}", reserved_bytes=reserved_bytes
         )

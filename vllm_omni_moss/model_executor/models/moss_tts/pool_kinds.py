@@ -60,10 +60,11 @@ class PoolKind:
         """The error for a ``backend`` this kind does not run (the caller raises it)."""
         return ValueError(self.backend_refusal.format(backend=backend))
 
-    def extra_slots(self, largest_graph_bucket: int) -> int:
-        """Slots the pool allocates besides one per stream: one scratch slot per padding row of the largest graph
-        bucket (0 without graphs) for the legacy pool, else one (the null slot, or a paged pool's null pages)."""
-        return largest_graph_bucket if self.scratch_per_padding_row else 1
+    def extra_slots(self, graph_rows: int) -> int:
+        """Slots the pool allocates besides one per stream: one scratch slot per padding row of the graph of most
+        rows (``graph_rows``, 0 without graphs) for the legacy pool, else one (the null slot, or a paged pool's null
+        pages)."""
+        return graph_rows if self.scratch_per_padding_row else 1
 
 
 #: Every pool kind, by name, in the order options list them.

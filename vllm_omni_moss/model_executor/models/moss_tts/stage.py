@@ -73,7 +73,7 @@ class MossTTSCodecDecoder(nn.Module):
     Built by vLLM from ``vllm_config``, whose options :class:`~.stage_options.StageOptions` reads and checks:
     the codebooks per frame, the codec checkpoint and precision, the pool's attention backend, ring semantics,
     kind and state budget, the slot count (``max_num_seqs``), the connector's chunk schedule (the graph frame
-    sizes and the longest step) and the graph batch buckets.
+    sizes and the longest step) and the ladder of packed frame totals its step shapes pad to.
 
     Under vLLM's dummy load format the constructor builds and starts a random codec (:meth:`_load_random_codec`).
 
@@ -585,7 +585,7 @@ def _check_state_fits_share(vllm_config, device, codec, spec: StateSpec, capacit
         bytes_per_slot=codec.config.state_bytes_per_slot(spec.dtype.itemsize),
         share=MemoryShare(float(utilization), torch.cuda.mem_get_info(device)[1]),
         reserved_bytes=weights + STEP_RESERVE_BYTES,
-        largest_graph_bucket=graph_rows,
+        graph_rows=graph_rows,
         state_budget_bytes=None if spec.paging is None else spec.paging.state_budget_bytes,
     )
 

@@ -17,7 +17,7 @@ class SessionCounters:
     Attributes:
         steps_graph / steps_eager: pool steps by path.
         decoded_frames: real frames decoded; padded_frames: padding frames of real rows in steps.
-        padding_rows: rows a CUDA-graph replay carried beyond its step's rows (its bucket minus the rows).
+        padding_rows: rows a CUDA-graph replay carried beyond its step's rows (its shape's rows minus them).
         admitted_from_queue: streams that got a slot after waiting; queue_wait_s_max: the longest wait (s).
         preemptions: streams whose state was saved to the host to free pages; preempted_bytes: the host bytes
             of those saved states; preemption_s: host seconds spent saving and restoring them (the device copies

@@ -4,7 +4,7 @@
 A pool owns every persistent streaming tensor (the rings of :mod:`.rings` or :mod:`.paged_rings`, the
 offsets of :mod:`.offsets`) and the slot lifecycle (:mod:`.slots`): :meth:`acquire` hands out a slot,
 :meth:`release` resets it and returns it. It also owns its padding policy: the slot ids CUDA-graph padding
-rows carry, how many scratch slots a bucket needs, and which slots a graph must reset after running padding
+rows carry, how many scratch slots a graph's rows need, and which slots a graph must reset after running padding
 rows. Callers never branch on the pool they hold: the variant is fixed by a :class:`~.spec.StateSpec`
 and each subclass (:mod:`.pools`) holds only its own policy.
 
