@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = ["SessionCounters"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +46,18 @@ class SessionCounters:
     request_errors: int = 0
     clamped_codes: int = 0
     clamped_on_device: torch.Tensor | None = None
+
+    def count_admitted(self, stream) -> None:
+        """Count waiting ``stream`` (``streams.Stream``) admitted to its slot now: its wait ends."""
+        waited = time.monotonic() - stream.waiting_since
+        stream.waiting_since = None
+        self.admitted_from_queue += 1
+        self.queue_wait_s_max = max(self.queue_wait_s_max, waited)
+        logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
+
+    def count_ended(self, stream) -> None:
+        """Count ``stream`` (``streams.Stream``) ended, by how many times it was preempted."""
+        self.streams_by_preemptions[stream.preemptions] = self.streams_by_preemptions.get(stream.preemptions, 0) + 1
 
     def stats(self, waiting_streams: int, waiting_frames: int, clamped_codes: int) -> dict[str, object]:
         """The counters as ``CodecStreamSession.stats`` reports them, with the streams and frames waiting for a

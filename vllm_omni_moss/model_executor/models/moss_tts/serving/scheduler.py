@@ -133,7 +133,7 @@ class Scheduler:
             # All it has buffered and brings in this batch: what the step that follows needs state for.
             pending = oldest.buffered_frames + self.incoming.get(oldest.request_id, 0)
             if self._admit(oldest, pending):
-                self._count_admitted(self.waiting.pop_oldest())
+                self.counters.count_admitted(self.waiting.pop_oldest())
             elif oldest.error is None:  # no room (a stream that failed has left the queue: the next one may fit)
                 return
 
@@ -183,7 +183,7 @@ class Scheduler:
             error = self.waiting.refusal(frames, new_stream=False, capacity=self.capacity)
             if error is not None:
                 self.waiting.drop(rid)
-                self._count_ended(stream)
+                self.counters.count_ended(stream)
                 return self._refuse(req, f"{error}; the waiting stream's buffered chunks were dropped")
         if frames:
             # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel in
@@ -296,16 +296,9 @@ class Scheduler:
                 return False
             self._preempt(victim)
         self.waiting.drop(rid)
-        self._count_admitted(stream)
+        self.counters.count_admitted(stream)
         admitted.add(rid)
         return True
-
-    def _count_admitted(self, stream: Stream) -> None:
-        waited = time.monotonic() - stream.waiting_since
-        stream.waiting_since = None
-        self.counters.admitted_from_queue += 1
-        self.counters.queue_wait_s_max = max(self.counters.queue_wait_s_max, waited)
-        logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
 
     def _preempt(self, victim: Stream) -> None:
         """Save live ``victim``'s state to the host, free its slot and queue it ahead of new streams. When saving
@@ -333,10 +326,6 @@ class Scheduler:
         self.counters.preemptions += 1
         logger.info("MOSS codec: stream %r preempted to free decoder state pages", victim.request_id)
 
-    def _count_ended(self, stream: Stream) -> None:
-        counts = self.counters.streams_by_preemptions
-        counts[stream.preemptions] = counts.get(stream.preemptions, 0) + 1
-
     def finished_live(self) -> list[Stream]:
         return [s for s in self.live.values() if s.finished]
 
@@ -345,7 +334,7 @@ class Scheduler:
         error beside its audio (:attr:`failures`); its slot is released again as the next call begins."""
         for stream in streams:
             del self.live[stream.request_id]
-            self._count_ended(stream)
+            self.counters.count_ended(stream)
         failed = self.releases.release([s.slot for s in streams])
         for stream in streams:
             exc = failed.get(stream.slot)
@@ -428,7 +417,7 @@ class Scheduler:
                     released.append(stream.slot)
                 for ended in (waiting, stream):
                     if ended is not None:
-                        self._count_ended(ended)
+                        self.counters.count_ended(ended)
         finally:
             # An iterable that fails part-way still frees the slots of the streams it ended; a slot whose release
             # raises is logged and released again as the next call begins (its request has ended: no one to tell).
