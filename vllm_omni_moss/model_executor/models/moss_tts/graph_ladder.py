@@ -114,12 +114,6 @@ class StepLadder:
             )
         object.__setattr__(self, "totals", totals)
 
-    @classmethod
-    def for_slots(cls, max_rows: int, frames: int) -> StepLadder:
-        """The ladder of a pool of ``max_rows`` slots decoding at most ``frames`` frames a row:
-        ``frame_totals(max_rows x frames)``."""
-        return cls(max_rows, frames, tuple(frame_totals(check_count(max_rows, "max_rows", 1) * frames)))
-
     @property
     def max_total(self) -> int | None:
         """Most real frames of one step (None: unbounded, no ladder)."""

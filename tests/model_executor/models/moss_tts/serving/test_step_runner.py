@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from moss_codecs import ChunkDriver, assert_close_to_solo, count_steps, random_codes, solo_decode, stream_codes
 
-from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape
+from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, SessionOptions
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
@@ -130,7 +130,7 @@ def test_every_step_the_planner_makes_is_a_shape_the_graph_runner_captures(slots
     """The CPU and the GPU plan with one function: every step :meth:`StepLadder.cut` and :meth:`StepLadder.shape`
     make of a round is one of the shapes a session's graph runner captures (``shape_of_total`` of each ladder
     total), holds its rows and their frames, and pads at most ``1/32`` of its frames above 64."""
-    ladder = StepLadder.for_slots(slots, frames)
+    ladder = StepLadder(slots, frames, tuple(frame_totals(slots * frames)))
     captured = {ladder.shape_of_total(n) for n in ladder.totals}
     lengths = [min(n, frames) for n in lengths][: slots * 2]
     first = 0
