@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = ["SessionCounters"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,17 +43,14 @@ class SessionCounters:
     clamped_codes: int = 0
     clamped_on_device: torch.Tensor | None = None
 
-    def count_admitted(self, stream) -> None:
-        """Count waiting ``stream`` (``streams.Stream``) admitted to its slot now: its wait ends."""
-        waited = time.monotonic() - stream.waiting_since
-        stream.waiting_since = None
+    def count_admitted(self, waited_s: float) -> None:
+        """Count a stream admitted from the admission queue after waiting ``waited_s`` seconds."""
         self.admitted_from_queue += 1
-        self.queue_wait_s_max = max(self.queue_wait_s_max, waited)
-        logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
+        self.queue_wait_s_max = max(self.queue_wait_s_max, waited_s)
 
-    def count_ended(self, stream) -> None:
-        """Count ``stream`` (``streams.Stream``) ended, by how many times it was preempted."""
-        self.streams_by_preemptions[stream.preemptions] = self.streams_by_preemptions.get(stream.preemptions, 0) + 1
+    def count_ended(self, preemptions: int) -> None:
+        """Count a stream that ended, preempted ``preemptions`` times."""
+        self.streams_by_preemptions[preemptions] = self.streams_by_preemptions.get(preemptions, 0) + 1
 
     def stats(self, waiting_streams: int, waiting_frames: int, clamped_codes: int) -> dict[str, object]:
         """The counters as ``CodecStreamSession.stats`` reports them, with the streams and frames waiting for a

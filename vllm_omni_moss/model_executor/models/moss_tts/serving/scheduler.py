@@ -133,7 +133,7 @@ class Scheduler:
             # All it has buffered and brings in this batch: what the step that follows needs state for.
             pending = oldest.buffered_frames + self.incoming.get(oldest.request_id, 0)
             if self._admit(oldest, pending):
-                self.counters.count_admitted(self.waiting.pop_oldest())
+                _admitted(self.waiting.pop_oldest(), self.counters)
             elif oldest.error is None:  # no room (a stream that failed has left the queue: the next one may fit)
                 return
 
@@ -183,7 +183,7 @@ class Scheduler:
             error = self.waiting.refusal(frames, new_stream=False, capacity=self.capacity)
             if error is not None:
                 self.waiting.drop(rid)
-                self.counters.count_ended(stream)
+                self.counters.count_ended(stream.preemptions)
                 return self._refuse(req, f"{error}; the waiting stream's buffered chunks were dropped")
         if frames:
             # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel in
@@ -296,7 +296,7 @@ class Scheduler:
                 return False
             self._preempt(victim)
         self.waiting.drop(rid)
-        self.counters.count_admitted(stream)
+        _admitted(stream, self.counters)
         admitted.add(rid)
         return True
 
@@ -334,7 +334,7 @@ class Scheduler:
         error beside its audio (:attr:`failures`); its slot is released again as the next call begins."""
         for stream in streams:
             del self.live[stream.request_id]
-            self.counters.count_ended(stream)
+            self.counters.count_ended(stream.preemptions)
         failed = self.releases.release([s.slot for s in streams])
         for stream in streams:
             exc = failed.get(stream.slot)
@@ -417,7 +417,7 @@ class Scheduler:
                     released.append(stream.slot)
                 for ended in (waiting, stream):
                     if ended is not None:
-                        self.counters.count_ended(ended)
+                        self.counters.count_ended(ended.preemptions)
         finally:
             # An iterable that fails part-way still frees the slots of the streams it ended; a slot whose release
             # raises is logged and released again as the next call begins (its request has ended: no one to tell).
@@ -486,6 +486,14 @@ class SlotReleases:
         if self.unreleased:
             slots, self.unreleased = self.unreleased, []
             self.release([slot for slot in slots if slot in self.pool.slots_in_use])
+
+
+def _admitted(stream: Stream, counters: SessionCounters) -> None:
+    """End waiting ``stream``'s wait, now that it holds a slot: counted and logged."""
+    waited = time.monotonic() - stream.waiting_since
+    stream.waiting_since = None
+    counters.count_admitted(waited)
+    logger.info("MOSS codec: stream %r got slot %d after waiting %.3f s", stream.request_id, stream.slot, waited)
 
 
 def _error(rid: str, what: str, undecoded: int | None, exc: BaseException) -> str:

@@ -39,7 +39,7 @@ class StepRunner:
         n_vq: codebooks per frame in every chunk.
         ladder: how steps are shaped (:class:`~..graph_ladder.StepLadder`): its ``frames`` is the longest piece
             of a chunk decoded in one step, its totals the packed lengths steps pad to (none: exact shapes).
-        graphs: capture a CUDA graph of every shape of the ladder (CUDA pools with ladder totals only).
+        graphs: capture a CUDA graph of every shape of the ladder (the session asks for it on CUDA, with totals).
         compile: ``False``, ``True`` (:func:`~..compile.compile_decode`) or a factory ``pool -> callable``
             (as ``CodecStreamSession``).
         counters: the session's counters; tracer: the session's call tracer.
@@ -71,9 +71,8 @@ class StepRunner:
         #: The step of a shape no graph runs, with :func:`~..step.decode_tensors`'s signature less the pool.
         self.eager_step: Callable = self._compiled if compile is True else self._plain_step
         self.inputs = StepInputs(self.device, n_vq, self.codebook_size, counters)
-        use_graphs = graphs and self.device.type == "cuda" and bool(ladder.totals)
         # Steps are shaped by the whole ladder on every device; a shape whose capture failed runs eagerly.
-        self.graphs = self._capture_graphs() if use_graphs else None
+        self.graphs = self._capture_graphs() if graphs else None
         # Audio rows come page-locked from torch's caching host allocator (_to_host); queued copies not yet
         # awaited: await_host_copies.
         self._copies_pending = False
