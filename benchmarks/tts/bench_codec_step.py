@@ -17,12 +17,6 @@ every frame real, or with ``--mixed`` the frames past each row's length as dummi
 * ``v2-paged`` - the paged pool (``pool_kind="paged"``, ``state.PagedDecoderStatePool``): the V2 pool's
   Triton ops reading and writing rings through page tables. Every slot holds the pages of full rings, as a
   stream past its window does; on request only (not in the default ``--arms``).
-* ``v2-unfused`` - the V2 pool with the layer glue unfused (``CodecDecoder.fused_glue = False``: PyTorch's
-  LayerScale, residual add and LayerNorm kernels instead of ``ops/residual_norm.py``); what the fused ops
-  save. On request only.
-* ``v2-splitk`` - the V2 pool with the projections of steps of at most 32 token rows on
-  ``ops/splitk_linear.py``'s split-K kernel instead of cuBLAS (``CodecDecoder.splitk_projections = True``);
-  what that kernel saves. On request only.
 * ``upstream-triton`` - upstream's H200 configuration: another upstream model whose attention modules get
   upstream's masked Triton attention (``streaming_attention.py`` of the wheel) exactly as its stage installs
   it for ``codec_attention_backend: triton``; CUDA only. That file imports ``vllm.triton_utils``; without
@@ -78,7 +72,6 @@ such record (JSON ``mixed``) carries ``chunk_cost_ms``: what its chunks cost at 
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import sys
 import time
@@ -108,19 +101,14 @@ ARMS = (
     "v2-exact",
     "upstream-triton",
     "v2-paged",
-    "v2-unfused",
-    "v2-splitk",
 )
 #: Arms of the default ``--arms``.
-DEFAULT_ARMS = ARMS[:-3]
-#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics, decoder flags) of a V2 pool; the
-#: flags are set on a shallow copy of the decoder (it shares the weights).
+DEFAULT_ARMS = ARMS[:-1]
+#: Our arms beyond ``legacy``/``v2``: (attention backend, ring semantics) of a V2 pool.
 TRITON_ARMS = {
-    "v2-sdpa": ("sdpa", None, {}),
-    "v2-triton": ("triton", None, {}),
-    "v2-exact": ("triton", "exact", {}),
-    "v2-unfused": ("triton", None, {"fused_glue": False}),
-    "v2-splitk": ("triton", None, {"splitk_projections": True}),
+    "v2-sdpa": ("sdpa", None),
+    "v2-triton": ("triton", None),
+    "v2-exact": ("triton", "exact"),
 }
 UPSTREAM_ARMS = ("upstream", "upstream-triton")
 #: Arms on the compact pool, whose slots ``--context-frames`` can start past position 0.
@@ -242,12 +230,7 @@ def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = No
     at that many frames decoded, so that each step reads ``min(context, window)`` positions of every ring (the
     rings' contents are whatever the pool was initialised with: time does not depend on them)."""
     if kind in TRITON_ARMS:
-        backend, semantics, flags = TRITON_ARMS[kind]
-        if flags:
-            # A shallow copy shares the weights; only its flags differ (CodecDecoder.fused_glue and the like).
-            decoder = copy.copy(decoder)
-            for name, value in flags.items():
-                setattr(decoder, name, value)
+        backend, semantics = TRITON_ARMS[kind]
         pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
         pool.initialize(max_batch, max_batch)
         _start_at(pool, max_batch, context_frames)

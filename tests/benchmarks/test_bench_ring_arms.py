@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU tests of bench_codec_step.py's ring-attention arms: ``v2-triton``, ``v2-exact`` and ``upstream-triton``
-(skipped with a reason off CUDA), the ``v2-unfused`` arm, the ratios against the faster upstream arm, and the stand-in
+(skipped with a reason off CUDA), what an arm's step decodes, the ratios against the faster upstream arm, and the stand-in
 ``vllm.triton_utils`` that lets upstream's ``streaming_attention.py`` load without vLLM."""
 
 from __future__ import annotations
@@ -99,27 +99,25 @@ def test_profile_kernel_categories(name, category):
     assert _bench().kernel_category(name) == category
 
 
-def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
+def test_triton_arm_decodes_the_packed_grid_as_its_pool_does():
     import torch
 
     from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 
     bench = _bench()
     decoder = bench.common.random_decoder("tiny-v2", "cpu", seed=3)
-    arm = bench._our_arm(decoder, "v2-unfused", 2)
+    arm = bench._our_arm(decoder, "v2-triton", 2)
     reference = make_state_pool(decoder, "compact", attention_backend="triton")
     reference.initialize(2, 2)
     try:
         pool = arm._close.__self__  # the arm closes its pool: pool.close bound to it
-        unfused = pool.decoder
-        assert unfused is not decoder and unfused.fused_glue is False and decoder.fused_glue is True
-        assert unfused.lut is decoder.lut and unfused.groups is decoder.groups  # the same weights
+        assert pool.decoder is decoder and pool.spec.attention_backend == "triton"
         gen = torch.Generator().manual_seed(5)
         codes = torch.randint(0, decoder.config.codebook_size, (decoder.config.num_quantizers, 2, 3), generator=gen)
         rows = (torch.tensor([3, 2]), torch.tensor([0, 1]), torch.tensor([True, True]))
         # The arm packs the (n_vq, B, T) grid into B x T = 6 frames (5 real, 1 dummy) and returns packed audio.
-        # CPU steps run the references either way: the two arms decode the real frames bitwise alike (a dummy's
-        # samples are unspecified).
+        # The arm decodes the real frames bitwise as the same step on a pool of its own (a dummy's samples are
+        # unspecified).
         spf = decoder.config.samples_per_frame
         got = arm.step(codes, *rows)
         want = decode_tensors(reference, pack_codes(codes, rows[0], 6), *rows, 3)

@@ -463,7 +463,7 @@ def test_streaming_attention_loads_with_stand_in_triton_utils():
         ("bench_codec_step", ["--seed", str(2**63)], f"--seed must be in 0..{2**63 - 1}, got {2**63}"),
         ("bench_codec_step", ["--context-frames", "-1"], "--context-frames must be >= 0, got -1"),
         ("bench_codec_step", ["--context-frames", "45001"], "--context-frames 45001: at most 45000"),
-        ("bench_codec_step", ["--context-frames", "9", "--arms", "v2,legacy"], "compact-pool arms ('v2', 'v2-sdpa', 'v2-triton', 'v2-exact', 'v2-unfused', 'v2-splitk') only, not ['legacy']"),
+        ("bench_codec_step", ["--context-frames", "9", "--arms", "v2,legacy"], "compact-pool arms ('v2', 'v2-sdpa', 'v2-triton', 'v2-exact') only, not ['legacy']"),
         ("bench_codec_step", ["--context-frames", "9", "--arms", "v2-paged"], "only, not ['v2-paged']"),
         ("bench_fidelity", ["--frames", "1000000000000"], "--frames 1000000000000: at most 45000"),
         ("bench_fidelity", ["--streams", "1000000000"], "--streams 1000000000: at most 65536"),

@@ -280,7 +280,7 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
     """Real v2 geometry, random weights, 2 streams x 10 chunks ([1, 15]): the bf16 triton backend's
     relative RMS error against the float32 sdpa path is no larger than the bf16 sdpa path's."""
     fp32 = random_real_decoder("cuda")
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16 = copy.deepcopy(fp32).to_serving("cuda")
     codes = random_codes(fp32, 2, 1 + 9 * 15, seed=7, n_vq=12).cuda()
     reference = stream_pool(fresh_pool(fp32, semantics, "sdpa"), codes, [1, 15])
     fp32_triton = stream_pool(fresh_pool(fp32, semantics, "triton"), codes, [1, 15])
@@ -294,51 +294,32 @@ def test_cuda_bf16_triton_error_no_larger_than_sdpa(semantics):
 
 
 def _bf16_decoder_and_reference():
-    """The bf16 decoder (fused glue) of a random real-geometry float32 one, 2 streams x 136 frames of codes
-    (10 chunks of [1, 15]) on CUDA, and the float32 decoder's audio of them (sdpa, unfused): the reference
-    the accuracy criteria of the fused paths are held to."""
+    """The served bf16 decoder (``to_serving``: the fused layer ops) of a random real-geometry float32 one,
+    2 streams x 136 frames of codes (10 chunks of [1, 15]) on CUDA, and the float32 decoder's audio of them
+    (sdpa; float32 runs the unfused references): the reference the accuracy criteria of the fused paths are
+    held to."""
     fp32 = random_real_decoder("cuda")
-    fp32.fused_glue = False
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-    bf16.fused_glue = True
+    bf16 = copy.deepcopy(fp32).to_serving("cuda")
     codes = random_codes(fp32, 2, 1 + 9 * 15, seed=11, n_vq=12).cuda()
     return bf16, codes, stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
 
 
 @pytest.mark.cuda
 @pytest.mark.slow
-def test_cuda_bf16_fused_glue_error_no_larger_than_unfused():
+def test_cuda_bf16_fused_ops_error_no_larger_than_unfused(monkeypatch):
     """The accuracy criterion set for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
     2 streams x 10 chunks ([1, 15]) through the triton backend; the bf16 decoder's relative RMS error
-    against the float32 reference (sdpa, unfused) is no larger with the fused ops than without."""
+    against the float32 reference (sdpa, unfused) is no larger with the fused ops than with their
+    references (``decoder.runs_fused_ops`` answering False for it)."""
     bf16, codes, reference = _bf16_decoder_and_reference()
-    unfused = copy.copy(bf16)
-    unfused.fused_glue = False
     fused_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
-    unfused_audio = stream_pool(fresh_pool(unfused, None, "triton"), codes, [1, 15])
-    # The flag switches paths: the fused kernel rounds x + scale * update once, PyTorch twice.
+    monkeypatch.setattr(decoder_mod, "runs_fused_ops", lambda decoder: False)
+    unfused_audio = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
+    # The paths differ: the fused kernel rounds x + scale * update once, PyTorch twice.
     assert not torch.equal(fused_audio, unfused_audio)
     fused_error, unfused_error = _rel_rms(fused_audio, reference), _rel_rms(unfused_audio, reference)
     print(f"bf16 relative RMS vs fp32: fused {fused_error:.4e}, unfused {unfused_error:.4e}")
     assert fused_error <= 1.01 * unfused_error, f"fused {fused_error:.4e} > unfused {unfused_error:.4e}"
-
-
-@pytest.mark.cuda
-@pytest.mark.slow
-def test_cuda_bf16_splitk_projections_error_no_larger_than_cublas():
-    """``CodecDecoder.splitk_projections``: 2 streams x 10 chunks ([1, 15]; the one-frame chunks are steps of
-    2 to 64 token rows, so groups of at most 32 run the split-K kernel); the bf16 audio's relative RMS error
-    against the float32 reference is within 1% of cuBLAS's (they differ only in the order of float32 sums)."""
-    bf16, codes, reference = _bf16_decoder_and_reference()
-    splitk, cublas = copy.copy(bf16), copy.copy(bf16)
-    splitk.splitk_projections, cublas.splitk_projections = True, False
-    cublas_audio = stream_pool(fresh_pool(cublas, None, "triton"), codes, [1, 15])
-    splitk_audio = stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15])
-    assert not torch.equal(splitk_audio, cublas_audio), "the flag must switch the small steps' projections"
-    assert torch.equal(splitk_audio, stream_pool(fresh_pool(splitk, None, "triton"), codes, [1, 15]))
-    splitk_error, cublas_error = _rel_rms(splitk_audio, reference), _rel_rms(cublas_audio, reference)
-    print(f"bf16 relative RMS vs fp32: split-K {splitk_error:.4e}, cuBLAS {cublas_error:.4e}")
-    assert splitk_error <= 1.01 * cublas_error, f"split-K {splitk_error:.4e} > cuBLAS {cublas_error:.4e}"
 
 
 @pytest.mark.cuda
@@ -350,7 +331,7 @@ def test_cuda_bf16_ffn_row_slices_write_in_place(monkeypatch):
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
     fp32 = random_real_decoder("cuda")
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16 = copy.deepcopy(fp32).to_serving("cuda")
     codes = random_codes(bf16, 2, 16, seed=5, n_vq=12).cuda()
     reference = stream_pool(fresh_pool(fp32, None, "sdpa"), codes, [1, 15])
     whole = stream_pool(fresh_pool(bf16, None, "triton"), codes, [1, 15])
@@ -439,16 +420,11 @@ def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("splitk", [False, True], ids=["cublas", "splitk"])
-def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder, splitk, monkeypatch):
-    """Bad state on the fused path (``fused_glue``, triton backend, and with ``splitk`` the split-K projections
-    with their GELU epilogue): slot 1's rings filled with NaN after two clean steps. The next step's audio is
+def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder):
+    """Bad state on the fused path (a served bf16 decoder, triton backend): slot 1's rings filled with NaN after two clean steps. The next step's audio is
     NaN in row 1 only; rows 0 and 2 and every slot but 1 are bitwise those of the same step on clean rings."""
-    dec = copy.copy(cuda_tiny_decoder)
-    dec.fused_glue, dec.splitk_projections = True, splitk
-    launches = []
-    original = decoder_mod.splitk_linear
-    monkeypatch.setattr(decoder_mod, "splitk_linear", lambda *a, **k: launches.append(1) or original(*a, **k))
+    dec = cuda_tiny_decoder
+    assert decoder_mod.runs_fused_ops(dec)
     clean, dirty = fresh_pool(dec, None, "triton", 3), fresh_pool(dec, None, "triton", 3)
     ids = torch.arange(3, device="cuda")
     live = torch.ones(3, dtype=torch.bool, device="cuda")
@@ -463,4 +439,3 @@ def test_cuda_fused_path_keeps_a_nan_in_its_row(cuda_tiny_decoder, splitk, monke
     assert torch.isfinite(a).all() and b[1].isnan().any()
     assert torch.equal(b[0], a[0]) and torch.equal(b[2], a[2])
     assert_slot_state_equal(clean, dirty, [0, 2])
-    assert bool(launches) == splitk, "the split-K projections ran exactly when asked for"

@@ -125,8 +125,8 @@ def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, 
 
 
 def test_fused_ffn_keeps_pytorchs_gelu_for_float64(tiny_decoder):
-    """``ops/gelu.py`` takes float32 and 16-bit activations only; a float64 decoder's fused FFN (CUDA with
-    ``fused_glue``) falls back to ``aten.gelu_`` instead of failing, with the unfused FFN's result."""
+    """``ops/gelu.py`` takes float32 and 16-bit activations only; a float64 FFN asked for the fused ops
+    falls back to ``aten.gelu_`` instead of failing, with the unfused FFN's result."""
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
     layer = tiny_decoder.groups[0].layers[0].double()
@@ -137,10 +137,10 @@ def test_fused_ffn_keeps_pytorchs_gelu_for_float64(tiny_decoder):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypatch, fused):
+def test_run_layers_takes_the_fused_ops_only_when_asked(tiny_decoder, monkeypatch, fused):
     """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op and ``ops/gelu.py``'s GELU, or their
-    PyTorch references (on CPU ``run_decoder`` always asks for the references; on CUDA
-    ``CodecDecoder.fused_glue`` decides)."""
+    PyTorch references (``run_decoder`` asks for the fused ops exactly for a bf16 decoder on CUDA,
+    ``decoder.runs_fused_ops``)."""
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
     calls = {"fused": 0, "reference": 0, "gelu": 0}
@@ -168,69 +168,3 @@ def test_run_layers_takes_the_fused_glue_only_when_asked(tiny_decoder, monkeypat
         assert calls == {"fused": expected, "reference": 0, "gelu": layers}
     else:
         assert calls == {"fused": 0, "reference": expected, "gelu": 0}
-
-
-def _linear(in_features, out_features, dtype=torch.float32, bias=False, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
-    with torch.no_grad():
-        for p in linear.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype))
-    return linear
-
-
-@pytest.mark.parametrize(
-    "case",
-    ["float64", "bias", "transposed_weight", "zero_width"],
-)
-def test_project_with_splitk_keeps_linear_where_the_kernel_does_not_apply(case):
-    """``_project(..., splitk=True)`` (fused CUDA steps with ``CodecDecoder.splitk_projections``) is
-    ``linear(x)`` for every input: what ``splitk_linear`` rejects (float64, a non-contiguous weight) or does
-    not compute (a bias; ``in_features == 0``) goes to ``linear`` instead of failing or dropping a term."""
-    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
-
-    dtype = torch.float64 if case == "float64" else torch.float32
-    linear = _linear(0 if case == "zero_width" else 8, 6, dtype, bias=case == "bias")
-    if case == "transposed_weight":
-        linear.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous().t())
-    x = torch.randn(2, 3, linear.in_features, dtype=dtype, generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        assert torch.equal(decoder_mod._project(linear, x, True), linear(x))
-
-
-def test_project_with_splitk_keeps_autograd():
-    """Gradients flow through ``_project`` when they are asked for (the kernel has no backward)."""
-    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
-
-    linear = _linear(8, 6)
-    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(7), requires_grad=True)
-    decoder_mod._project(linear, x, True).square().sum().backward()
-    expected = 2 * linear(x).detach().flatten(0, 1) @ linear.weight.detach()
-    torch.testing.assert_close(x.grad.flatten(0, 1), expected, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("gelu", [False, True])
-@pytest.mark.parametrize("splitk", [True, False])
-def test_project_takes_splitk_for_small_contiguous_steps_only(monkeypatch, splitk, gelu):
-    """``splitk``: inputs of 1 to 32 token rows (any leading shape) run ``splitk_linear`` on ``(rows, in)``,
-    handing it ``gelu``; larger or non-contiguous inputs, or ``splitk=False``, run ``linear`` (then with
-    ``gelu`` the in-place GELU); the result is ``linear(x)``, or its GELU."""
-    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
-
-    calls = []
-
-    def splitk_linear(x, w, g):  # the op's own result is its tests' concern: F.linear and the GELU pass here
-        calls.append((*x.shape, g))
-        y = torch.nn.functional.linear(x, w)
-        return decoder_mod._fused_gelu_(y) if g else y
-
-    monkeypatch.setattr(decoder_mod, "splitk_linear", splitk_linear)
-    linear = _linear(8, 6)
-    gen = torch.Generator().manual_seed(8)
-    inputs = [torch.randn(s, generator=gen) for s in [(1, 1, 8), (1, 32, 8), (4, 8, 8), (3, 11, 8), (0, 5, 8)]]
-    inputs.append(torch.randn(8, 2, 8, generator=gen).transpose(0, 1))
-    with torch.no_grad():
-        for x in inputs:
-            expected = decoder_mod._fused_gelu_(linear(x)) if gelu else linear(x)
-            assert torch.equal(decoder_mod._project(linear, x, splitk, gelu), expected)
-    assert calls == ([(1, 8, gelu), (32, 8, gelu), (32, 8, gelu)] if splitk else [])

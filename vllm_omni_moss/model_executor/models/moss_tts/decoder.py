@@ -23,7 +23,6 @@ Architecture facts: docs/codec_architecture.md.
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,8 +39,6 @@ from .ops.residual_norm import (
     residual_layer_norm,
     residual_layer_norm_reference,
 )
-from .ops.splitk_linear import MAX_ROWS as SPLITK_MAX_ROWS
-from .ops.splitk_linear import SPLITK_DTYPES, splitk_linear
 from .step_metadata import check_ring_semantics
 from .token_packing import TokenPacking
 
@@ -53,6 +50,7 @@ __all__ = [
     "chunk_schedule",
     "embed_codes",
     "run_decoder",
+    "runs_fused_ops",
     "to_audio",
     "validate_codes",
 ]
@@ -121,17 +119,6 @@ class CodecDecoder(nn.Module):
         lut: ``(num_quantizers, codebook_size, latent_dim)``: per-codebook decode table.
         lut_bias: ``(latent_dim,)``: bias of the quantizer's output projection.
     """
-
-    #: Whether CUDA steps run the fused layer ops (``ops/residual_norm.py``, ``ops/gelu.py``); ``False`` runs their
-    #: references (the unfused PyTorch ops), as CPU always does. Read when a step
-    #: runs or is captured; ``bench_codec_step.py``'s ``v2-unfused`` arm sets it on a shallow copy.
-    fused_glue: bool = True
-    #: Whether fused CUDA steps of at most ``ops.splitk_linear.MAX_ROWS`` token rows run their layers'
-    #: projections with ``ops/splitk_linear.py``'s kernel instead of cuBLAS. Off: measured on an H100 it
-    #: launched 184 kernels fewer a B1/T1 step in the same time (``benchmarks/history/7df736a.md``, Run BB);
-    #: read when a step runs or is captured; ``bench_codec_step.py``'s
-    #: ``v2-splitk`` arm sets it on a shallow copy.
-    splitk_projections: bool = False
 
     def __init__(self, config: CodecConfig):
         super().__init__()
@@ -241,48 +228,21 @@ def _fused_gelu_(x: torch.Tensor) -> torch.Tensor:
     return gelu_(x) if x.dtype in GELU_DTYPES else torch.ops.aten.gelu_(x)
 
 
-def _project(linear: nn.Linear, x: torch.Tensor, splitk: bool, gelu: bool = False) -> torch.Tensor:
-    """``linear(x)`` on ``(..., in)``, then with ``gelu`` :func:`_fused_gelu_` in place; with ``splitk``,
-    inputs of at most ``SPLITK_MAX_ROWS`` token rows in the weight's dtype run
-    :func:`~.ops.splitk_linear.splitk_linear` (one kernel, the weight read once, the GELU in its epilogue:
-    bitwise the two passes). Whatever that op rejects or does not compute runs ``linear``: a dtype outside
-    ``SPLITK_DTYPES`` (float64), a non-contiguous input or weight, a bias, no input features, or gradients
-    asked for (the op has no backward)."""
-    weight = linear.weight
-    if (
-        splitk
-        and x.dtype == weight.dtype
-        and x.dtype in SPLITK_DTYPES
-        and linear.bias is None
-        and x.shape[-1] > 0
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
-        rows = math.prod(x.shape[:-1])
-        if 0 < rows <= SPLITK_MAX_ROWS:
-            return splitk_linear(x.reshape(rows, x.shape[-1]), weight, gelu).view(*x.shape[:-1], -1)
-    return _fused_gelu_(linear(x)) if gelu else linear(x)
-
-
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False, splitk: bool = False) -> torch.Tensor:
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU (``ops/gelu.py``'s kernel when
     ``fused``, else ``aten.gelu_``; both in place), in slices of at most
     :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
     GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
-    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``).
-    ``splitk``: small steps project with :func:`_project`'s split-K kernel."""
+    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``)."""
     B, T, d = h.shape
     rows = B * T
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
     if torch.compiler.is_compiling():
-        return _project(layer.linear2, torch.ops.aten.gelu_(_project(layer.linear1, h, splitk)), splitk)
-    if rows <= FFN_ROW_CHUNK:
-        if fused:  # the split-K kernel, where it runs, applies the GELU in its epilogue
-            return _project(layer.linear2, _project(layer.linear1, h, splitk, gelu=True), splitk)
-        return _project(layer.linear2, torch.ops.aten.gelu_(layer.linear1(h)), splitk)
+        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
     gelu = _fused_gelu_ if fused else torch.ops.aten.gelu_
+    if rows <= FFN_ROW_CHUNK:
+        return layer.linear2(gelu(layer.linear1(h)))
     flat = h.reshape(rows, d)
     weight = layer.linear2.weight
     out = None
@@ -306,7 +266,6 @@ def _run_layers(
     group: GroupStep,
     attention: AttentionBackend,
     fused: bool,
-    splitk: bool = False,
 ) -> torch.Tensor:
     """A group's pre-norm layers on ``(B, T, d)``.
 
@@ -316,7 +275,7 @@ def _run_layers(
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
     ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
-    layer ops (CUDA); otherwise their references; ``splitk``: :func:`_project`'s. A packed step's ``x`` is
+    layer ops (bf16 on CUDA, :func:`runs_fused_ops`); otherwise their references. A packed step's ``x`` is
     ``(1, N, d)``, its ``N`` packed tokens as one row, and its attention reads them so (:mod:`.token_packing`).
     """
     x = inputs.pop()
@@ -331,18 +290,18 @@ def _run_layers(
     for i, layer in enumerate(layers):
         # Each activation is dropped as soon as it is consumed: the step's transient memory is bounded
         # by the widest two of them, not by everything a layer makes.
-        qkv = _project(layer.in_proj, h, splitk)
+        qkv = layer.in_proj(h)
         del h
         qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
         # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
         attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
         del qkv
-        update = _project(layer.out_proj, attn, splitk)
+        update = layer.out_proj(attn)
         del attn
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h, fused, splitk)
+        update = _feed_forward(layer, h, fused)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
@@ -380,15 +339,13 @@ def run_decoder(
     if packing is not None:
         codes = codes.view(codes.shape[0], 1, -1)
     x = embed_codes(decoder, codes)
-    # CPU decodes with the references (the unfused PyTorch ops, also under the Triton interpreter).
-    fused = decoder.fused_glue and x.is_cuda
-    splitk = fused and decoder.splitk_projections
+    fused = runs_fused_ops(decoder)
     for group, weights in zip(plan.groups, decoder.groups):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
         inputs = [x]
         del x  # _run_layers takes the only reference (see its docstring)
-        x = _run_layers(weights, inputs, group, plan.attention, fused, splitk)
+        x = _run_layers(weights, inputs, group, plan.attention, fused)
         if weights.output_proj is not None:
             x = weights.output_proj(x)
         x = _upsample(x, group.spec.upsample)
@@ -396,6 +353,13 @@ def run_decoder(
         plan.finish()
     audio = to_audio(decoder.config, x)
     return audio if packing is None else audio[0]
+
+
+def runs_fused_ops(decoder: CodecDecoder) -> bool:
+    """Whether ``decoder``'s steps run the fused layer ops: the serving configuration, bf16 weights on CUDA
+    (:meth:`CodecDecoder.to_serving`). Every other decode (CPU, and float32 weights anywhere, the reference
+    precision the accuracy tests compare against) runs their PyTorch references, the unfused ops."""
+    return decoder.device.type == "cuda" and decoder.state_dtype == torch.bfloat16
 
 
 def decode_autocast(decoder: CodecDecoder):

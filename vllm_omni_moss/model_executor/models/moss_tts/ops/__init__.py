@@ -26,9 +26,6 @@ against. No module imports another's private name.
   of a decoder layer in one pass (CUDA; CPU decodes with its reference).
 * :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32
   ``erf`` (CUDA; CPU decodes with ``aten.gelu_``).
-* :mod:`.splitk_linear` - ``splitk_linear``: a projection of at most 32 token rows as one split-K kernel whose
-  last program per output tile sums the splits in a fixed order (CUDA small steps; CPU decodes with
-  ``F.linear``).
 
 :mod:`.dispatch` holds what every family shares: the optional Triton import, the dispatch between
 kernel and reference, the device guard of a launch and the shape check.

@@ -27,7 +27,7 @@ formula's error bound (``2e-7 |x|`` plus the dtype's rounding).
 
 Dispatch is ``ops/dispatch.py``'s: CUDA tensors launch the kernel; CPU tensors run the reference
 (``aten.gelu_``) unless the Triton interpreter is active at import (bfloat16 excepted). The decoder calls
-the op only on CUDA steps with ``CodecDecoder.fused_glue`` set and not under ``torch.compile`` (inductor
+the op only on CUDA steps of a bf16 decoder (``decoder.runs_fused_ops``) and not under ``torch.compile`` (inductor
 fuses its own GELU there).
 """
 
