@@ -124,18 +124,6 @@ def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, 
     assert h_grad.grad is not None and h_grad.grad.abs().sum() > 0
 
 
-def test_fused_ffn_keeps_pytorchs_gelu_for_float64(tiny_decoder):
-    """``ops/gelu.py`` takes float32 and 16-bit activations only; a float64 FFN asked for the fused ops
-    falls back to ``aten.gelu_`` instead of failing, with the unfused FFN's result."""
-    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
-
-    layer = tiny_decoder.groups[0].layers[0].double()
-    h = torch.randn(2, 3, layer.linear1.in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    got = decoder_mod._feed_forward(layer, h, fused=True)
-    assert got.dtype == torch.float64
-    assert torch.equal(got, decoder_mod._feed_forward(layer, h, fused=False))
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_run_layers_takes_the_fused_ops_only_when_asked(tiny_decoder, monkeypatch, fused):
     """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op and ``ops/gelu.py``'s GELU, or their
@@ -143,20 +131,22 @@ def test_run_layers_takes_the_fused_ops_only_when_asked(tiny_decoder, monkeypatc
     ``decoder.runs_fused_ops``)."""
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
-    calls = {"fused": 0, "reference": 0, "gelu": 0}
+    calls = {"fused": 0, "reference": 0, "epilogue": 0}
     real_fused, real_reference = decoder_mod.residual_layer_norm, decoder_mod.residual_layer_norm_reference
-    real_gelu = decoder_mod.gelu_
+    real_epilogue = torch._addmm_activation
 
     def spy(name, fn):
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             calls[name] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return wrapped
 
     monkeypatch.setattr(decoder_mod, "residual_layer_norm", spy("fused", real_fused))
     monkeypatch.setattr(decoder_mod, "residual_layer_norm_reference", spy("reference", real_reference))
-    monkeypatch.setattr(decoder_mod, "gelu_", spy("gelu", real_gelu))
+    monkeypatch.setattr(torch, "_addmm_activation", spy("epilogue", real_epilogue))
+    ff = tiny_decoder.config.groups[0].dim_feedforward
+    monkeypatch.setattr(tiny_decoder.groups[0], "ffn_zero_bias", torch.zeros(ff) if fused else None)
     codes = random_codes(tiny_decoder, 1, 4, seed=2)
     plan = decoder_mod.StepPlan(decoder_mod.group_steps(tiny_decoder.config, 4, None), decoder_mod.OfflineAttention())
     x = tiny_decoder.groups[0].input_proj(decoder_mod.embed_codes(tiny_decoder, codes))
@@ -165,6 +155,6 @@ def test_run_layers_takes_the_fused_ops_only_when_asked(tiny_decoder, monkeypatc
     layers = tiny_decoder.config.groups[0].num_layers
     expected = 2 * layers - 1  # each layer's two residual adds, the group's last one unfused
     if fused:
-        assert calls == {"fused": expected, "reference": 0, "gelu": layers}
+        assert calls == {"fused": expected, "reference": 0, "epilogue": layers}
     else:
-        assert calls == {"fused": 0, "reference": expected, "gelu": 0}
+        assert calls == {"fused": 0, "reference": expected, "epilogue": 0}

@@ -32,7 +32,6 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .ops.gelu import GELU_DTYPES, gelu_
 from .ops.residual_norm import (
     add_scaled,
     layer_norm_float32,
@@ -83,6 +82,9 @@ class DecoderGroup(nn.Module):
         self.input_proj = nn.Linear(spec.input_dim, spec.d_model, bias=False) if spec.input_proj else None
         self.output_proj = nn.Linear(spec.d_model, spec.output_dim, bias=False) if spec.output_proj else None
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        # ``(dim_feedforward,)`` zeros, the bias of the FFN's first GEMM on the fused path (its GELU epilogue
+        # takes one); made by CodecDecoder.to_serving on CUDA, not part of the checkpoint.
+        self.register_buffer("ffn_zero_bias", None, persistent=False)
 
 
 def validate_codes(cfg: CodecConfig, codes: torch.Tensor, n_vq: int | None = None) -> None:
@@ -138,11 +140,14 @@ class CodecDecoder(nn.Module):
         return self.groups[0].layers[0].in_proj.weight.dtype
 
     def to_serving(self, device: torch.device | str) -> CodecDecoder:
-        """Move to ``device``; on CUDA cast weights and the table to bf16 (upstream's policy)."""
+        """Move to ``device``; on CUDA cast weights and the table to bf16 (upstream's policy) and make what the
+        fused layer ops read (:func:`runs_fused_ops`): each group's zero bias of the FFN's first GEMM."""
         device = torch.device(device)
         self.to(device)
         if device.type == "cuda":
             self.to(torch.bfloat16)
+            for group, spec in zip(self.groups, self.config.groups):
+                group.ffn_zero_bias = torch.zeros(spec.dim_feedforward, dtype=torch.bfloat16, device=device)
         return self.eval()
 
     def validate_codes(self, codes: torch.Tensor, n_vq: int | None = None) -> None:
@@ -223,31 +228,36 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 FFN_ROW_CHUNK = 65536
 
 
-def _fused_gelu_(x: torch.Tensor) -> torch.Tensor:
-    """``ops/gelu.py``'s in-place GELU for the dtypes its kernel takes; PyTorch's for others (float64)."""
-    return gelu_(x) if x.dtype in GELU_DTYPES else torch.ops.aten.gelu_(x)
+def _linear1_gelu(layer: DecoderLayer, h: torch.Tensor, zero_bias: torch.Tensor | None) -> torch.Tensor:
+    """``GELU(linear1(h))`` on ``(rows, d)`` -> ``(rows, dim_feedforward)``.
+
+    With ``zero_bias`` (the fused path, a ``(dim_feedforward,)`` zero vector in the weight's dtype) one GEMM
+    whose epilogue applies the GELU, ``torch._addmm_activation(..., use_gelu=True)``: on CUDA cuBLASLt's GELU
+    epilogue, the tanh form computed in float32 on the accumulator before the one rounding to bf16. Without
+    it: ``linear1``, then the exact GELU in place (``aten.gelu_``).
+    """
+    if zero_bias is not None:
+        return torch._addmm_activation(zero_bias, h, layer.linear1.weight.t(), use_gelu=True)
+    return torch.ops.aten.gelu_(layer.linear1(h))
 
 
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU (``ops/gelu.py``'s kernel when
-    ``fused``, else ``aten.gelu_``; both in place), in slices of at most
-    :data:`FFN_ROW_CHUNK` token rows (each row is independent, so slicing changes no value beyond the
-    GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
-    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``)."""
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor, zero_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` (:func:`_linear1_gelu`: the GEMM's GELU epilogue with
+    ``zero_bias``, else the exact GELU in place), in slices of at most :data:`FFN_ROW_CHUNK` token rows (each
+    row is independent, so slicing changes no value beyond the GEMMs' own choice of kernel); each slice's
+    ``linear2`` writes its rows of the output in place when the weight has the activation's dtype and
+    gradients are off (decoding always runs under ``no_grad``)."""
     B, T, d = h.shape
     rows = B * T
+    flat = h.reshape(rows, d)
     # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
     # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
-    if torch.compiler.is_compiling():
-        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
-    gelu = _fused_gelu_ if fused else torch.ops.aten.gelu_
-    if rows <= FFN_ROW_CHUNK:
-        return layer.linear2(gelu(layer.linear1(h)))
-    flat = h.reshape(rows, d)
+    if rows <= FFN_ROW_CHUNK or torch.compiler.is_compiling():
+        return layer.linear2(_linear1_gelu(layer, flat, zero_bias)).view(B, T, -1)
     weight = layer.linear2.weight
     out = None
     for start in range(0, rows, FFN_ROW_CHUNK):
-        head = gelu(layer.linear1(flat[start : start + FFN_ROW_CHUNK]))
+        head = _linear1_gelu(layer, flat[start : start + FFN_ROW_CHUNK], zero_bias)
         if out is None:
             # linear2 computes in the activation's dtype under autocast; the output has it either way.
             out = head.new_empty(rows, weight.shape[0])
@@ -274,7 +284,7 @@ def _run_layers(
     then holds one residual stream, not two). Each sublayer ends with ``x + layer_scale * update``
     followed by the next LayerNorm (the second of the layer, or the first of the next layer):
     :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
-    ``h`` to the next projection; the FFN's GELU is :func:`~.ops.gelu.gelu_`. ``fused``: use the fused
+    ``h`` to the next projection; the FFN's GELU is its first GEMM's epilogue (:func:`_linear1_gelu`). ``fused``: use the fused
     layer ops (bf16 on CUDA, :func:`runs_fused_ops`); otherwise their references. A packed step's ``x`` is
     ``(1, N, d)``, its ``N`` packed tokens as one row, and its attention reads them so (:mod:`.token_packing`).
     """
@@ -301,7 +311,7 @@ def _run_layers(
         norm = layer.norm2
         x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h, fused)
+        update = _feed_forward(layer, h, weights.ffn_zero_bias if fused else None)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
@@ -340,6 +350,8 @@ def run_decoder(
         codes = codes.view(codes.shape[0], 1, -1)
     x = embed_codes(decoder, codes)
     fused = runs_fused_ops(decoder)
+    if fused:
+        check_served(decoder)
     for group, weights in zip(plan.groups, decoder.groups):
         if weights.input_proj is not None:
             x = weights.input_proj(x)
@@ -360,6 +372,19 @@ def runs_fused_ops(decoder: CodecDecoder) -> bool:
     (:meth:`CodecDecoder.to_serving`). Every other decode (CPU, and float32 weights anywhere, the reference
     precision the accuracy tests compare against) runs their PyTorch references, the unfused ops."""
     return decoder.device.type == "cuda" and decoder.state_dtype == torch.bfloat16
+
+
+def check_served(decoder: CodecDecoder) -> None:
+    """Refuse a bf16 CUDA decoder that :meth:`CodecDecoder.to_serving` did not prepare for the fused ops.
+
+    Raises:
+        RuntimeError: a group without its FFN zero bias (the message says what to call).
+    """
+    if any(group.ffn_zero_bias is None for group in decoder.groups):
+        raise RuntimeError(
+            "a bf16 decoder on CUDA runs the fused layer ops, which read weights CodecDecoder.to_serving('cuda') "
+            "prepares; this one was cast or moved without it"
+        )
 
 
 def decode_autocast(decoder: CodecDecoder):
