@@ -18,9 +18,11 @@ of that arm. Arms:
 * ``v2-exact`` - the compact pool with ``ring_semantics="exact"``.
 * ``legacy``   - the legacy (upstream-equivalent) pool, ``sdpa`` attention, upstream semantics.
 
-Weights: random, of the ``--preset`` geometry (``common.random_decoder``), identical in every arm: upstream's
-model (``common.build_upstream_codec``) gets our decoder's tensors and decode table copied into it by
-official checkpoint name, so arms differ by their code only. ``details.fp32_vs_legacy`` checks that: each
+Weights: random, of the ``--preset`` geometry (``common.random_weights``, bf16 values), one model for every arm:
+upstream's model (``common.build_upstream_codec``) gets those tensors and decode table copied into it by
+official checkpoint name, and our bf16 decoder is their float32 copy served (``CodecDecoder.to_serving``: on CUDA
+LayerScale folded into the projections in float32, then rounded once to bf16), so arms differ by their code
+only. ``details.fp32_vs_legacy`` checks that: each
 upstream-semantics arm's float32 audio against the legacy arm's over the frames before the last chunk
 (upstream pads a tail chunk to a graph's frame size and its padding writes the rings). Upstream's module
 hard-codes bf16 on CUDA (autocast around every decode, bf16 rings); its float32 run replaces the module's
@@ -677,9 +679,12 @@ def _run_block(args, command: str, skipped: dict[str, str], estimate) -> dict[st
 
 @dataclass
 class Inputs:
-    """What every arm streams: the bf16 decoder, its float32 copy, the codes, and upstream's model once built."""
+    """What every arm streams: our decoders by precision (the bf16 one served: on CUDA its LayerScale folded into
+    the projections), the weights upstream loads by precision (as drawn, unfolded), the codes, and upstream's
+    model once built."""
 
     decoders: dict[str, CodecDecoder]
+    upstream_weights: dict[str, CodecDecoder]
     codes: torch.Tensor  # (n_vq, streams, frames) int64, CPU
     codec: Any = None  # common.UpstreamCodecArm with our weights, built for the first upstream run
     mapping: dict[str, str] | None = None
@@ -691,18 +696,17 @@ def run_arm(name: str, inputs: Inputs, args, clock) -> tuple[dict[str, Any], tor
     spec = ARMS[name]
     if spec.pool_kind is None and inputs.codec is None:
         inputs.codec = common.build_upstream_codec(args.preset, args.device, args.seed, args.n_vq)
-        inputs.mapping = upstream_parameter_names(inputs.decoders["bfloat16"], inputs.codec.model)
+        inputs.mapping = upstream_parameter_names(inputs.upstream_weights["bfloat16"], inputs.codec.model)
     precisions = ["bfloat16", "bfloat16"] if args.reference == "repeat" else ["bfloat16", "float32"]
     audios, runs = [], {}
     for i, precision in enumerate(precisions):
         key = "repeat" if i and args.reference == "repeat" else precision
         label = f"{name} {key}"
-        decoder = inputs.decoders[precision]
         if spec.pool_kind is None:
-            load_into_upstream(inputs.codec.model, decoder, args.n_vq, inputs.mapping)
+            load_into_upstream(inputs.codec.model, inputs.upstream_weights[precision], args.n_vq, inputs.mapping)
             audio, details = run_upstream(inputs.codec, inputs.codes, args, precision, label)
         else:
-            audio, details = run_ours(spec, decoder, inputs.codes, args, label)
+            audio, details = run_ours(spec, inputs.decoders[precision], inputs.codes, args, label)
         details["nonfinite_samples"] = int((~torch.isfinite(audio)).sum())
         audios.append(audio)
         runs[key] = details
@@ -793,12 +797,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "details": {"fp32_vs_legacy": {}},
     }
     clock = Clock(estimate, args.quiet)
-    bf16 = common.random_decoder(args.preset, device, seed=args.seed).to(torch.bfloat16)
-    fp32 = copy.deepcopy(bf16).to(torch.float32)  # the same values: bf16 weights cast up exactly
+    # One model for every arm: bf16 values as drawn. The float32 runs hold them cast up exactly; ours in bf16 is
+    # that float32 copy served (on CUDA: LayerScale folded in float32, then one rounding to bf16).
+    drawn = common.random_weights(args.preset, device, seed=args.seed).to(torch.bfloat16)
+    fp32 = copy.deepcopy(drawn).to(torch.float32)
+    bf16 = copy.deepcopy(fp32).to_serving(device) if device.type == "cuda" else drawn
     codes = common.random_codes(
         1, args.n_vq, args.streams, args.frames, cfg.codebook_size, torch.device("cpu"), args.seed
     )
-    inputs = Inputs({"bfloat16": bf16, "float32": fp32}, codes[0])
+    inputs = Inputs({"bfloat16": bf16, "float32": fp32}, {"bfloat16": drawn, "float32": fp32}, codes[0])
     keep_fp32 = args.reference == "float32" and "legacy" in args.arms
     fp32_audio: dict[str, torch.Tensor] = {}
     arm_seconds: list[float] = []

@@ -57,6 +57,7 @@ __all__ = [
     "parse_str_list",
     "random_codes",
     "random_decoder",
+    "random_weights",
     "pool_kind",
     "resolve_device",
     "run_block",
@@ -285,8 +286,9 @@ def _serving_dtype(device: torch.device) -> torch.dtype:
 
 
 @torch.no_grad()
-def random_decoder(preset: str, device: torch.device | str, seed: int = 0) -> CodecDecoder:
-    """A :class:`CodecDecoder` of a built-in preset with small random weights, ready to serve.
+def random_weights(preset: str, device: torch.device | str, seed: int = 0) -> CodecDecoder:
+    """A :class:`CodecDecoder` of a built-in preset with small random weights, as a checkpoint holds them
+    (LayerScale not folded, not yet :meth:`~CodecDecoder.to_serving`).
 
     The module is built on the meta device (no initialisation work), materialised directly in the serving
     dtype (bf16 on CUDA and meta, fp32 on CPU) and filled in place from a generator on ``device``:
@@ -300,8 +302,13 @@ def random_decoder(preset: str, device: torch.device | str, seed: int = 0) -> Co
     decoder = decoder.to(_serving_dtype(device))
     if device.type == "meta":
         return decoder.eval()
-    decoder = fill_random_weights_(decoder.to_empty(device=device), seed)
-    return decoder.to_serving(device)
+    return fill_random_weights_(decoder.to_empty(device=device), seed).eval()
+
+
+def random_decoder(preset: str, device: torch.device | str, seed: int = 0) -> CodecDecoder:
+    """:func:`random_weights` ready to serve (:meth:`~CodecDecoder.to_serving`; on ``meta`` as drawn)."""
+    decoder = random_weights(preset, device, seed)
+    return decoder if torch.device(device).type == "meta" else decoder.to_serving(device)
 
 
 def random_codes(

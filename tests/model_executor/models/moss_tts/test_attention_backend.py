@@ -307,7 +307,7 @@ def _bf16_decoder_and_reference():
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_cuda_bf16_fused_ops_error_no_larger_than_unfused(monkeypatch):
-    """The accuracy criterion set for the fused layer ops (``ops/residual_norm.py``): real v2 geometry,
+    """The accuracy criterion set for the fused layer ops (``ops/layer_norm.py``, the GEMMs' residual adds and GELU epilogue): real v2 geometry,
     2 streams x 10 chunks ([1, 15]) through the triton backend; the bf16 decoder's relative RMS error
     against the float32 reference (sdpa, unfused) is no larger with the fused ops than with their
     references (``decoder.runs_fused_ops`` answering False for it)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -124,16 +126,47 @@ def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, 
     assert h_grad.grad is not None and h_grad.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_run_layers_takes_the_fused_ops_only_when_asked(tiny_decoder, monkeypatch, fused):
-    """``_run_layers(fused=...)`` picks the fused residual + LayerNorm op and ``ops/gelu.py``'s GELU, or their
-    PyTorch references (``run_decoder`` asks for the fused ops exactly for a bf16 decoder on CUDA,
-    ``decoder.runs_fused_ops``)."""
+def _served_on_cpu(decoder):
+    """A copy of ``decoder`` laid out as ``to_serving`` lays out a CUDA decoder, on the CPU: LayerScale folded
+    into the projections and each group's FFN zero bias (CPU decoding never asks for this layout; the tests
+    run the fused path's Python on it, with the CPU's kernels)."""
+    served = copy.deepcopy(decoder)
+    served.fold_layer_scale()
+    for group, spec in zip(served.groups, served.config.groups):
+        group.ffn_zero_bias = torch.zeros(spec.dim_feedforward)
+    return served
+
+
+def test_fold_layer_scale_keeps_the_function_and_drops_the_scales(tiny_decoder):
+    """``diag(s) W``: the folded decoder decodes what the unfolded one does (float32, within its rounding)
+    and holds no LayerScale; folding again changes nothing."""
+    codes = random_codes(tiny_decoder, 2, 6, seed=8)
+    expected = tiny_decoder.decode(codes)
+    folded = copy.deepcopy(tiny_decoder)
+    folded.fold_layer_scale()
+    assert all(layer.layer_scale_1 is None and layer.layer_scale_2 is None for g in folded.groups for layer in g.layers)
+    layer, ref_layer = folded.groups[0].layers[0], tiny_decoder.groups[0].layers[0]
+    assert torch.equal(layer.out_proj.weight, ref_layer.layer_scale_1[:, None] * ref_layer.out_proj.weight)
+    assert torch.equal(layer.linear2.weight, ref_layer.layer_scale_2[:, None] * ref_layer.linear2.weight)
+    weights = [p.clone() for p in folded.parameters()]
+    folded.fold_layer_scale()
+    assert all(torch.equal(a, b) for a, b in zip(weights, folded.parameters()))
+    got = folded.decode(codes)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("rows_per_slice", [None, 4])
+def test_fused_layers_compute_the_reference_layers(tiny_decoder, monkeypatch, rows_per_slice):
+    """``_run_layers(fused=True)`` on a served layout (in-place ``addmm_`` residuals, the LayerNorm op, the
+    FFN's first GEMM through ``torch._addmm_activation``, on CPU its exact GELU) gives the reference layers'
+    output within float32 rounding, whole and with the FFN in 4-row slices; each of its ops runs once per
+    sublayer: two norms and one epilogue GEMM a layer, no reference op."""
     from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 
-    calls = {"fused": 0, "reference": 0, "epilogue": 0}
-    real_fused, real_reference = decoder_mod.residual_layer_norm, decoder_mod.residual_layer_norm_reference
-    real_epilogue = torch._addmm_activation
+    if rows_per_slice is not None:
+        monkeypatch.setattr(decoder_mod, "FFN_ROW_CHUNK", rows_per_slice)
+    served = _served_on_cpu(tiny_decoder)
+    calls = {"norm": 0, "reference": 0, "epilogue": 0}
 
     def spy(name, fn):
         def wrapped(*args, **kwargs):
@@ -142,19 +175,35 @@ def test_run_layers_takes_the_fused_ops_only_when_asked(tiny_decoder, monkeypatc
 
         return wrapped
 
-    monkeypatch.setattr(decoder_mod, "residual_layer_norm", spy("fused", real_fused))
-    monkeypatch.setattr(decoder_mod, "residual_layer_norm_reference", spy("reference", real_reference))
-    monkeypatch.setattr(torch, "_addmm_activation", spy("epilogue", real_epilogue))
-    ff = tiny_decoder.config.groups[0].dim_feedforward
-    monkeypatch.setattr(tiny_decoder.groups[0], "ffn_zero_bias", torch.zeros(ff) if fused else None)
-    codes = random_codes(tiny_decoder, 1, 4, seed=2)
-    plan = decoder_mod.StepPlan(decoder_mod.group_steps(tiny_decoder.config, 4, None), decoder_mod.OfflineAttention())
-    x = tiny_decoder.groups[0].input_proj(decoder_mod.embed_codes(tiny_decoder, codes))
+    codes = random_codes(tiny_decoder, 1, 9, seed=2)
+    plan = decoder_mod.StepPlan(decoder_mod.group_steps(tiny_decoder.config, 9, None), decoder_mod.OfflineAttention())
     with torch.no_grad():
-        decoder_mod._run_layers(tiny_decoder.groups[0], [x], plan.groups[0], plan.attention, fused)
+        x = tiny_decoder.groups[0].input_proj(decoder_mod.embed_codes(tiny_decoder, codes))
+        expected = decoder_mod._run_layers(tiny_decoder.groups[0], [x.clone()], plan.groups[0], plan.attention, False)
+        monkeypatch.setattr(decoder_mod, "layer_norm", spy("norm", decoder_mod.layer_norm))
+        monkeypatch.setattr(
+            decoder_mod, "residual_layer_norm_reference", spy("reference", decoder_mod.residual_layer_norm_reference)
+        )
+        monkeypatch.setattr(torch, "_addmm_activation", spy("epilogue", torch._addmm_activation))
+        got = decoder_mod._run_layers(served.groups[0], [x.clone()], plan.groups[0], plan.attention, True)
     layers = tiny_decoder.config.groups[0].num_layers
-    expected = 2 * layers - 1  # each layer's two residual adds, the group's last one unfused
-    if fused:
-        assert calls == {"fused": expected, "reference": 0, "epilogue": layers}
-    else:
-        assert calls == {"fused": 0, "reference": expected, "epilogue": 0}
+    slices = 1 if rows_per_slice is None else -(-9 // rows_per_slice)
+    assert calls == {"norm": 2 * layers, "reference": 0, "epilogue": layers * slices}
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_cpu_decoders_run_the_references_and_cuda_bf16_needs_to_serving(tiny_decoder):
+    """``runs_fused_ops``: never on CPU (float32 or bf16). ``check_served`` refuses a decoder whose LayerScale
+    is not folded or that lacks the FFN zero bias, naming what to call; the served layout passes."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    assert not decoder_mod.runs_fused_ops(tiny_decoder)
+    assert not decoder_mod.runs_fused_ops(copy.deepcopy(tiny_decoder).to(torch.bfloat16))
+    message = r"^a bf16 decoder on CUDA runs the fused layer ops, which read weights CodecDecoder.to_serving\('cuda'\)"
+    with pytest.raises(RuntimeError, match=message):
+        decoder_mod.check_served(tiny_decoder)
+    folded = copy.deepcopy(tiny_decoder)
+    folded.fold_layer_scale()
+    with pytest.raises(RuntimeError, match=message):
+        decoder_mod.check_served(folded)
+    decoder_mod.check_served(_served_on_cpu(tiny_decoder))

@@ -35,7 +35,7 @@ GROWTH_BOUND = 2.0
 def _decoders() -> tuple[CodecDecoder, CodecDecoder]:
     with torch.device("meta"):
         decoder = CodecDecoder(preset_config("v2"))
-    bf16 = fill_random_weights_(decoder.to_empty(device="cuda"), seed=3).to(torch.bfloat16).eval()
+    bf16 = fill_random_weights_(decoder.to_empty(device="cuda"), seed=3).to_serving("cuda")
     return bf16, copy.deepcopy(bf16).to(torch.float32)
 
 

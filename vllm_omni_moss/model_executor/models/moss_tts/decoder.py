@@ -8,9 +8,9 @@ Read top-down:
    plus one bias: ``z[b, t] = sum_q lut[q, codes[q, b, t]] + bias``.
 2. :func:`run_decoder` - for each resolution group: input projection, pre-norm layers
    (LayerNorm, QKV, GPT-J RoPE, causal sliding-window attention, LayerScale, exact-GELU
-   FFN, no biases; each residual add fused with the LayerNorm after it,
-   ``ops/residual_norm.py``; the GELU in place, ``ops/gelu.py``), output projection,
-   pure-reshape upsampling.
+   FFN, no biases; served on CUDA, LayerScale folded into the projections, each residual added
+   by its GEMM, the GELU in the FFN's first GEMM's epilogue, ``ops/layer_norm.py`` between
+   sublayers: :func:`_run_fused_layers`), output projection, pure-reshape upsampling.
 3. :func:`to_audio` - channel de-interleave (v2 stereo) and float32.
 
 Modules hold weights only. Attention and state are reached through a
@@ -32,12 +32,7 @@ from torch import nn
 
 from .attention import AttentionBackend, FixedWidthAttention, GroupStep, OfflineAttention, StepPlan, group_steps
 from .config import CodecConfig, GroupSpec
-from .ops.residual_norm import (
-    add_scaled,
-    layer_norm_float32,
-    residual_layer_norm,
-    residual_layer_norm_reference,
-)
+from .ops.layer_norm import add_scaled, layer_norm, layer_norm_float32, residual_layer_norm_reference
 from .step_metadata import check_ring_semantics
 from .token_packing import TokenPacking
 
@@ -141,14 +136,32 @@ class CodecDecoder(nn.Module):
 
     def to_serving(self, device: torch.device | str) -> CodecDecoder:
         """Move to ``device``; on CUDA cast weights and the table to bf16 (upstream's policy) and make what the
-        fused layer ops read (:func:`runs_fused_ops`): each group's zero bias of the FFN's first GEMM."""
+        fused layer ops read (:func:`runs_fused_ops`): LayerScale folded into the rows of the projection before it
+        (in float32, before the cast) and each group's zero bias of the FFN's first GEMM. CPU decoders are only
+        moved: they keep the reference layout, bitwise upstream's arithmetic."""
         device = torch.device(device)
         self.to(device)
         if device.type == "cuda":
+            self.fold_layer_scale()
             self.to(torch.bfloat16)
             for group, spec in zip(self.groups, self.config.groups):
                 group.ffn_zero_bias = torch.zeros(spec.dim_feedforward, dtype=torch.bfloat16, device=device)
         return self.eval()
+
+    @torch.no_grad()
+    def fold_layer_scale(self) -> None:
+        """``W <- diag(layer_scale) W`` for each layer's ``out_proj`` (``layer_scale_1``) and ``linear2``
+        (``layer_scale_2``), the product in float32 and rounded once to the weight's dtype; the LayerScale
+        parameters are then dropped (``None``). The layer computes the same function: ``x + s * (h W^T)`` is
+        ``x + h (diag(s) W)^T``."""
+        for group in self.groups:
+            for layer in group.layers:
+                for name, linear in (("layer_scale_1", layer.out_proj), ("layer_scale_2", layer.linear2)):
+                    scale = getattr(layer, name)
+                    if scale is not None:
+                        w = linear.weight
+                        w.copy_((scale.float()[:, None] * w.float()).to(w.dtype))
+                        setattr(layer, name, None)
 
     def validate_codes(self, codes: torch.Tensor, n_vq: int | None = None) -> None:
         """:func:`validate_codes` against this decoder's config."""
@@ -228,46 +241,75 @@ def embed_codes(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 FFN_ROW_CHUNK = 65536
 
 
-def _linear1_gelu(layer: DecoderLayer, h: torch.Tensor, zero_bias: torch.Tensor | None) -> torch.Tensor:
-    """``GELU(linear1(h))`` on ``(rows, d)`` -> ``(rows, dim_feedforward)``.
-
-    With ``zero_bias`` (the fused path, a ``(dim_feedforward,)`` zero vector in the weight's dtype) one GEMM
-    whose epilogue applies the GELU, ``torch._addmm_activation(..., use_gelu=True)``: on CUDA cuBLASLt's GELU
-    epilogue, the tanh form computed in float32 on the accumulator before the one rounding to bf16. Without
-    it: ``linear1``, then the exact GELU in place (``aten.gelu_``).
-    """
-    if zero_bias is not None:
-        return torch._addmm_activation(zero_bias, h, layer.linear1.weight.t(), use_gelu=True)
-    return torch.ops.aten.gelu_(layer.linear1(h))
+def _row_slices(rows: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` slices of at most :data:`FFN_ROW_CHUNK` of ``rows`` token rows; one slice when traced
+    under torch.compile (a loop over the row count would specialise the graph on it, one recompile per step
+    size, and the compiler plans the step's memory itself)."""
+    # is_compiling first: comparing a traced row count would guard the graph on it.
+    if torch.compiler.is_compiling() or rows <= FFN_ROW_CHUNK:
+        return [(0, rows)]
+    return [(start, min(start + FFN_ROW_CHUNK, rows)) for start in range(0, rows, FFN_ROW_CHUNK)]
 
 
-def _feed_forward(layer: DecoderLayer, h: torch.Tensor, zero_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` (:func:`_linear1_gelu`: the GEMM's GELU epilogue with
-    ``zero_bias``, else the exact GELU in place), in slices of at most :data:`FFN_ROW_CHUNK` token rows (each
-    row is independent, so slicing changes no value beyond the GEMMs' own choice of kernel); each slice's
-    ``linear2`` writes its rows of the output in place when the weight has the activation's dtype and
-    gradients are off (decoding always runs under ``no_grad``)."""
+def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """The reference FFN: ``linear2(GELU(linear1(h)))`` on ``(B, T, d)`` with the exact GELU in place
+    (``aten.gelu_``), in :func:`_row_slices` (each row is independent, so slicing changes no value beyond the
+    GEMMs' own choice of kernel); each slice's ``linear2`` writes its rows of the output in place when the
+    weight has the activation's dtype and gradients are off (decoding always runs under ``no_grad``)."""
     B, T, d = h.shape
     rows = B * T
+    slices = _row_slices(rows)
+    if len(slices) == 1:
+        return layer.linear2(torch.ops.aten.gelu_(layer.linear1(h)))
     flat = h.reshape(rows, d)
-    # Traced under torch.compile the FFN stays one pass: a loop over the row count would specialise the
-    # graph on it (one recompile per step size), and the compiler plans the step's memory itself.
-    if rows <= FFN_ROW_CHUNK or torch.compiler.is_compiling():
-        return layer.linear2(_linear1_gelu(layer, flat, zero_bias)).view(B, T, -1)
     weight = layer.linear2.weight
     out = None
-    for start in range(0, rows, FFN_ROW_CHUNK):
-        head = _linear1_gelu(layer, flat[start : start + FFN_ROW_CHUNK], zero_bias)
+    for start, stop in slices:
+        head = torch.ops.aten.gelu_(layer.linear1(flat[start:stop]))
         if out is None:
             # linear2 computes in the activation's dtype under autocast; the output has it either way.
             out = head.new_empty(rows, weight.shape[0])
         # out= has no autograd formula: with gradients on, the slice is computed, then copied.
         if weight.dtype == head.dtype and not torch.is_grad_enabled():
-            torch.mm(head, weight.t(), out=out[start : start + head.shape[0]])
+            torch.mm(head, weight.t(), out=out[start:stop])
         else:
-            out[start : start + head.shape[0]] = layer.linear2(head)
+            out[start:stop] = layer.linear2(head)
         del head
     return out.view(B, T, -1)
+
+
+def _add_feed_forward_(layer: DecoderLayer, h: torch.Tensor, x: torch.Tensor, zero_bias: torch.Tensor) -> None:
+    """The fused FFN: ``x += linear2(GELU(linear1(h)))`` in place, ``h`` and ``x`` contiguous ``(B, T, d)``,
+    two GEMMs per :func:`_row_slices` slice and no pass between or after them.
+
+    ``linear1``'s GEMM applies the GELU in its epilogue (``torch._addmm_activation(zero_bias, ...,
+    use_gelu=True)``, ``zero_bias`` the ``(dim_feedforward,)`` zeros it needs): on CUDA cuBLASLt's GELU
+    epilogue, the tanh form computed in float32 on the accumulator before the one rounding to bf16 (the
+    reference rounds the GEMM's output first, then applies the exact GELU; docs/codec_architecture.md gives
+    both errors against float32). ``linear2``'s GEMM adds its product to ``x`` (``addmm_``, ``beta=1``): one
+    rounding of the sum. LayerScale is already in ``linear2``'s rows (:meth:`CodecDecoder.to_serving`)."""
+    rows, d = x.shape[0] * x.shape[1], x.shape[2]
+    flat_h, flat_x = h.view(rows, d), x.view(rows, d)
+    w1, w2 = layer.linear1.weight.t(), layer.linear2.weight.t()
+    for start, stop in _row_slices(rows):
+        hidden = torch._addmm_activation(zero_bias, flat_h[start:stop], w1, use_gelu=True)
+        flat_x[start:stop].addmm_(hidden, w2)
+        del hidden
+
+
+def _attend(layer: DecoderLayer, inputs: list[torch.Tensor], group: GroupStep, index: int, attention) -> torch.Tensor:
+    """Attention of layer ``index`` (global) on the normalised ``h`` popped from ``inputs``, ``(B, T, d)`` ->
+    ``(B, T, d)`` in the projections' dtype, before the output projection. ``h`` and the ``qkv`` projection are
+    dropped as soon as they are consumed: the step's transient memory is bounded by the widest two
+    activations, not by everything a layer makes."""
+    h = inputs.pop()
+    B, T, d = h.shape
+    heads = group.spec.num_heads
+    qkv = layer.in_proj(h)
+    del h
+    qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
+    return attention(group, index, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
 
 
 def _run_layers(
@@ -281,42 +323,51 @@ def _run_layers(
 
     ``inputs`` is a one-element list holding the group's input; it is emptied, so that no reference
     outside keeps the input alive once the first sublayer has replaced it (the step's transient memory
-    then holds one residual stream, not two). Each sublayer ends with ``x + layer_scale * update``
-    followed by the next LayerNorm (the second of the layer, or the first of the next layer):
-    :func:`~.ops.residual_norm.residual_layer_norm` does both in one pass and hands the normalised
-    ``h`` to the next projection; the FFN's GELU is its first GEMM's epilogue (:func:`_linear1_gelu`). ``fused``: use the fused
-    layer ops (bf16 on CUDA, :func:`runs_fused_ops`); otherwise their references. A packed step's ``x`` is
-    ``(1, N, d)``, its ``N`` packed tokens as one row, and its attention reads them so (:mod:`.token_packing`).
+    then holds one residual stream, not two). ``fused`` (bf16 on CUDA, :func:`runs_fused_ops`): each
+    sublayer's last GEMM adds into the residual stream in place, LayerScale folded into its rows, and
+    :func:`~.ops.layer_norm.layer_norm` is the one pass between sublayers; the FFN is
+    :func:`_add_feed_forward_`. Otherwise the references: ``x + layer_scale * update`` then the next
+    LayerNorm (:func:`~.ops.layer_norm.residual_layer_norm_reference`), the exact-GELU FFN. A packed step's
+    ``x`` is ``(1, N, d)``, its ``N`` packed tokens as one row, and its attention reads them so
+    (:mod:`.token_packing`).
     """
     x = inputs.pop()
-    B, T, d = x.shape
-    heads = group.spec.num_heads
     layers = weights.layers
     if not layers:
         return x
-    residual_norm = residual_layer_norm if fused else residual_layer_norm_reference
+    if fused:
+        return _run_fused_layers(weights, x.contiguous(), group, attention)
     norm = layers[0].norm1
     h = layer_norm_float32(x, norm.weight, norm.bias, norm.eps)
     for i, layer in enumerate(layers):
-        # Each activation is dropped as soon as it is consumed: the step's transient memory is bounded
-        # by the widest two of them, not by everything a layer makes.
-        qkv = layer.in_proj(h)
+        update = layer.out_proj(_attend(layer, [h], group, group.first_layer + i, attention))
         del h
-        qkv = qkv.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        # Ring backends answer in the ring dtype; the out-projection takes the projections' dtype.
-        attn = attention(group, group.first_layer + i, qkv).to(qkv.dtype).transpose(1, 2).reshape(B, T, d)
-        del qkv
-        update = layer.out_proj(attn)
-        del attn
         norm = layer.norm2
-        x, h = residual_norm(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
+        x, h = residual_layer_norm_reference(x, update, layer.layer_scale_1, norm.weight, norm.bias, norm.eps)
         del update
-        update = _feed_forward(layer, h, weights.ffn_zero_bias if fused else None)
+        update = _feed_forward(layer, h)
         if i + 1 == len(layers):
             return add_scaled(x, update, layer.layer_scale_2)
         norm = layers[i + 1].norm1
-        x, h = residual_norm(x, update, layer.layer_scale_2, norm.weight, norm.bias, norm.eps)
+        x, h = residual_layer_norm_reference(x, update, layer.layer_scale_2, norm.weight, norm.bias, norm.eps)
         del update
+    return x
+
+
+def _run_fused_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attention) -> torch.Tensor:
+    """:func:`_run_layers` on the fused path: ``x`` contiguous ``(B, T, d)``, updated in place and returned."""
+    B, T, d = x.shape
+    flat_x = x.view(B * T, d)
+    # Each norm's output is handed over without a name here, so it is freed as soon as it is consumed.
+    for i, layer in enumerate(weights.layers):
+        norm = layer.norm1
+        attn = _attend(
+            layer, [layer_norm(x, norm.weight, norm.bias, norm.eps)], group, group.first_layer + i, attention
+        )
+        flat_x.addmm_(attn.reshape(B * T, d), layer.out_proj.weight.t())
+        del attn
+        norm = layer.norm2
+        _add_feed_forward_(layer, layer_norm(x, norm.weight, norm.bias, norm.eps), x, weights.ffn_zero_bias)
     return x
 
 
@@ -378,9 +429,11 @@ def check_served(decoder: CodecDecoder) -> None:
     """Refuse a bf16 CUDA decoder that :meth:`CodecDecoder.to_serving` did not prepare for the fused ops.
 
     Raises:
-        RuntimeError: a group without its FFN zero bias (the message says what to call).
+        RuntimeError: a layer whose LayerScale is not folded, or a group without its FFN zero bias (the
+            message says what to call).
     """
-    if any(group.ffn_zero_bias is None for group in decoder.groups):
+    unfolded = any(layer.layer_scale_1 is not None for group in decoder.groups for layer in group.layers)
+    if unfolded or any(group.ffn_zero_bias is None for group in decoder.groups):
         raise RuntimeError(
             "a bf16 decoder on CUDA runs the fused layer ops, which read weights CodecDecoder.to_serving('cuda') "
             "prepares; this one was cast or moved without it"

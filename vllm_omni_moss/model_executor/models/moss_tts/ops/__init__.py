@@ -22,10 +22,9 @@ against. No module imports another's private name.
   ``step_metadata.apply_rope``; the triton backend runs it before the attention kernel, which then
   reads ready keys. ``step_rope_tables``: a step's RoPE tables of one resolution group in one kernel,
   bitwise ``step_metadata.rope_tables`` (CUDA; CPU runs that formula).
-* :mod:`.residual_norm` - ``residual_layer_norm``: LayerScale, residual add and the next LayerNorm
-  of a decoder layer in one pass (CUDA; CPU decodes with its reference).
-* :mod:`.gelu` - ``gelu_``: the FFN's exact GELU in place, one memory-bound pass with its own float32
-  ``erf`` (CUDA; CPU decodes with ``aten.gelu_``).
+* :mod:`.layer_norm` - ``layer_norm``: a decoder layer's LayerNorm in float32 as one pass, the only pass
+  between sublayers on the fused path (CUDA; CPU decodes with its reference), and the reference of a
+  sublayer's end (``residual_layer_norm_reference``).
 
 :mod:`.dispatch` holds what every family shares: the optional Triton import, the dispatch between
 kernel and reference, the device guard of a launch and the shape check.
