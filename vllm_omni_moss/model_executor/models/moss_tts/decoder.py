@@ -278,9 +278,19 @@ def _feed_forward(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     return out.view(B, T, -1)
 
 
-def _add_feed_forward_(layer: DecoderLayer, h: torch.Tensor, x: torch.Tensor, zero_bias: torch.Tensor) -> None:
-    """The fused FFN: ``x += linear2(GELU(linear1(h)))`` in place, ``h`` and ``x`` contiguous ``(B, T, d)``,
-    two GEMMs per :func:`_row_slices` slice and no pass between or after them.
+def _add_product_(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x + a @ w`` for a 2-D ``x``: in place (``addmm_``, the GEMM reads ``x`` as its ``C``); traced under
+    torch.compile, out of place, returned (the compiler plans the memory, and an in-place update of a view the
+    graph reads elsewhere is what its functionalisation must not reorder)."""
+    if torch.compiler.is_compiling():
+        return torch.addmm(x, a, w)
+    return x.addmm_(a, w)
+
+
+def _add_feed_forward_(layer: DecoderLayer, h: torch.Tensor, x: torch.Tensor, zero_bias: torch.Tensor) -> torch.Tensor:
+    """The fused FFN: ``x += linear2(GELU(linear1(h)))`` (:func:`_add_product_`: in place, out of place when
+    traced), ``h`` and ``x`` contiguous ``(B, T, d)``; returns ``x``. Two GEMMs per :func:`_row_slices` slice
+    and no pass between or after them.
 
     ``linear1``'s GEMM applies the GELU in its epilogue (``torch._addmm_activation(zero_bias, ...,
     use_gelu=True)``, ``zero_bias`` the ``(dim_feedforward,)`` zeros it needs): on CUDA cuBLASLt's GELU
@@ -291,10 +301,15 @@ def _add_feed_forward_(layer: DecoderLayer, h: torch.Tensor, x: torch.Tensor, ze
     rows, d = x.shape[0] * x.shape[1], x.shape[2]
     flat_h, flat_x = h.view(rows, d), x.view(rows, d)
     w1, w2 = layer.linear1.weight.t(), layer.linear2.weight.t()
-    for start, stop in _row_slices(rows):
+    slices = _row_slices(rows)
+    out = flat_x
+    for start, stop in slices:
         hidden = torch._addmm_activation(zero_bias, flat_h[start:stop], w1, use_gelu=True)
-        flat_x[start:stop].addmm_(hidden, w2)
+        part = _add_product_(flat_x[start:stop], hidden, w2)
         del hidden
+        if len(slices) == 1:
+            out = part
+    return out.view(x.shape)
 
 
 def _attend(layer: DecoderLayer, inputs: list[torch.Tensor], group: GroupStep, index: int, attention) -> torch.Tensor:
@@ -355,19 +370,19 @@ def _run_layers(
 
 
 def _run_fused_layers(weights: DecoderGroup, x: torch.Tensor, group: GroupStep, attention) -> torch.Tensor:
-    """:func:`_run_layers` on the fused path: ``x`` contiguous ``(B, T, d)``, updated in place and returned."""
+    """:func:`_run_layers` on the fused path: ``x`` contiguous ``(B, T, d)``, updated in place (out of place
+    when traced, :func:`_add_product_`) and returned."""
     B, T, d = x.shape
-    flat_x = x.view(B * T, d)
     # Each norm's output is handed over without a name here, so it is freed as soon as it is consumed.
     for i, layer in enumerate(weights.layers):
         norm = layer.norm1
         attn = _attend(
             layer, [layer_norm(x, norm.weight, norm.bias, norm.eps)], group, group.first_layer + i, attention
         )
-        flat_x.addmm_(attn.reshape(B * T, d), layer.out_proj.weight.t())
+        x = _add_product_(x.view(B * T, d), attn.reshape(B * T, d), layer.out_proj.weight.t()).view(B, T, d)
         del attn
         norm = layer.norm2
-        _add_feed_forward_(layer, layer_norm(x, norm.weight, norm.bias, norm.eps), x, weights.ffn_zero_bias)
+        x = _add_feed_forward_(layer, layer_norm(x, norm.weight, norm.bias, norm.eps), x, weights.ffn_zero_bias)
     return x
 
 
