@@ -102,12 +102,12 @@ def test_profile_kernel_categories(name, category):
 def test_unfused_arm_shares_the_weights_and_only_switches_the_fused_glue_off():
     import torch
 
-    from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+    from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 
     bench = _bench()
     decoder = bench.common.random_decoder("tiny-v2", "cpu", seed=3)
     arm = bench._our_arm(decoder, "v2-unfused", 2)
-    reference = make_state_pool(decoder, "compact", attention_backend="triton")
+    reference = build_pool(decoder, StateSpec.from_options(decoder, "compact", attention_backend="triton"))
     reference.initialize(2, 2)
     try:
         pool = arm._close.__self__  # the arm closes its pool: pool.close bound to it

@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from moss_codecs import assert_slot_state_equal, build_decoder, random_codes, ring_codec_raw
+from moss_codecs import assert_slot_state_equal, build_decoder, make_state_pool, random_codes, ring_codec_raw
 
 from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_module
 from vllm_omni_moss.model_executor.models.moss_tts.compile import (
@@ -31,7 +31,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool, make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
 

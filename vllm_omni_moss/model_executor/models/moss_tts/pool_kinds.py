@@ -30,7 +30,7 @@ class PoolKind:
         plans: attention backend -> the name of its step-plan builder in ``attention.PLAN_BUILDERS``; the
             backends the kind runs are exactly these keys.
         default_backend: the backend used when none is asked for; ``None``: the device's default
-            (``attention.default_attention_backend``).
+            (``backends.default_attention_backend``).
         backend_refusal: the error for any other backend, a ``str.format`` template over ``backend``.
         paged: whether the rings live in pages (the spec then carries a ``PagingSpec``).
         scratch_per_padding_row: whether padding rows of a graph step each take a scratch slot of their own
