@@ -15,7 +15,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_tot
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
     PagesExhausted,
-    StateSpec,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
@@ -157,24 +156,6 @@ def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
     assert all(torch.equal(a, b) for a, b in zip(before[1], pool.rings))
     assert pool.free_page_counts() == before[2]
     assert pool.slot_state(1)["layer_offsets"].eq(0).all()
-
-
-@pytest.mark.parametrize(
-    "kwargs,message",
-    [
-        (dict(attention_backend="sdpa"), "the paged pool needs attention_backend 'triton'"),
-        (dict(page_size=4), r"page_size 4 must divide every group's window; it does not divide \[5, 10\]"),
-        (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
-        (dict(page_fraction=0.0), r"page_fraction must be in \(0, 1\], got 0.0"),
-        (dict(page_fraction=0.5, state_budget_bytes=10**6), "page_fraction or state_budget_bytes, not both"),
-        (dict(state_budget_bytes=0), "state_budget_bytes must be an integer >= 1, got 0"),
-        (dict(state_budget_bytes=1.5e6), "state_budget_bytes must be an integer >= 1, got 1500000.0"),
-    ],
-)
-def test_bad_paged_pools_are_refused(kwargs, message, ring_decoder):
-    backend = kwargs.pop("attention_backend", None)
-    with pytest.raises(ValueError, match=message):
-        StateSpec.resolve(ring_decoder, "paged", attention_backend=backend, paging=kwargs)
 
 
 def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_decoder):

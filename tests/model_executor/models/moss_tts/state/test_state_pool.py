@@ -801,15 +801,6 @@ def test_a_ring_dtype_other_than_the_weights_decodes(dtype, ring_decoder):
     assert other.rings[0].dtype == dtype
 
 
-def test_backend_and_semantics_must_be_named_and_triton_needs_a_kernel_dtype(ring_decoder):
-    with pytest.raises(ValueError, match=r"attention backend 'triton' needs a ring dtype in \(torch.float32, "):
-        make_state_pool(ring_decoder, dtype=torch.float64, attention_backend="triton")
-    with pytest.raises(ValueError, match="unknown attention backend ''"):
-        make_state_pool(ring_decoder, attention_backend="")
-    with pytest.raises(ValueError, match="unknown ring semantics ''"):
-        make_state_pool(ring_decoder, ring_semantics="")
-
-
 @pytest.mark.parametrize("start_frames", [10**3, 10**6, 5 * 10**8])
 def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
     """RoPE attention depends on position differences only: a stream whose position counters start at
