@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch  # noqa: E402
 from vllm_omni_moss.testing.weights import fill_random_weights_  # noqa: E402
 
@@ -148,7 +148,8 @@ def _session_trace(name: str, decoder, kind, backend, semantics, fraction, out) 
 
 
 def _pool_trace(name: str, decoder, kind, backend, semantics, out) -> None:
-    pool = make_state_pool(decoder, kind, ring_semantics=semantics, attention_backend=backend)
+    spec = StateSpec.from_options(decoder, kind, ring_semantics=semantics, attention_backend=backend)
+    pool = build_pool(decoder, spec)
     pool.initialize(SLOTS, pool.scratch_slots_for(2))
     a, b = pool.acquire(), pool.acquire()
     gen = torch.Generator().manual_seed(5)

@@ -130,6 +130,47 @@ def test_no_module_class_or_function_outgrows_its_bound_and_no_private_name_is_i
     assert found == []
 
 
+#: What the decoder state (``state/``) never imports: the pool is memory, and the step that runs over it (the
+#: decoder, the attention and its step plan, the ops, the step metadata) is chosen where the step runs.
+STATE_FORBIDDEN = ("decoder", "attention", "ops", "step_metadata", "step")
+STATE = PACKAGE / "model_executor" / "models" / "moss_tts" / "state"
+
+
+def state_import_findings(rel: str, text: str) -> list[str]:
+    """The imports of the ``state/`` module ``rel`` (source ``text``) that reach a module of
+    :data:`STATE_FORBIDDEN` or below it, relative (``from ..ops.x import y``, ``from .. import attention``) or
+    absolute (``import vllm_omni_moss.model_executor.models.moss_tts.step``): one line per import."""
+    package = "vllm_omni_moss.model_executor.models.moss_tts."
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                targets = [node.module or ""]
+            elif node.level == 2:
+                base = package + (node.module + "." if node.module else "")
+                targets = [base + alias.name if not node.module else base.rstrip(".") for alias in node.names]
+            else:
+                continue  # within state/
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if not target.startswith(package):
+                continue
+            top = target[len(package) :].split(".")[0]
+            if top in STATE_FORBIDDEN:
+                found.append(f"{rel}:{node.lineno} imports {top}")
+    return found
+
+
+def test_the_state_imports_no_decoder_attention_op_step_metadata_or_step():
+    found = []
+    for path in sorted(STATE.rglob("*.py")):
+        found += state_import_findings(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))
+    assert found == []
+
+
 # ------------------------------------------------------------------------------------------ negative control
 
 
@@ -178,6 +219,36 @@ def test_the_checker_reports_each_broken_rule():
         "bad.py:68 class TooLong: 401 lines > 400",
         "bad.py:470 scripted(): 61 lines > 60",
         "bad.py:532 other_jit(): 61 lines > 60",
+    ]
+
+
+def test_the_state_import_checker_reports_each_forbidden_import():
+    """Each forbidden module is reported however it is imported; the state's own modules, the package's plain
+    modules (checks, config, pool_kinds, backends), torch and a name merely starting like a forbidden one are not."""
+    source = (
+        "import torch\n"
+        "from ..attention import plan_builder\n"
+        "from ..ops.ring_write import RING_DTYPES\n"
+        "from .. import decoder, step_metadata\n"
+        "from ..step import decode_batch\n"
+        "import vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch\n"
+        "from vllm_omni_moss.model_executor.models.moss_tts.attention import step_plan\n"
+        "from ..checks import check_count\n"
+        "from ..config import check_ring_semantics\n"
+        "from ..backends import RING_DTYPES\n"
+        "from ..pool_kinds import POOL_KINDS\n"
+        "from ..step_inputs_like import x\n"
+        "from .spec import StateSpec\n"
+        "from . import offsets\n"
+    )
+    assert state_import_findings("state/bad.py", source) == [
+        "state/bad.py:2 imports attention",
+        "state/bad.py:3 imports ops",
+        "state/bad.py:4 imports decoder",
+        "state/bad.py:4 imports step_metadata",
+        "state/bad.py:5 imports step",
+        "state/bad.py:6 imports ops",
+        "state/bad.py:7 imports attention",
     ]
 
 

@@ -66,7 +66,8 @@ from vllm_omni_moss.model_executor.models.moss_tts.decoder import chunk_schedule
 from vllm_omni_moss.model_executor.models.moss_tts.state import (  # noqa: E402
     PagedDecoderStatePool,
     PagesExhausted,
-    make_state_pool,
+    StateSpec,
+    build_pool,
     state_bytes_for,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch  # noqa: E402
@@ -148,7 +149,7 @@ def _add_device_bytes(entry: dict[str, Any], before: dict[str, int] | None, devi
 def _measure_ours(decoder, arm: str, streams: int, device: torch.device) -> dict[str, Any]:
     capacity, scratch = _pool_kind_slots(arm, streams)
     before = common.cuda_memory(device) if device.type == "cuda" else None
-    pool = make_state_pool(decoder, common.pool_kind(arm), dtype=torch.bfloat16)
+    pool = build_pool(decoder, StateSpec.from_options(decoder, common.pool_kind(arm), dtype=torch.bfloat16))
     pool.initialize(capacity, scratch)
     entry: dict[str, Any] = {
         "state_capacity": capacity,
@@ -214,7 +215,7 @@ def paged_context_bytes(
 ) -> dict[str, Any]:
     """The state ``streams`` streams hold in a fresh paged pool once each has decoded ``context_frames`` frames.
 
-    The pool is ``make_state_pool(decoder, "paged", dtype, page_fraction=page_fraction)`` initialised for
+    The pool is ``build_pool`` of ``StateSpec.from_options(decoder, "paged", dtype, page_fraction=page_fraction)`` initialised for
     ``streams`` slots; the streams take fresh slots and advance together, one step per piece of
     :func:`piece_frames`. On a real device every step is a real ``step.decode_batch`` on random
     codes (``n_vq`` codebooks), which reserves the step's pages (``pool.reserve``) as the session's scheduler
@@ -231,7 +232,7 @@ def paged_context_bytes(
         0 on the meta device).
     """
     for held in range(streams, 0, -1):
-        pool = make_state_pool(decoder, "paged", dtype=dtype, page_fraction=page_fraction)
+        pool = build_pool(decoder, StateSpec.from_options(decoder, "paged", dtype=dtype, page_fraction=page_fraction))
         pool.initialize(streams, streams)
         try:
             steps = _advance_streams(pool, held, piece_frames(context_frames, chunk_sizes), n_vq, seed)
@@ -258,7 +259,8 @@ def _measure_paged(decoder, streams: int, device: torch.device, args: argparse.N
     """The ``v2-paged`` arm at ``streams`` streams: allocated bytes, then the held state per context."""
     capacity, scratch = _pool_kind_slots("v2-paged", streams)
     before = common.cuda_memory(device) if device.type == "cuda" else None
-    pool = make_state_pool(decoder, "paged", dtype=torch.bfloat16, page_fraction=args.page_fraction)
+    spec = StateSpec.from_options(decoder, "paged", dtype=torch.bfloat16, page_fraction=args.page_fraction)
+    pool = build_pool(decoder, spec)
     pool.initialize(capacity, scratch)
     element = pool.rings[0].element_size()
     entry: dict[str, Any] = {

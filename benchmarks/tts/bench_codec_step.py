@@ -87,7 +87,7 @@ import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes  # noqa: E402
 from vllm_omni_moss.testing.upstream_files import load_streaming_attention  # noqa: E402
@@ -231,11 +231,13 @@ def _our_arm(decoder, kind: str, max_batch: int, context_frames: int | None = No
     rings' contents are whatever the pool was initialised with: time does not depend on them)."""
     if kind in TRITON_ARMS:
         backend, semantics = TRITON_ARMS[kind]
-        pool = make_state_pool(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
+        pool = build_pool(
+            decoder, StateSpec.from_options(decoder, "compact", ring_semantics=semantics, attention_backend=backend)
+        )
         pool.initialize(max_batch, max_batch)
         _start_at(pool, max_batch, context_frames)
         return Arm(kind, _our_step(pool), pool.state_bytes(), pool.close)
-    pool = make_state_pool(decoder, common.pool_kind(kind))
+    pool = build_pool(decoder, StateSpec.from_options(decoder, common.pool_kind(kind)))
     pool.initialize(max_batch, max_batch)
     _start_at(pool, max_batch, context_frames)
     if kind == "v2-paged":

@@ -442,7 +442,8 @@ def test_stage_state_plan_buys_whole_pools_or_pages():
     ) == codec_stage.arms.StatePlan(1)
     for name in ("v2", "legacy"):
         slots = codec_stage.arms.state_plan(name, 64, budget_gib=10 * budget, **kw).slots
-        pool = codec_stage.arms.make_state_pool(meta, common.pool_kind(name), torch.float32)
+        spec = codec_stage.arms.StateSpec.from_options(meta, common.pool_kind(name), torch.float32)
+        pool = codec_stage.arms.build_pool(meta, spec)
         for n, fits in ((slots, True), (slots + 1, False)):  # the most slots whose whole pool fits
             pool.initialize(n, 0)
             assert (pool.state_bytes() <= 10 * budget * 2**30) == fits, (name, n)

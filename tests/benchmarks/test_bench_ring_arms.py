@@ -102,12 +102,12 @@ def test_profile_kernel_categories(name, category):
 def test_triton_arm_decodes_the_packed_grid_as_its_pool_does():
     import torch
 
-    from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+    from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 
     bench = _bench()
     decoder = bench.common.random_decoder("tiny-v2", "cpu", seed=3)
     arm = bench._our_arm(decoder, "v2-triton", 2)
-    reference = make_state_pool(decoder, "compact", attention_backend="triton")
+    reference = build_pool(decoder, StateSpec.from_options(decoder, "compact", attention_backend="triton"))
     reference.initialize(2, 2)
     try:
         pool = arm._close.__self__  # the arm closes its pool: pool.close bound to it

@@ -563,9 +563,10 @@ def test_fork_registry_resolves_our_stage_without_the_plugin(scratch_python, man
         print("FROM_SCRATCH", sys.modules[cls.__module__].__file__.startswith(sys.prefix))
         from vllm_omni.model_executor.models.moss_tts.config import preset_config
         from vllm_omni.model_executor.models.moss_tts.decoder import CodecDecoder
-        from vllm_omni.model_executor.models.moss_tts.state import make_state_pool
+        from vllm_omni.model_executor.models.moss_tts.state import StateSpec, build_pool
 
-        pool = make_state_pool(CodecDecoder(preset_config("tiny-v2")))
+        decoder = CodecDecoder(preset_config("tiny-v2"))
+        pool = build_pool(decoder, StateSpec.from_options(decoder))
         print("POOL", type(pool).__name__)
         print("OLD_VAR_READS", reads)
         import vllm_omni

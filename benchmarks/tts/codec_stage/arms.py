@@ -23,7 +23,7 @@ import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, collector_paused
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 
 from .trace import FRAME_RATE
 
@@ -125,7 +125,7 @@ class StatePlan:
 
 def _pool_bytes(meta_decoder, kind: str, dtype: torch.dtype, slots: int, graphs: bool) -> int:
     """Bytes of the pool a session of ``slots`` slots allocates (on the meta device: nothing is allocated)."""
-    pool = make_state_pool(meta_decoder, kind, dtype)
+    pool = build_pool(meta_decoder, StateSpec.from_options(meta_decoder, kind, dtype))
     scratch = pool.scratch_slots_for(slots) if graphs else 0
     pool.initialize(slots, scratch)
     try:
@@ -162,7 +162,7 @@ def state_plan(
         if budget_gib is not None:
             frames = None if expected_stream_seconds is None else max(1, round(expected_stream_seconds * FRAME_RATE))
             kwargs = {"state_budget_bytes": int(budget_gib * 2**30), "expected_stream_frames": frames}
-        pool = make_state_pool(meta_decoder, "paged", state_dtype, **kwargs)
+        pool = build_pool(meta_decoder, StateSpec.from_options(meta_decoder, "paged", state_dtype, **kwargs))
         pool.initialize(concurrency, 0)  # raises for too few pages
         pool.close()
         if budget_gib is None:

@@ -21,6 +21,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     cpu_uses_triton_interpreter,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, ChunkResult
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 
@@ -163,6 +164,13 @@ def random_codes(decoder, batch: int, frames: int, seed: int, n_vq: int | None =
 def stream_codes(decoder, frames: int, seed: int) -> torch.Tensor:
     """Random codes of one stream, ``(n_vq, frames)`` int64: row 0 of :func:`random_codes`."""
     return random_codes(decoder, 1, frames, seed)[:, 0]  # (n_vq, T)
+
+
+def make_state_pool(decoder, *args, **options):
+    """The pool of loose options, as a session or a stage builds it: ``build_pool(decoder,
+    StateSpec.from_options(decoder, *args, **options))`` (kind, dtype, ring semantics, attention backend, page
+    fraction, state budget, expected stream frames); not yet initialised."""
+    return build_pool(decoder, StateSpec.from_options(decoder, *args, **options))
 
 
 def step_valid_rows(pool, codes: torch.Tensor, valid_frames: list[int], slots: list[int]):

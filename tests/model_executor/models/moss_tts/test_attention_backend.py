@@ -15,19 +15,17 @@ import random
 import numpy as np
 import pytest
 import torch
-from moss_codecs import assert_slot_state_equal, build_decoder, random_codes
+from moss_codecs import assert_slot_state_equal, build_decoder, make_state_pool, random_codes
 
-from vllm_omni_moss.model_executor.models.moss_tts import attention as attention_mod
+from vllm_omni_moss.model_executor.models.moss_tts import backends
 from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
 from vllm_omni_moss.model_executor.models.moss_tts.compile import compile_decode
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepShape
-from vllm_omni_moss.model_executor.models.moss_tts.ops import ring_attention as ring_ops
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import cpu_uses_triton_interpreter
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
 from vllm_omni_moss.testing.weights import fill_random_weights_
@@ -68,14 +66,14 @@ def rel_max(got, ref):
 def test_defaults_and_choices(ring_decoder, ring_decoder_v1):
     pool = make_state_pool(ring_decoder)
     assert (pool.attention_backend, pool.ring_semantics) == ("sdpa", "upstream")
-    assert attention_mod.default_attention_backend(torch.device("cpu")) == "sdpa"
-    cuda_default = "triton" if attention_mod.ring_ops.HAS_TRITON else "sdpa"
-    assert attention_mod.default_attention_backend("cuda:1") == cuda_default
+    assert backends.default_attention_backend(torch.device("cpu")) == "sdpa"
+    cuda_default = "triton" if backends.HAS_TRITON else "sdpa"
+    assert backends.default_attention_backend("cuda:1") == cuda_default
     legacy = make_state_pool(ring_decoder_v1)
     assert (legacy.attention_backend, legacy.ring_semantics) == ("sdpa", "exact")
     pool = make_state_pool(ring_decoder, ring_semantics="exact", attention_backend="triton")
     assert (pool.attention_backend, pool.ring_semantics) == ("triton", "exact")
-    assert attention_mod.ATTENTION_BACKENDS == ("sdpa", "triton")
+    assert backends.ATTENTION_BACKENDS == ("sdpa", "triton")
 
 
 @pytest.mark.cpu
@@ -101,7 +99,7 @@ def test_legacy_pool_refuses_triton(ring_decoder_v1):
 
 @pytest.mark.cpu
 def test_triton_without_triton_fails_at_construction(monkeypatch, ring_decoder):
-    monkeypatch.setattr(ring_ops, "HAS_TRITON", False)
+    monkeypatch.setattr(backends, "HAS_TRITON", False)
     with pytest.raises(RuntimeError) as err:
         make_state_pool(ring_decoder, attention_backend="triton")
     assert str(err.value) == (

@@ -18,10 +18,11 @@ import random
 
 import pytest
 import torch
-from moss_codecs import assert_slot_state_equal, build_decoder, random_codes, ring_codec_raw
+from moss_codecs import assert_slot_state_equal, build_decoder, make_state_pool, random_codes, ring_codec_raw
 
 from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_module
 from vllm_omni_moss.model_executor.models.moss_tts.compile import (
+    COMPILE_ADAPTERS,
     CompactDecodeCompileAdapter,
     LegacyDecodeCompileAdapter,
     adapter_class_for,
@@ -30,8 +31,9 @@ from vllm_omni_moss.model_executor.models.moss_tts.compile import (
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
+from vllm_omni_moss.model_executor.models.moss_tts.pool_kinds import POOL_KIND_RECORDS
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
-from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool, make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
 
@@ -537,6 +539,29 @@ def test_adapters_have_distinct_identities(ring_decoder, ring_decoder_v1):
     assert fwd_v2.__code__.co_firstlineno != fwd_legacy.__code__.co_firstlineno
     with pytest.raises(ValueError, match="adapts CompactDecoderStatePool pools, got a LegacyDecoderStatePool"):
         CompactDecodeCompileAdapter(legacy)
+
+
+@pytest.mark.cpu
+def test_each_kind_record_names_its_adapter_and_the_paged_pool_has_none(ring_decoder):
+    """The adapter of a pool is the class its kind's record names in COMPILE_ADAPTERS; the paged kind names none, so
+    neither the lookup nor an adapter takes a paged pool; a subclass (vLLM's decorated one) keeps its base's name."""
+    assert {k: r.compile_adapter for k, r in POOL_KIND_RECORDS.items()} == {
+        "compact": "CompactDecodeCompileAdapter", "legacy": "LegacyDecodeCompileAdapter", "paged": None,
+    }  # fmt: skip
+    assert COMPILE_ADAPTERS == {
+        "LegacyDecodeCompileAdapter": LegacyDecodeCompileAdapter,
+        "CompactDecodeCompileAdapter": CompactDecodeCompileAdapter,
+    }
+    paged = make_state_pool(ring_decoder, "paged")
+    with pytest.raises(ValueError, match="^no compile adapter for PagedDecoderStatePool$"):
+        adapter_class_for(paged)
+    with pytest.raises(
+        ValueError, match="^CompactDecodeCompileAdapter adapts CompactDecoderStatePool pools, got a Paged"
+    ):
+        CompactDecodeCompileAdapter(paged)
+    decorated = type("Decorated", (CompactDecodeCompileAdapter,), {})
+    assert decorated.adapter_name() == "CompactDecodeCompileAdapter"
+    assert decorated(make_state_pool(ring_decoder)).pool.kind == "compact"
 
 
 @pytest.mark.cpu

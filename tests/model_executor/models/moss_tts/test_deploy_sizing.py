@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moss_codecs import make_state_pool
 
 from vllm_omni_moss.model_executor.models.moss_tts import deploy_sizing
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
@@ -23,7 +24,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.deploy_sizing import (
     pool_slots,
     slots_that_fit,
 )
-from vllm_omni_moss.model_executor.models.moss_tts.state import POOL_KINDS, make_state_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state import POOL_KINDS
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 

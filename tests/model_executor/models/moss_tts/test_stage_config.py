@@ -483,11 +483,10 @@ def test_ramp_sets_graph_frame_sizes_and_longest_step(tmp_path, session_kwargs):
 
 
 def test_vllm_adapter_class_is_built_once_per_core_adapter_class(tmp_path):
-    from moss_codecs import build_decoder
+    from moss_codecs import build_decoder, make_state_pool
 
     from vllm_omni_moss.model_executor.models.moss_tts.compile import adapter_class_for
     from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
-    from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
     from vllm_omni_moss.model_executor.models.moss_tts.vllm_compile import vllm_adapter_class as _vllm_adapter_class
 
     bases = [

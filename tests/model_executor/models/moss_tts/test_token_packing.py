@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moss_codecs import needs_interpreter, random_codes
+from moss_codecs import make_state_pool, needs_interpreter, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_tensors
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import TokenPacking, pack_codes, unpack_audio
 

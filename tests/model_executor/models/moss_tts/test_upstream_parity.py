@@ -14,10 +14,10 @@ import copy
 
 import pytest
 import torch
+from moss_codecs import make_state_pool
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
-from vllm_omni_moss.model_executor.models.moss_tts.state import LegacyDecoderStatePool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 from vllm_omni_moss.testing import upstream as uo
 
@@ -83,7 +83,7 @@ def test_legacy_pool_matches_upstream_pool(preset, version, tmp_path):
     1e-5 and every offset in the bank equal, step by step."""
     upstream, ours = _pair(PRESETS[preset], version, tmp_path)
     theirs = upstream.pool(3, 2)
-    pool = LegacyDecoderStatePool(ours)
+    pool = make_state_pool(ours, "legacy")
     pool.initialize(3, 2)
     for step, T in enumerate([1, 3, 3, 7, 1, 15, 2]):
         codes = _codes(ours, 4, T, seed=50 + step)

@@ -34,7 +34,8 @@ The ``"sdpa"`` backends compute attention with the reference attention,
 SDPA over the gathered ring, physical key order), so pools that share a ring semantics
 produce bit-identical audio; the ``"triton"`` backend sees exactly the same keys and
 writes bitwise the same ring contents, with its own (float32 online softmax) arithmetic.
-A pool picks its backend once, at construction (:data:`ATTENTION_BACKENDS`).
+A pool's spec picks its backend once (``backends.ATTENTION_BACKENDS``); :func:`step_plan` builds each step's plan
+with the builder its kind's record names for that backend.
 """
 
 from __future__ import annotations
@@ -49,18 +50,16 @@ import torch.nn.functional as F
 
 from . import step_metadata
 from .config import CodecConfig, GroupSpec
-from .ops import ring_attention as ring_ops
 from .ops.commit import commit_offsets, commit_ring
 from .ops.ring_attention_packed import ring_attention_write_packed
 from .ops.ring_reference import attend_gathered_rows
 from .ops.rope import rope as rope_op
 from .ops.rope import step_rope_tables
-from .pool_kinds import pool_kind_record
+from .pool_kinds import POOL_KIND_RECORDS
 from .step_metadata import RingMetadata, apply_rope, rope_tables
 from .token_packing import TokenPacking
 
 __all__ = [
-    "ATTENTION_BACKENDS",
     "AttentionBackend",
     "CompactRingAttention",
     "CompactTritonRingAttention",
@@ -69,17 +68,13 @@ __all__ = [
     "GroupStep",
     "LegacyRingAttention",
     "OfflineAttention",
+    "PLANS_BY_KIND",
     "PLAN_BUILDERS",
     "StepPlan",
     "apply_rope",
-    "check_attention_backend",
-    "default_attention_backend",
     "plan_builder",
+    "step_plan",
 ]
-
-#: Attention backends a compact pool can be built with: ``"sdpa"`` gathers rings and runs
-#: native SDPA (the parity oracle); ``"triton"`` reads rings in place (``ops/ring_attention.py``).
-ATTENTION_BACKENDS = ("sdpa", "triton")
 
 #: Queries per block in offline attention: bounds the mask to ``block x (block + window)``.
 OFFLINE_QUERY_BLOCK = 4096
@@ -149,33 +144,6 @@ def group_steps(
             )
         steps.append(GroupStep(spec, config.group_first_layers[g], num_tokens, written, meta))
     return steps
-
-
-def default_attention_backend(device: torch.device | str) -> str:
-    """The attention backend a compact pool on ``device`` uses when none is asked for.
-
-    ``"triton"`` on CUDA when the ``triton`` package is installed (its H200 gates and step table:
-    ``benchmarks/RESULTS.md``); ``"sdpa"`` (the reference path) on every other device, and on CUDA
-    without Triton.
-    """
-    return "triton" if torch.device(device).type == "cuda" and ring_ops.HAS_TRITON else "sdpa"
-
-
-def check_attention_backend(name: str) -> str:
-    """``name`` if it is a usable attention backend here.
-
-    Raises:
-        ValueError: ``name`` is not one of :data:`ATTENTION_BACKENDS` (the message lists them).
-        RuntimeError: ``"triton"`` without the ``triton`` package installed.
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {ATTENTION_BACKENDS}")
-    if name == "triton" and not ring_ops.HAS_TRITON:
-        raise RuntimeError(
-            "attention backend 'triton' needs the `triton` package, which is not installed; "
-            "install it or use attention backend 'sdpa'"
-        )
-    return name
 
 
 # --------------------------------------------------------------------------- reference
@@ -435,14 +403,30 @@ PLAN_BUILDERS: dict[str, Callable] = {
 }
 
 
+#: The step-plan builder of every (pool kind, attention backend) some pool runs, as the kinds' records name it: a
+#: plain dict, so that ``torch.compile`` traces the lookup of a step's builder as a constant.
+PLANS_BY_KIND: dict[tuple[str, str], Callable] = {
+    (kind, backend): PLAN_BUILDERS[plan]
+    for kind, record in POOL_KIND_RECORDS.items()
+    for backend, plan in record.plans.items()
+}
+
+
 def plan_builder(kind: str, backend: str) -> Callable:
     """The step-plan builder of a pool of ``kind`` with attention ``backend``: ``(pool, slots, valid_frames,
-    packing) -> StepPlan``; the kind's record (``pool_kinds.pool_kind_record``) names it.
+    packing) -> StepPlan``; the kind's record (``pool_kinds.PoolKind.plans``) names it.
 
     Raises:
         ValueError: a combination no pool runs (the state spec refuses it first).
     """
-    record = pool_kind_record(kind)
-    if record is None or backend not in record.plans:
+    builder = PLANS_BY_KIND.get((kind, backend))
+    if builder is None:
         raise ValueError(f"no {kind!r} pool runs attention backend {backend!r}")
-    return PLAN_BUILDERS[record.plans[backend]]
+    return builder
+
+
+def step_plan(pool, slots: torch.Tensor, valid_frames: torch.Tensor, packing: TokenPacking) -> StepPlan:
+    """The :class:`StepPlan` of one packed step over ``pool``, built by the plan builder of its spec's kind and
+    attention backend: ``slots`` ``(R,)`` routed slot ids, ``valid_frames`` ``(R,)`` int64 (0 for invalid rows),
+    ``packing`` the step's :class:`~.token_packing.TokenPacking`."""
+    return plan_builder(pool.kind, pool.attention_backend)(pool, slots, valid_frames, packing)

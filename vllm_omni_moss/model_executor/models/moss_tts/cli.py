@@ -303,8 +303,7 @@ def _cmd_decode(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import PRESETS
-    from .step_metadata import RING_SEMANTICS
+    from .config import PRESETS, RING_SEMANTICS
 
     presets = ", ".join(sorted(PRESETS))
     parser = argparse.ArgumentParser(prog="vllm-omni-moss", description="MOSS-TTS codec decoder tools.")

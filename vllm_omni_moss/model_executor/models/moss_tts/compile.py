@@ -10,7 +10,9 @@ The adapters are ``nn.Module`` s because vLLM's ``support_torch_compile`` decora
 module classes, and its compile cache keys artifacts on the decorated class. The
 legacy and compact pools mutate state differently (whole-ring ``index_copy_`` versus
 the masked ``commit_ring`` / ``commit_offsets`` ops), so each pool class has its own
-adapter class: an artifact compiled for one can never be reused for the other. The
+adapter class: an artifact compiled for one can never be reused for the other. A pool
+kind's record names its adapter (``pool_kinds.PoolKind.compile_adapter``), resolved in
+:data:`COMPILE_ADAPTERS`; a kind that names none (the paged pool) is never compiled. The
 stage subclasses these classes under vLLM's decorator; this module never imports vLLM.
 """
 
@@ -21,10 +23,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .state import CompactDecoderStatePool, DecoderStatePool, LegacyDecoderStatePool
+from .pool_kinds import POOL_KIND_RECORDS, pool_kind_record
+from .state import POOL_CLASSES, DecoderStatePool
 from .step import decode_tensors
 
 __all__ = [
+    "COMPILE_ADAPTERS",
     "DYNAMIC_ARG_DIMS",
     "CompactDecodeCompileAdapter",
     "LegacyDecodeCompileAdapter",
@@ -47,18 +51,28 @@ class _DecodeCompileAdapter(nn.Module):
     The decoder is registered as a submodule so the weights are visible to compile
     machinery that walks parameters; the pool is a plain attribute (it owns state
     tensors, not parameters).
-    """
 
-    pool_class: type[DecoderStatePool] = DecoderStatePool
+    Raises:
+        ValueError: a pool whose kind's record names another adapter (or none).
+    """
 
     def __init__(self, pool: DecoderStatePool):
         super().__init__()
-        if type(pool) is not self.pool_class:
-            raise ValueError(
-                f"{type(self).__name__} adapts {self.pool_class.__name__} pools, got a {type(pool).__name__}"
+        name = self.adapter_name()
+        record = pool_kind_record(pool.kind)
+        if record is None or record.compile_adapter != name:
+            adapted = " or ".join(
+                POOL_CLASSES[k].__name__ for k, r in POOL_KIND_RECORDS.items() if r.compile_adapter == name
             )
+            raise ValueError(f"{type(self).__name__} adapts {adapted} pools, got a {type(pool).__name__}")
         self.decoder = pool.decoder
         self.pool = pool
+
+    @classmethod
+    def adapter_name(cls) -> str:
+        """The name the pool kinds' records give this adapter: its own class's, or the core class it derives from
+        (vLLM's decorated subclasses)."""
+        return next((c.__name__ for c in cls.__mro__ if c.__name__ in COMPILE_ADAPTERS), cls.__name__)
 
     def _step(self, codes, valid_frames, state_slot_ids, valid_rows, frames):
         return decode_tensors(self.pool, codes, valid_frames, state_slot_ids, valid_rows, frames)
@@ -71,8 +85,6 @@ class _DecodeCompileAdapter(nn.Module):
 
 class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
     """Adapter for :class:`~.state.LegacyDecoderStatePool` (scratch slots, whole-ring write-back)."""
-
-    pool_class = LegacyDecoderStatePool
 
     def forward(
         self,
@@ -90,8 +102,6 @@ class LegacyDecodeCompileAdapter(_DecodeCompileAdapter):
 class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
     """Adapter for :class:`~.state.CompactDecoderStatePool` (null slot, masked commits)."""
 
-    pool_class = CompactDecoderStatePool
-
     def forward(
         self,
         codes: torch.Tensor,
@@ -105,16 +115,22 @@ class CompactDecodeCompileAdapter(_DecodeCompileAdapter):
         return self._step(codes, valid_frames, state_slot_ids, valid_rows, frames)
 
 
+#: The adapter classes by the name a pool kind's record gives (``pool_kinds.PoolKind.compile_adapter``).
+COMPILE_ADAPTERS: dict[str, type[_DecodeCompileAdapter]] = {
+    cls.__name__: cls for cls in (LegacyDecodeCompileAdapter, CompactDecodeCompileAdapter)
+}
+
+
 def adapter_class_for(pool: DecoderStatePool) -> type[_DecodeCompileAdapter]:
-    """The adapter class for ``pool``'s class.
+    """The adapter class that ``pool``'s kind's record names.
 
     Raises:
-        ValueError: a pool class without an adapter.
+        ValueError: a pool whose kind has no adapter.
     """
-    for cls in (LegacyDecodeCompileAdapter, CompactDecodeCompileAdapter):
-        if type(pool) is cls.pool_class:
-            return cls
-    raise ValueError(f"no compile adapter for {type(pool).__name__}")
+    record = pool_kind_record(pool.kind)
+    if record is None or record.compile_adapter is None:
+        raise ValueError(f"no compile adapter for {type(pool).__name__}")
+    return COMPILE_ADAPTERS[record.compile_adapter]
 
 
 def _mark_dynamic(tensor: torch.Tensor, dims: dict[int, str]) -> None:

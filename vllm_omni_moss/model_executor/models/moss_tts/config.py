@@ -39,12 +39,30 @@ __all__ = [
     "CodecConfig",
     "GroupSpec",
     "PRESETS",
+    "RING_SEMANTICS",
+    "check_ring_semantics",
     "load_config",
     "parse_config",
     "preset_config",
 ]
 
 _SUPPORTED_QUANTIZERS = ("rlfq", "random_prefix_rlfq")
+
+#: Ring semantics a pool can be built with: ``"upstream"`` (vLLM-Omni 0.30.0's v2 codec: write the chunk into the
+#: ring, then attend over the ring) or ``"exact"`` (the v1 codec: attend over the ring before the write followed by
+#: the chunk); ``step_metadata.py`` and docs/ring_semantics.md hold the rest.
+RING_SEMANTICS = ("upstream", "exact")
+
+
+def check_ring_semantics(ring_semantics) -> str:
+    """``ring_semantics`` if it is one of :data:`RING_SEMANTICS`.
+
+    Raises:
+        ValueError: the message lists the choices.
+    """
+    if ring_semantics not in RING_SEMANTICS:
+        raise ValueError(f"unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
+    return ring_semantics
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@
 
 A pool kind decides which codecs it serves, which attention backends it runs and through which step plan,
 the backend it picks when none is asked for, whether it pages its rings, which extra slots it allocates besides
-one per stream, and how many frame counters a slot has. Every module that needs one of these facts reads it
-here: the state spec (``state/spec.py``) validates options and counts bytes with it, the plan builders
-(``attention.py``) are looked up by the plan name it gives, and deploy sizing (``deploy_sizing.py``) counts
-slots with it. Plain data: no torch, no vLLM (deploy sizing imports it before anything else is loaded).
+one per stream, how many frame counters a slot has, and which ``torch.compile`` adapter its steps compile under.
+Every module that needs one of these facts reads it here: the state spec (``state/spec.py``) validates options
+and counts bytes with it, the plan builders (``attention.py``) and the compile adapters (``compile.py``) are
+looked up by the names it gives, and deploy sizing (``deploy_sizing.py``) counts slots with it. Plain data: no
+torch, no vLLM (deploy sizing imports it before anything else is loaded).
 The kinds themselves are described in docs/glossary.md ("Pool kind") and docs/memory.md ("Slots per pool").
 """
 
@@ -30,13 +31,16 @@ class PoolKind:
         plans: attention backend -> the name of its step-plan builder in ``attention.PLAN_BUILDERS``; the
             backends the kind runs are exactly these keys.
         default_backend: the backend used when none is asked for; ``None``: the device's default
-            (``attention.default_attention_backend``).
+            (``backends.default_attention_backend``).
         backend_refusal: the error for any other backend, a ``str.format`` template over ``backend``.
         paged: whether the rings live in pages (the spec then carries a ``PagingSpec``).
         scratch_per_padding_row: whether padding rows of a graph step each take a scratch slot of their own
             (legacy), rather than all reading one null slot or null page (counted as one extra slot).
         offset_table: whether a slot keeps upstream's offset table (one int64 per row of
             ``state.offsets.offset_table_rows``) rather than one int64 frame counter.
+        compile_adapter: the name of the ``torch.compile`` adapter class of the kind's pools in
+            ``compile.COMPILE_ADAPTERS``, or ``None`` when the kind has none (its steps run eagerly or in CUDA
+            graphs, never compiled).
     """
 
     name: str
@@ -47,6 +51,7 @@ class PoolKind:
     paged: bool = False
     scratch_per_padding_row: bool = False
     offset_table: bool = False
+    compile_adapter: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plans", MappingProxyType(dict(self.plans)))
@@ -76,6 +81,7 @@ POOL_KIND_RECORDS: Mapping[str, PoolKind] = MappingProxyType(
             plans={"sdpa": "compact_sdpa", "triton": "compact_triton"},
             default_backend=None,
             backend_refusal="no 'compact' pool runs attention backend {backend!r}",
+            compile_adapter="CompactDecodeCompileAdapter",
         ),
         "legacy": PoolKind(
             name="legacy",
@@ -88,6 +94,7 @@ POOL_KIND_RECORDS: Mapping[str, PoolKind] = MappingProxyType(
             ),
             scratch_per_padding_row=True,
             offset_table=True,
+            compile_adapter="LegacyDecodeCompileAdapter",
         ),
         "paged": PoolKind(
             name="paged",

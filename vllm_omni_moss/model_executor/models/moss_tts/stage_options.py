@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 
-from .attention import ATTENTION_BACKENDS
-from .config import CODEC_ABILITIES, PRESETS
+from .backends import ATTENTION_BACKENDS
+from .config import CODEC_ABILITIES, PRESETS, RING_SEMANTICS
 from .connector_keys import check_connector_keys
 from .decoder import chunk_frames_at
 from .graph_ladder import frame_totals
 from .serving.options import SessionOptions
 from .state import POOL_KINDS
-from .step_metadata import RING_SEMANTICS
 
 __all__ = [
     "CODEC_DTYPES",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import step_plan
 from .decoder import decode_autocast, run_decoder
 from .pool_kinds import pool_kind_record
 from .token_packing import TokenPacking, pack_codes, unpack_audio
@@ -37,7 +38,7 @@ def decode_tensors(pool, codes, valid_frames, slot_ids, valid_rows, frames: int)
     slots = pool.route(slot_ids, valid_rows)
     valid_frames = torch.where(valid_rows, valid_frames, 0)
     packing = TokenPacking.of(pool.config, valid_frames, frames, codes.shape[-1])
-    plan = pool.step_plan(slots, valid_frames, packing)
+    plan = step_plan(pool, slots, valid_frames, packing)
     with torch.no_grad(), decode_autocast(pool.decoder):
         return run_decoder(pool.decoder, codes, plan, packing)
 
@@ -68,7 +69,7 @@ def decode_batch(
         PagesExhausted: a paged pool lacks the pages of the step (before anything changes).
         RuntimeError: the pool is not initialised.
     """
-    pool._require_initialized()
+    pool.require_initialized()
     validate_step(pool, codes, valid_frames, slot_ids, valid_rows)
     least = max(1, int(torch.where(valid_rows, valid_frames, 0).sum()))
     if total_frames is None:

@@ -6,7 +6,7 @@ absolute token position ``p`` lives at ring index ``p mod C``. Offsets count the
 tokens a stream has written since its last reset (never reduced mod ``C``). The
 facts behind both ring semantics are in ``docs/ring_semantics.md``.
 
-Two ring semantics exist, chosen once per pool (:data:`RING_SEMANTICS`):
+Two ring semantics exist, chosen once per pool (``config.RING_SEMANTICS``):
 
 * ``"upstream"`` (vLLM-Omni 0.30.0's v2 codec, ``audio_tokenizer_v2.py``): write the
   chunk into the ring first, then attend over the ``C`` ring cells. When a row writes
@@ -32,31 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import CODEC_ABILITIES, GroupSpec
+from .config import CODEC_ABILITIES, GroupSpec, check_ring_semantics
 
 __all__ = [
-    "RING_SEMANTICS",
     "RingMetadata",
     "apply_rope",
     "build_ring_metadata",
-    "check_ring_semantics",
     "default_ring_semantics",
     "rope_tables",
 ]
-
-#: Ring semantics a pool can be built with (see the module docstring).
-RING_SEMANTICS = ("upstream", "exact")
-
-
-def check_ring_semantics(ring_semantics) -> str:
-    """``ring_semantics`` if it is one of :data:`RING_SEMANTICS`.
-
-    Raises:
-        ValueError: the message lists the choices.
-    """
-    if ring_semantics not in RING_SEMANTICS:
-        raise ValueError(f"unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
-    return ring_semantics
 
 
 def default_ring_semantics(codec_version: str) -> str:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moss_codecs import build_decoder, interpreter_subprocess_test, needs_interpreter, random_codes
+from moss_codecs import build_decoder, interpreter_subprocess_test, make_state_pool, needs_interpreter, random_codes
 from moss_codecs import cuda_kernel_test as cuda
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
@@ -34,7 +34,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     cpu_uses_triton_interpreter,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.ops.ring_reference import attend_gathered_rows
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import apply_rope, build_ring_metadata, rope_tables
 

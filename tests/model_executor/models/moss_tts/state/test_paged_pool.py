@@ -8,15 +8,13 @@ import random
 
 import pytest
 import torch
-from moss_codecs import build_decoder, random_codes, ring_codec_raw
+from moss_codecs import build_decoder, make_state_pool, random_codes, ring_codec_raw
 from moss_codecs import step_valid_rows as _step
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
-    PagedDecoderStatePool,
     PagesExhausted,
-    make_state_pool,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
@@ -37,7 +35,7 @@ def cuda_ring_decoder(request, tmp_path):
 def _pools(decoder, **paged):
     compact = make_state_pool(decoder, "compact", attention_backend="triton")
     compact.initialize(CAPACITY)
-    pool = PagedDecoderStatePool(decoder, **paged)
+    pool = make_state_pool(decoder, "paged", **paged)
     pool.initialize(CAPACITY)
     for p in (compact, pool):
         assert [p.acquire() for _ in range(CAPACITY)] == [0, 1, 2]
@@ -145,7 +143,7 @@ def test_release_never_reads_ids_back_from_the_device(paged, ring_decoder, monke
 
 
 def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
-    pool = PagedDecoderStatePool(ring_decoder, page_fraction=0.2)  # one slot's worth of pages per group
+    pool = make_state_pool(ring_decoder, "paged", page_fraction=0.2)  # one slot's worth of pages per group
     pool.initialize(CAPACITY)
     for _ in range(CAPACITY):
         pool.acquire()
@@ -160,30 +158,13 @@ def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
     assert pool.slot_state(1)["layer_offsets"].eq(0).all()
 
 
-@pytest.mark.parametrize(
-    "kwargs,message",
-    [
-        (dict(attention_backend="sdpa"), "the paged pool needs attention_backend 'triton'"),
-        (dict(page_size=4), r"page_size 4 must divide every group's window; it does not divide \[5, 10\]"),
-        (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
-        (dict(page_fraction=0.0), r"page_fraction must be in \(0, 1\], got 0.0"),
-        (dict(page_fraction=0.5, state_budget_bytes=10**6), "page_fraction or state_budget_bytes, not both"),
-        (dict(state_budget_bytes=0), "state_budget_bytes must be an integer >= 1, got 0"),
-        (dict(state_budget_bytes=1.5e6), "state_budget_bytes must be an integer >= 1, got 1500000.0"),
-    ],
-)
-def test_bad_paged_pools_are_refused(kwargs, message, ring_decoder):
-    with pytest.raises(ValueError, match=message):
-        PagedDecoderStatePool(ring_decoder, **kwargs)
-
-
 def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_decoder):
     """Ring codec, fp32, 3 layers of 2 heads x 64 per group (moss_codecs.ring_codec_raw): a page of 5
     tokens is 2 x 5 x 128 x 4 bytes x 3 layers = 15,360 bytes in either group; one stream's full rings
     are 1 + 2 pages, plus one null page per group."""
     page = 2 * 5 * 128 * 4 * 3
     assert [(g.num_heads * g.head_dim, g.num_layers) for g in ring_decoder.config.groups] == [(128, 3), (128, 3)]
-    pool = PagedDecoderStatePool(ring_decoder, state_budget_bytes=2 * page + 5 * page)
+    pool = make_state_pool(ring_decoder, "paged", state_budget_bytes=2 * page + 5 * page)
     pool.initialize(CAPACITY)
     assert pool.page_fraction == pytest.approx(5 / 9)  # (budget - null pages) / (3 slots x 3 pages)
     assert pool.free_page_counts() == [1, 3]  # floor(5/9 x 3 x 1), floor(5/9 x 3 x 2)
@@ -193,7 +174,7 @@ def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_d
         match=r"a state budget of 76799 bytes holds no stream: one stream's full rings plus the null pages need "
         r"76800 bytes \(0.07 MiB\)",
     ):
-        PagedDecoderStatePool(ring_decoder, state_budget_bytes=5 * page - 1).initialize(CAPACITY)
+        make_state_pool(ring_decoder, "paged", state_budget_bytes=5 * page - 1).initialize(CAPACITY)
 
 
 @pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
@@ -435,7 +416,7 @@ def test_new_streams_wait_while_live_streams_need_the_pages(ring_decoder, caplog
 
 
 def test_paged_restore_and_page_calls_check_slots_in_use_and_pages_first(ring_decoder):
-    pool = PagedDecoderStatePool(ring_decoder, page_fraction=0.5)  # 1 and 3 pages: one full stream and a bit
+    pool = make_state_pool(ring_decoder, "paged", page_fraction=0.5)  # 1 and 3 pages: one full stream and a bit
     pool.initialize(2)
     x, y = pool.acquire(), pool.acquire()
     _step(pool, random_codes(ring_decoder, 1, 6, seed=1), [6], [x])  # x takes every page of group 0
@@ -484,19 +465,19 @@ def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):
     (1 + 1 + 2 + 2) / 4 = 1.5 of group 1. A budget of 20 pages pays the null pages (2) and one full
     stream (3), and the other 15 pages buy 15 / 2.5 = 6 average streams: 1 + 6 and 2 + 9 pages."""
     page = 2 * 5 * 128 * 4 * 3
-    pool = PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=4)
+    pool = make_state_pool(ring_decoder, "paged", state_budget_bytes=20 * page, expected_stream_frames=4)
     assert pool.average_pages(4) == [1.0, 1.5]
     pool.initialize(8)
     assert pool.free_page_counts() == [7, 11]
     assert sum(r.numel() * r.element_size() for r in pool.rings) == 20 * page
     assert pool.page_fraction == pytest.approx(18 / (8 * 3))
-    small = PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=4)
+    small = make_state_pool(ring_decoder, "paged", state_budget_bytes=20 * page, expected_stream_frames=4)
     small.initialize(3)
     assert small.free_page_counts() == [3, 6]  # never more than full rings for every slot
     with pytest.raises(ValueError, match="expected_stream_frames splits a state budget: give state_budget_bytes too"):
-        PagedDecoderStatePool(ring_decoder, expected_stream_frames=4)
+        make_state_pool(ring_decoder, "paged", expected_stream_frames=4)
     with pytest.raises(ValueError, match="expected_stream_frames must be an integer >= 1, got 0"):
-        PagedDecoderStatePool(ring_decoder, state_budget_bytes=20 * page, expected_stream_frames=0)
+        make_state_pool(ring_decoder, "paged", state_budget_bytes=20 * page, expected_stream_frames=0)
 
 
 def test_a_stream_is_admitted_for_all_it_brings_not_just_one_piece(ring_decoder):

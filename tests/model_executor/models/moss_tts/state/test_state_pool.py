@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moss_codecs import assert_slot_state_equal, random_codes
+from moss_codecs import assert_slot_state_equal, make_state_pool, random_codes
 from moss_codecs import step_valid_rows as _run
 
 from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
@@ -22,7 +22,6 @@ from vllm_omni_moss.model_executor.models.moss_tts.state import (
     PagedDecoderStatePool,
     StateSpec,
     build_pool,
-    make_state_pool,
     state_bytes_for,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
@@ -33,7 +32,7 @@ SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (docs/memory.md)
 
 
 def _pair(decoder, live=4, scratch=4):
-    legacy = LegacyDecoderStatePool(decoder)
+    legacy = make_state_pool(decoder, "legacy")
     legacy.initialize(live, scratch)
     v2 = make_state_pool(decoder)
     v2.initialize(live, scratch)
@@ -121,7 +120,7 @@ def test_close_and_reinitialise_with_another_capacity(ring_decoder):
 
 
 def test_legacy_lifecycle_and_offset_bank(ring_decoder):
-    legacy = LegacyDecoderStatePool(ring_decoder)
+    legacy = make_state_pool(ring_decoder, "legacy")
     legacy.initialize(4, 4)
     assert legacy.num_slots == 8
     assert tuple(legacy.offset_table.shape) == (14, 8)  # 2 groups x (3 layers x 2 + 1)
@@ -269,7 +268,7 @@ def test_bad_input_raises_and_changes_no_slot(kind, mutate, message, ring_decode
 
 
 def test_legacy_padding_rows_must_use_distinct_scratch_slots(ring_decoder):
-    pool = LegacyDecoderStatePool(ring_decoder)
+    pool = make_state_pool(ring_decoder, "legacy")
     pool.initialize(3, 2)
     codes = random_codes(ring_decoder, 2, 1, seed=1)
     with pytest.raises(ValueError, match=r"padding row slot id 1 is not a scratch slot \(3..4\)"):
@@ -303,9 +302,9 @@ def test_state_bytes_real_v2_geometry(live):
     assert config.state_bytes_per_slot(2) == SLOT_BYTES_V2
     with torch.device("meta"):
         decoder = CodecDecoder(config)
-    legacy = LegacyDecoderStatePool(decoder, dtype=torch.bfloat16)
+    legacy = make_state_pool(decoder, "legacy", torch.bfloat16)
     legacy.initialize(live, live)
-    v2 = CompactDecoderStatePool(decoder, dtype=torch.bfloat16)
+    v2 = make_state_pool(decoder, "compact", torch.bfloat16)
     v2.initialize(live, live)
     legacy_expected = 2 * live * SLOT_BYTES_V2 + 190 * 2 * live * 8
     v2_expected = (live + 1) * SLOT_BYTES_V2 + (live + 1) * 8
@@ -802,15 +801,6 @@ def test_a_ring_dtype_other_than_the_weights_decodes(dtype, ring_decoder):
     assert other.rings[0].dtype == dtype
 
 
-def test_backend_and_semantics_must_be_named_and_triton_needs_a_kernel_dtype(ring_decoder):
-    with pytest.raises(ValueError, match=r"attention backend 'triton' needs a ring dtype in \(torch.float32, "):
-        make_state_pool(ring_decoder, dtype=torch.float64, attention_backend="triton")
-    with pytest.raises(ValueError, match="unknown attention backend ''"):
-        make_state_pool(ring_decoder, attention_backend="")
-    with pytest.raises(ValueError, match="unknown ring semantics ''"):
-        make_state_pool(ring_decoder, ring_semantics="")
-
-
 @pytest.mark.parametrize("start_frames", [10**3, 10**6, 5 * 10**8])
 def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
     """RoPE attention depends on position differences only: a stream whose position counters start at
@@ -834,19 +824,19 @@ def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
     assert (old - young).abs().max().item() <= 1e-5 * young.abs().max().item()
 
 
-def test_build_pool_constructs_each_kind_from_its_spec_and_refuses_mixed_options(ring_decoder):
-    """build_pool makes the class of the spec's kind through its constructor (``spec=``), holding that very spec;
-    a spec of another kind, or a spec beside loose options, is refused with the class named."""
+def test_build_pool_constructs_each_kind_from_its_spec_and_refuses_another_kinds_spec(ring_decoder):
+    """build_pool makes the class of the spec's kind through its constructor ``(decoder, spec)``, holding that very
+    spec; a spec of another kind is refused with the class named (the paged pool before it reads the paging)."""
     for kind, cls in POOL_CLASSES.items():
         spec = StateSpec.from_options(ring_decoder, kind, torch.float32)
         pool = build_pool(ring_decoder, spec)
-        assert type(pool) is cls and pool.spec is spec and cls(ring_decoder, spec=spec).spec is spec
+        assert type(pool) is cls and pool.spec is spec and cls(ring_decoder, spec).spec is spec
     compact = StateSpec.from_options(ring_decoder, "compact")
     with pytest.raises(ValueError, match=r"LegacyDecoderStatePool holds 'legacy' pools, the spec is for 'compact'"):
-        LegacyDecoderStatePool(ring_decoder, spec=compact)
-    with pytest.raises(ValueError, match=r"give CompactDecoderStatePool a spec or the options it is made of, not both"):
-        CompactDecoderStatePool(ring_decoder, torch.float32, spec=compact)
+        LegacyDecoderStatePool(ring_decoder, compact)
+    with pytest.raises(ValueError, match=r"PagedDecoderStatePool holds 'paged' pools, the spec is for 'compact'"):
+        PagedDecoderStatePool(ring_decoder, compact)
     paged = StateSpec.from_options(ring_decoder, "paged", page_fraction=0.5)
-    with pytest.raises(ValueError, match=r"give PagedDecoderStatePool a spec or the options it is made of, not both"):
-        PagedDecoderStatePool(ring_decoder, page_fraction=0.5, spec=paged)
-    assert PagedDecoderStatePool(ring_decoder, spec=paged).spec.paging.page_fraction == 0.5
+    with pytest.raises(ValueError, match=r"CompactDecoderStatePool holds 'compact' pools, the spec is for 'paged'"):
+        CompactDecoderStatePool(ring_decoder, paged)
+    assert PagedDecoderStatePool(ring_decoder, paged).page_fraction == 0.5

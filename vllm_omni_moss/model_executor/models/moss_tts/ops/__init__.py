@@ -7,7 +7,7 @@ against. No module imports another's private name.
   and offsets into the state pool.
 * :mod:`.ring_write` - ``ring_write``: the write of each row's last ``min(tokens, C)`` chunk tokens
   into its ring; and what both ring ops build on: the jit helpers of the ring kernels, their RoPE and
-  paging arguments, the argument checks, ``RING_DTYPES``.
+  paging arguments, the argument checks.
 * :mod:`.ring_attention` - ``ring_attention``: one layer's streaming attention reading the pool's
   rings in place; it can rotate queries and keys by RoPE as it loads them. ``ring_attention_write``
   is it and ``ring_write`` in turn as one op (the attention kernel stores the chunk itself for rows
@@ -26,6 +26,6 @@ against. No module imports another's private name.
   between sublayers on the fused path (CUDA; CPU decodes with its reference), and the reference of a
   sublayer's end (``residual_layer_norm_reference``).
 
-:mod:`.dispatch` holds what every family shares: the optional Triton import, the dispatch between
-kernel and reference, the device guard of a launch and the shape check.
+:mod:`.dispatch` holds what every family shares: Triton (``backends.py`` imports it under a guard), the dispatch
+between kernel and reference, the device guard of a launch and the shape check.
 """

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What every op family of this package shares: the optional Triton import, where an op runs, the
-device a kernel launches on, and the shape-only argument check.
+"""What every op family of this package shares: Triton (imported under a guard by ``backends.py``), where an op
+runs, the device a kernel launches on, and the shape-only argument check.
 
 Dispatch (:func:`runs_triton_kernel`): CUDA tensors launch an op's Triton kernel. CPU tensors run its
 PyTorch reference, unless ``TRITON_INTERPRET=1`` was set when this module was imported (Triton decides
 at ``@triton.jit`` time whether a kernel is compiled or interpreted, and every op module imports this
 one before it decorates its kernels) and :data:`ALLOW_CPU_TRITON_INTERPRETER` is true; then CPU tensors
-run the Triton kernel in Triton's interpreter, which is how CPU tests check the real kernels. Triton is
-imported under a guard: without it every op module still imports, and CPU uses the references.
+run the Triton kernel in Triton's interpreter, which is how CPU tests check the real kernels. Without
+Triton every op module still imports, and CPU uses the references.
 """
 
 import contextlib
@@ -15,15 +15,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # Triton is optional on CPU-only installs.
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ..backends import HAS_TRITON, tl, triton
 
 __all__ = [
     "ALLOW_CPU_TRITON_INTERPRETER",
@@ -33,6 +25,8 @@ __all__ = [
     "cpu_uses_triton_interpreter",
     "device_guard",
     "runs_triton_kernel",
+    "tl",
+    "triton",
 ]
 
 # Snapshot at import: whether Triton turned the kernels into interpreted functions is fixed by the

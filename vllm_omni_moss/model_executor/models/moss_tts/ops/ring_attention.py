@@ -61,7 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..step_metadata import RING_SEMANTICS, apply_rope, build_ring_metadata
+from ..config import RING_SEMANTICS
+from ..step_metadata import apply_rope, build_ring_metadata
 from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
 from .ring_reference import attend_gathered_rows, logical_rings
 from .ring_write import (
@@ -725,7 +726,7 @@ def ring_attention(
         offsets: ``(B,)`` int64 tokens each row wrote before this chunk (not reduced mod ``C``).
         valid_tokens: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it
             are padding.
-        ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
+        ring_semantics: ``"upstream"`` or ``"exact"`` (``config.RING_SEMANTICS``).
         cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions
             (``step_metadata.rope_tables``): the kernel then rotates ``q`` and ``k`` as it loads
             them, bitwise ``step_metadata.apply_rope``, saving one pass over them.

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..step_metadata import RING_SEMANTICS
+from ..backends import RING_DTYPES
+from ..config import RING_SEMANTICS
 from .dispatch import check_tensor, runs_triton_kernel
 from .ring_attention import launch_ring_attention_triton, ring_attention_write_reference
-from .ring_write import RING_DTYPES, check_page_table
+from .ring_write import check_page_table
 
 __all__ = ["ring_attention_write_packed", "ring_attention_write_packed_reference"]
 

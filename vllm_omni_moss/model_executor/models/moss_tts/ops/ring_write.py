@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import RING_DTYPES
 from ..step_metadata import apply_rope
 from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
 from .ring_reference import logical_rings, store_logical_rings
 
 __all__ = [
-    "RING_DTYPES",
     "check_page_table",
     "check_rope",
     "check_step",
@@ -39,8 +39,6 @@ __all__ = [
     "rope_arguments",
 ]
 
-#: Ring dtypes the ring kernels support (the attention kernel's dot products take 16- or 32-bit floats).
-RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Elements per (token x head_dim) tile of ring_write.
 _WRITE_TILE_ELEMENTS = 2048
 

@@ -20,7 +20,6 @@ from .pools import (
     LegacyDecoderStatePool,
     PagedDecoderStatePool,
     build_pool,
-    make_state_pool,
 )
 from .snapshot import SlotState, ring_geometry
 from .spec import PagingSpec, StateSpec, state_bytes_for
@@ -38,7 +37,6 @@ __all__ = [
     "SlotState",
     "StateSpec",
     "build_pool",
-    "make_state_pool",
     "ring_geometry",
     "state_bytes_for",
 ]

@@ -25,7 +25,6 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import plan_builder
 from ..checks import check_count
 from .slots import SlotAllocator
 from .snapshot import SlotState, cells_in_use, check_slot_state, ring_geometry
@@ -67,43 +66,24 @@ class DecoderStatePool:
 
     Args:
         decoder: the weights (``CodecDecoder``); the pool never modifies them.
-        dtype: ring dtype; defaults to ``decoder.state_dtype`` (the weight dtype).
-        ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.py``); default: what upstream uses
-            for the codec version (``"upstream"`` for v2, ``"exact"`` for v1).
-        attention_backend: ``"sdpa"`` or ``"triton"`` (``attention.ATTENTION_BACKENDS``); default: the
-            kind's (:meth:`~.spec.StateSpec.resolve`).
-        spec: instead of the options above, a resolved :class:`~.spec.StateSpec` of this class's kind
-            (:func:`~.pools.build_pool` builds every pool this way).
+        spec: the resolved :class:`~.spec.StateSpec` of this class's kind (ring dtype, ring semantics, attention
+            backend, paging); :func:`~.pools.build_pool` picks the class of a spec's kind.
 
     Raises:
-        ValueError / RuntimeError: as :meth:`~.spec.StateSpec.resolve`; a ``spec`` of another kind, or a
-            ``spec`` beside the options it is made of.
+        ValueError: a ``spec`` of another kind.
     """
 
     kind: ClassVar[str] = ""
 
-    def __init__(self, decoder, dtype=None, ring_semantics=None, attention_backend=None, *, spec=None):
-        options = {"dtype": dtype, "ring_semantics": ring_semantics, "attention_backend": attention_backend}
-        self._setup(decoder, self._spec(decoder, spec, options))
-
-    def _spec(self, decoder, spec: StateSpec | None, options: dict, paging: dict | None = None) -> StateSpec:
-        # The resolved ``spec`` as given (one of this class's kind, without loose options), or the options (and
-        # a paged pool's ``paging`` keywords) resolved.
-        if spec is None:
-            return StateSpec.resolve(decoder, self.kind, *options.values(), paging)
-        if any(v is not None for v in (*options.values(), *(paging or {}).values())):
-            raise ValueError(f"give {type(self).__name__} a spec or the options it is made of, not both")
+    def __init__(self, decoder, spec: StateSpec):
         if spec.kind != self.kind:
             raise ValueError(f"{type(self).__name__} holds {self.kind!r} pools, the spec is for {spec.kind!r}")
-        return spec
-
-    def _setup(self, decoder, spec: StateSpec) -> None:
         self.decoder, self.config, self.device, self.spec = decoder, decoder.config, decoder.device, spec
         self.slots = SlotAllocator()
         self.state_capacity = self.scratch_capacity = self.num_slots = 0
+        self._configure()
         self.store = self._make_store()
         self.offsets = self._make_offsets()
-        self._plan = plan_builder(spec.kind, spec.attention_backend)  # the step plan, chosen once
 
     # ----------------------------------------------------------------- the spec
     @property
@@ -196,7 +176,7 @@ class DecoderStatePool:
         Raises:
             RuntimeError: the pool is not initialised, or every live slot is in use.
         """
-        self._require_initialized()
+        self.require_initialized()
         return self.slots.acquire()
 
     def release(self, slot_ids) -> None:
@@ -207,7 +187,7 @@ class DecoderStatePool:
                 id given twice. Nothing is released then.
             RuntimeError: the pool is not initialised.
         """
-        self._require_initialized()
+        self.require_initialized()
         ids = as_ids(slot_ids, "slot_ids").tolist()
         self.slots.check_release(ids)
         if ids:
@@ -221,7 +201,7 @@ class DecoderStatePool:
             ValueError: an id outside the resettable range (named in the message).
             RuntimeError: the pool is not initialised.
         """
-        self._require_initialized()
+        self.require_initialized()
         ids = as_ids(slot_ids, "slot_ids")
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
@@ -239,22 +219,17 @@ class DecoderStatePool:
         it will have decoded) hold that much context? Unpaged pools hold full rings: always. A paged pool
         allocates the pages it lacks and answers True, or allocates nothing and answers False (``strict``:
         raises ``PagesExhausted`` naming the group instead). Raises as :meth:`.SlotAllocator.check_frames`."""
-        self._require_initialized()
+        self.require_initialized()
         return self.slots.check_frames(frames_by_slot, "reserve") is not None
 
     def commit_page_tables(self) -> None:  # noqa: B027 - optional hook
         """Before a step: the device's page tables get what :meth:`reserve` allocated (paged pools only)."""
 
-    def step_plan(self, slots: torch.Tensor, valid_frames: torch.Tensor, packing):
-        """The :class:`~..attention.StepPlan` of one packed step: ``slots`` ``(R,)`` routed slot ids,
-        ``valid_frames`` ``(R,)`` int64 (0 for invalid rows), ``packing`` its ``token_packing.TokenPacking``."""
-        return self._plan(self, slots, valid_frames, packing)
-
     # ----------------------------------------------------------------- inspection
     def slot_state(self, slot: int) -> dict[str, object]:
         """Copy of one slot's state: ``rings`` (per layer ``(2, H, C, Dh)``) and ``layer_offsets`` (``(L,)``
         int64 token offset of each attention layer)."""
-        self._require_initialized()
+        self.require_initialized()
         rings = [
             self.store.read_cells(layer, slot, torch.arange(capacity, device=self.device))
             for layer, capacity in enumerate(ring_capacities(self.config))
@@ -310,14 +285,15 @@ class DecoderStatePool:
 
     # ----------------------------------------------------------------- helpers
     def _live_slot(self, slot, op: str) -> int:
-        self._require_initialized()
+        self.require_initialized()
         if isinstance(slot, torch.Tensor) and slot.numel() == 1 and not slot.dtype.is_floating_point:
             slot = int(slot)
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.state_capacity:
             raise ValueError(f"{op}: slot {slot!r} is not a live slot id (0..{self.state_capacity - 1})")
         return slot
 
-    def _require_initialized(self) -> None:
+    def require_initialized(self) -> None:
+        """Raises RuntimeError (naming the pool class) unless :meth:`initialize` has allocated the state."""
         if not self.initialized:
             raise RuntimeError(f"{type(self).__name__} is not initialised; call initialize(state_capacity) first")
 
@@ -325,6 +301,9 @@ class DecoderStatePool:
         return ids_to_device(ids, self.device)
 
     # ----------------------------------------------------------------- each kind's policy (.pools)
+    def _configure(self) -> None:  # noqa: B027 - optional hook
+        """What the kind reads from its spec before its store is made (a paged pool: its page arithmetic)."""
+
     def _make_store(self):
         raise NotImplementedError
 

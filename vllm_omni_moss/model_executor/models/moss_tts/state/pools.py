@@ -44,7 +44,6 @@ __all__ = [
     "LegacyDecoderStatePool",
     "PagedDecoderStatePool",
     "build_pool",
-    "make_state_pool",
 ]
 
 
@@ -82,7 +81,7 @@ class LegacyDecoderStatePool(DecoderStatePool):
         return padding_rows
 
     def padding_slot_ids(self, count: int) -> torch.Tensor:
-        self._require_initialized()
+        self.require_initialized()
         _check_padding_count(count)
         if count > self.scratch_capacity:
             raise ValueError(f"{count} padding rows need {count} scratch slots; this pool has {self.scratch_capacity}")
@@ -132,7 +131,7 @@ class CompactDecoderStatePool(DecoderStatePool):
     @property
     def null_slot(self) -> int:
         """Id of the null slot (``state_capacity``): all zeros, never acquired, never written."""
-        self._require_initialized()
+        self.require_initialized()
         return self.state_capacity
 
     def _scratch_capacity(self, requested: int) -> int:
@@ -161,61 +160,31 @@ class CompactDecoderStatePool(DecoderStatePool):
 class PagedDecoderStatePool(CompactDecoderStatePool):
     """The compact pool with each group's rings held in pages of a shared page pool.
 
-    Args:
-        decoder, dtype, ring_semantics, attention_backend: as :class:`~.pool.DecoderStatePool` (the backend
-            must be ``"triton"``, the default: its ops read pages).
-        page_size: tokens per page; must divide every group's ring capacity. Default: their greatest common
-            divisor (25 for v2: ring capacities 125, 250, 400).
-        page_fraction: pages per group as a fraction of what ``state_capacity`` full rings need (``1.0``, the
-            default: never short of pages; smaller: a scheduler must :meth:`reserve` before each step).
-        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages (the null pages included)
-            the pool may hold: each group gets the pages its share of the budget pays for (the same fraction
-            of full rings for every group, at most 1; :meth:`page_fraction_for_budget`), fixed at
-            :meth:`initialize`.
-        expected_stream_frames: with a budget, split it by the groups' fill instead: after one stream's full
-            rings, each group gets pages in proportion to what a live stream of this many frames holds on
-            average (:meth:`average_pages`; fast-filling groups get more of the budget). The mean length of
-            the live streams (length-weighted) is the natural value. :attr:`page_fraction` then reports the
-            pages' bytes as a fraction of full rings for every slot.
+    The paging of its spec (:class:`~.spec.PagingSpec`) sizes the page pool: ``page_size`` tokens per page;
+    ``page_fraction``, pages per group as a fraction of what ``state_capacity`` full rings need (``1.0``: never
+    short of pages; smaller: a scheduler must :meth:`reserve` before each step); or ``state_budget_bytes``, the
+    bytes of ring pages (the null pages included) the pool may hold, each group getting the pages its share of
+    the budget pays for (the same fraction of full rings for every group, at most 1;
+    :meth:`page_fraction_for_budget`), fixed at :meth:`initialize`. With ``expected_stream_frames`` the budget
+    is split by the groups' fill instead: after one stream's full rings, each group gets pages in proportion to
+    what a live stream of this many frames holds on average (:meth:`average_pages`; fast-filling groups get more
+    of the budget). :attr:`page_fraction` then reports the pages' bytes as a fraction of full rings for every
+    slot.
 
     Raises:
-        ValueError: as :meth:`~.spec.StateSpec.resolve` and :meth:`~.spec.PagingSpec.checked`. At
-            :meth:`initialize`: a budget or fraction too small for one stream's full rings (the message
-            names the minimum).
+        ValueError: as :class:`~.pool.DecoderStatePool`. At :meth:`initialize`: a budget or fraction too small
+            for one stream's full rings (the message names the minimum).
     """
 
     kind = "paged"
 
-    def __init__(
-        self,
-        decoder,
-        dtype=None,
-        ring_semantics=None,
-        attention_backend=None,
-        *,
-        page_size=None,
-        page_fraction=None,
-        state_budget_bytes=None,
-        expected_stream_frames=None,
-        spec=None,
-    ):
-        paging = {
-            "page_size": page_size,
-            "page_fraction": page_fraction,
-            "state_budget_bytes": state_budget_bytes,
-            "expected_stream_frames": expected_stream_frames,
-        }
-        options = {"dtype": dtype, "ring_semantics": ring_semantics, "attention_backend": attention_backend}
-        self._setup(decoder, self._spec(decoder, spec, options, paging))
-
-    def _setup(self, decoder, spec: StateSpec) -> None:
-        paging = spec.paging
+    def _configure(self) -> None:
+        paging = self.spec.paging
         self.page_size = paging.page_size
         self.page_fraction = 1.0 if paging.page_fraction is None else paging.page_fraction
         self.state_budget_bytes = paging.state_budget_bytes
         self.expected_stream_frames = paging.expected_stream_frames
-        self.budget = PageBudget(decoder.config, spec.dtype, self.page_size)
-        super()._setup(decoder, spec)
+        self.budget = PageBudget(self.config, self.spec.dtype, self.page_size)
 
     def _make_store(self):
         # Late binding: page-table uploads go through whatever _ids_to_device is at call time.
@@ -250,7 +219,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
 
     def free_page_counts(self) -> list[int]:
         """Free pages per group."""
-        self._require_initialized()
+        self.require_initialized()
         return self.store.free_counts()
 
     def state_in_use_bytes(self) -> int:
@@ -259,7 +228,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
 
     def pages_in_use_bytes(self) -> int:
         """Bytes of the pages the slots hold (the state a compact pool would need for their contexts)."""
-        self._require_initialized()
+        self.require_initialized()
         return self.store.held_bytes()
 
     def frames_of(self, slots) -> list[int]:
@@ -279,7 +248,7 @@ class PagedDecoderStatePool(CompactDecoderStatePool):
                 the slots); nothing is allocated then.
             TypeError, ValueError: as :meth:`.SlotAllocator.check_frames`.
         """
-        self._require_initialized()
+        self.require_initialized()
         self.slots.check_frames(frames_by_slot, "reserve")
         if strict:
             self._reserve_or_raise(frames_by_slot)
@@ -347,33 +316,5 @@ POOL_CLASSES: dict[str, type[DecoderStatePool]] = {
 
 
 def build_pool(decoder, spec: StateSpec) -> DecoderStatePool:
-    """The pool of ``spec`` for ``decoder`` (not yet initialised)."""
-    return POOL_CLASSES[spec.kind](decoder, spec=spec)
-
-
-def make_state_pool(
-    decoder,
-    kind: str | None = None,
-    dtype: torch.dtype | None = None,
-    ring_semantics: str | None = None,
-    attention_backend: str | None = None,
-    page_fraction: float | None = None,
-    state_budget_bytes: int | None = None,
-    expected_stream_frames: int | None = None,
-) -> DecoderStatePool:
-    """The pool for ``decoder``: ``"compact"`` for v2 codecs and ``"legacy"`` for v1 unless ``kind`` says
-    otherwise; a state budget without a ``kind`` picks ``"paged"``.
-
-    ``ring_semantics`` and ``attention_backend`` as in :class:`~.pool.DecoderStatePool`; ``page_fraction``,
-    ``state_budget_bytes`` and ``expected_stream_frames`` as in :class:`PagedDecoderStatePool` (kind
-    ``"paged"`` only).
-
-    Raises:
-        ValueError: a paging option for another kind, or as :meth:`~.spec.StateSpec.resolve`.
-        RuntimeError: ``"triton"`` without the ``triton`` package installed.
-    """
-    spec = StateSpec.from_options(
-        decoder, kind, dtype, ring_semantics, attention_backend, page_fraction, state_budget_bytes,
-        expected_stream_frames,
-    )  # fmt: skip
-    return build_pool(decoder, spec)
+    """The pool of ``spec`` for ``decoder`` (not yet initialised): the one way a pool is built."""
+    return POOL_CLASSES[spec.kind](decoder, spec)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import check_attention_backend, default_attention_backend
+from ..backends import RING_DTYPES, check_attention_backend, default_attention_backend
 from ..checks import check_count
-from ..ops.ring_write import RING_DTYPES
+from ..config import check_ring_semantics
 from ..pool_kinds import POOL_KINDS, pool_kind_record
-from ..step_metadata import check_ring_semantics
 from .offsets import offset_table_rows
 
 __all__ = ["PagingSpec", "StateSpec", "state_bytes_for"]
@@ -87,9 +86,9 @@ class StateSpec:
     Attributes:
         kind: ``"compact"``, ``"legacy"`` or ``"paged"`` (``pool_kinds.POOL_KINDS``; its facts:
             ``pool_kinds.POOL_KIND_RECORDS``).
-        dtype: ring dtype (floating point; one of ``ops.ring_attention.RING_DTYPES`` for ``"triton"``).
-        ring_semantics: ``"upstream"`` or ``"exact"`` (``step_metadata.RING_SEMANTICS``).
-        attention_backend: ``"sdpa"`` or ``"triton"`` (``attention.ATTENTION_BACKENDS``).
+        dtype: ring dtype (floating point; one of ``backends.RING_DTYPES`` for ``"triton"``).
+        ring_semantics: ``"upstream"`` or ``"exact"`` (``config.RING_SEMANTICS``).
+        attention_backend: ``"sdpa"`` or ``"triton"`` (``backends.ATTENTION_BACKENDS``).
         paging: the page pool of a ``"paged"`` pool; ``None`` for the other kinds.
     """
 
