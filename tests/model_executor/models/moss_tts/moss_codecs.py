@@ -20,7 +20,13 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     TRITON_INTERPRET_AT_IMPORT,
     cpu_uses_triton_interpreter,
 )
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, ChunkResult
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (
+    ChunkRequest,
+    ChunkResult,
+    CodecStreamSession,
+    SessionOptions,
+)
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 
@@ -185,6 +191,31 @@ def assert_close_to_solo(got: torch.Tensor, ref: torch.Tensor, what: str) -> Non
     assert got.dtype == torch.float32 and got.device.type == "cpu"
     err = (got - ref).abs().max().item()
     assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
+
+
+def make_session(
+    decoder,
+    state_capacity: int | None = None,
+    *,
+    compile=False,
+    state_spec: StateSpec | None = None,
+    pool_kind: str | None = None,
+    state_dtype: torch.dtype | None = None,
+    attention_backend: str | None = None,
+    ring_semantics: str | None = None,
+    page_fraction: float | None = None,
+    state_budget_bytes: int | None = None,
+    expected_stream_frames: int | None = None,
+    **options,
+) -> CodecStreamSession:
+    """A session of ``decoder`` from loose options: the pool's (``StateSpec.from_options``, or ``state_spec``) and
+    the session's (:class:`SessionOptions` fields: ``graph_frame_totals``, ``max_step_frames``, ``n_vq``, ...)."""
+    spec = state_spec or StateSpec.from_options(
+        decoder, kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics,
+        attention_backend=attention_backend, page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
+        expected_stream_frames=expected_stream_frames,
+    )  # fmt: skip
+    return CodecStreamSession(decoder, spec, SessionOptions(state_capacity, **options), compile=compile)
 
 
 def count_steps(session, monkeypatch) -> list[tuple[int, int, int]]:

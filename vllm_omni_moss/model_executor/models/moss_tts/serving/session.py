@@ -118,95 +118,44 @@ class CodecStreamSession:
 
     Args:
         decoder: the codec weights (any device; the pool lives on the same device).
-        state_capacity: live streams at most (Stage 1's ``max_num_seqs``).
-        pool_kind: ``"compact"`` / ``"legacy"`` / ``"paged"``; default: compact for v2 codecs, legacy for v1.
-        state_dtype: ring dtype; default ``decoder.state_dtype``.
-        attention_backend: the pool's attention backend, ``"sdpa"`` or ``"triton"``; default: the pool's.
-        ring_semantics: the pool's ring semantics, ``"upstream"`` or ``"exact"``; default: upstream's for the
-            codec version.
-        graph_frame_totals: the packed frame totals steps pad to and CUDA graphs are captured for (e.g.
-            ``graph_ladder.frame_totals(state_capacity x max(graph_frame_sizes))``); empty: exact shapes, no graphs.
-        graph_frame_sizes: the chunk schedule's sizes; the largest is every step's ``T`` (longer chunks are cut).
-        max_step_frames: longest piece decoded in one step when no graph frame sizes are given.
+        spec: the pool's resolved :class:`~..state.StateSpec` (kind, ring dtype, ring semantics, attention
+            backend, paging); ``StateSpec.from_options`` builds one from loose pool options.
+        options: the session's :class:`~.options.SessionOptions` (slots, codebooks, graph sizes, longest step,
+            queue bounds, graph memory); the stage builds it with ``StageOptions.session_options()``.
         compile: ``False`` (eager), ``True`` (:func:`~..compile.compile_decode`), or a factory
             ``pool -> callable`` with the signature of ``step.decode_tensors`` less the pool (the stage passes
             vLLM's compiled adapter). The callable is used for graph capture; eager steps use it only for
             ``True`` (a factory's callable may skip guards; eager steps then take the validated step).
-        n_vq: codebooks per frame in every chunk; default: all of the codec's.
-        max_waiting_streams: new streams that may wait for a slot.
-        max_waiting_frames: code frames that waiting streams may buffer in total.
-        page_fraction: state pages of a ``"paged"`` pool, as a fraction of full rings for every slot
-            (:class:`~..state.PagedDecoderStatePool`); below 1 the session admits streams while pages last and
-            preempts a live stream (the one preempted least often, then the youngest) when a step runs short.
-        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages a ``"paged"`` pool may hold
-            (picks the paged pool when ``pool_kind`` is None); ``state_capacity`` then caps live streams and the
-            budget decides how many of them fit (``docs/memory.md``, "Paged rings").
-        expected_stream_frames: with ``state_budget_bytes``, split the budget by the groups' fill over a
-            stream of this many frames (:class:`~..state.PagedDecoderStatePool`).
-        state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
-        graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
-            (``cuda_graph.StreamingGraphRunner``).
-        options: instead of ``state_capacity`` and the session options above (graph sizes, ``max_step_frames``,
-            ``n_vq``, queue bounds, ``graph_memory_bytes``), a :class:`~.options.SessionOptions` record (the stage
-            builds one from its ``StageOptions``). Those keyword arguments build the same record.
 
-    Graphs are captured at construction when the decoder is on CUDA and frame totals and frame sizes are given. A session
-    takes one caller at a time (it is not thread-safe): a mutating method called while another runs raises
-    ``RuntimeError`` naming both.
+    Graphs are captured at construction when the decoder is on CUDA and ``options`` gives frame totals and frame
+    sizes. A session takes one caller at a time (it is not thread-safe): a mutating method called while another
+    runs raises ``RuntimeError`` naming both.
 
     Raises:
-        ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, both an
-            options record and the options it is made of (or a state spec and pool options), or an
-            unknown ``pool_kind``, ``attention_backend`` or ``ring_semantics`` (or ``"triton"`` for the legacy
-            pool); a ``page_fraction`` or ``state_budget_bytes`` refused by the paged pool, e.g. a budget too
-            small for one stream (the message names the minimum).
-        RuntimeError: ``attention_backend="triton"`` without the ``triton`` package.
-        GraphMemoryError: the CUDA graphs do not fit ``graph_memory_bytes`` (the message names the sizes).
+        ValueError: ``options.n_vq`` outside ``1..num_quantizers`` of the codec; a ``page_fraction`` or
+            ``state_budget_bytes`` of ``spec`` refused by the paged pool, e.g. a budget too small for one stream
+            (the message names the minimum).
+        GraphMemoryError: the CUDA graphs do not fit ``options.graph_memory_bytes`` (the message names the sizes).
     """
 
     def __init__(
         self,
         decoder,
-        state_capacity: int | None = None,
+        spec: StateSpec,
+        options: SessionOptions,
         *,
-        pool_kind: str | None = None,
-        state_dtype: torch.dtype | None = None,
-        attention_backend: str | None = None,
-        ring_semantics: str | None = None,
-        graph_frame_totals: Iterable[int] = (),
-        graph_frame_sizes: Iterable[int] = (),
-        max_step_frames: int = 100,
         compile: bool | Callable[[DecoderStatePool], Callable] = False,
-        n_vq: int | None = None,
-        max_waiting_streams: int = 64,
-        max_waiting_frames: int = 4096,
-        page_fraction: float | None = None,
-        state_budget_bytes: int | None = None,
-        expected_stream_frames: int | None = None,
-        state_spec: StateSpec | None = None,
-        graph_memory_bytes: int | None = None,
-        options: SessionOptions | None = None,
     ):
-        loose = SessionOptions(
-            state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_frame_totals),
-            tuple(graph_frame_sizes), max_step_frames, max_waiting_streams, max_waiting_frames, graph_memory_bytes,
-        )  # fmt: skip
-        options = _one_options_record(decoder, state_capacity, options, loose)
         cfg = decoder.config
+        quantizers = cfg.num_quantizers
+        if options.n_vq is not None and not 1 <= options.n_vq <= quantizers:
+            raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {options.n_vq!r}")
         self.options = options
         self.decoder, self.state_capacity, self.device = decoder, options.state_capacity, decoder.device
-        self.n_vq = cfg.num_quantizers if options.n_vq is None else int(options.n_vq)
+        self.n_vq = quantizers if options.n_vq is None else options.n_vq
         self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
         self.graph_frame_sizes = [*options.graph_frame_sizes]
-        pool_options = dict(
-            kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics, attention_backend=attention_backend,
-            page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
-            expected_stream_frames=expected_stream_frames,
-        )  # fmt: skip
-        if state_spec is not None and any(v is not None for v in pool_options.values()):
-            raise ValueError("give the session a state_spec or the pool options it is made of, not both")
-        spec = state_spec or StateSpec.from_options(decoder, **pool_options)
         self.pool = build_pool(decoder, spec)
         use_graphs = self.device.type == "cuda" and options.uses_graphs
         self.pool.initialize(self.state_capacity, self.pool.scratch_slots_for(self.state_capacity) if use_graphs else 0)
@@ -485,16 +434,3 @@ def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
     if dupes:
         raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
     return requests, ids
-
-
-def _one_options_record(decoder, state_capacity, options: SessionOptions | None, loose: SessionOptions):
-    """``options``, or the record the keyword arguments built (``loose``) when it is None; n_vq checked against
-    the codec. Raises ValueError for both at once (keyword options other than the defaults beside a record)."""
-    if options is not None:
-        if state_capacity not in (None, options.state_capacity) or loose != SessionOptions(options.state_capacity):
-            raise ValueError("give the session an options record or the options it is made of, not both")
-        loose = options
-    quantizers = decoder.config.num_quantizers
-    if loose.n_vq is not None and not 1 <= int(loose.n_vq) <= quantizers:
-        raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {loose.n_vq!r}")
-    return loose
