@@ -26,6 +26,7 @@ import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepShape, frame_totals
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepRunner
 
 pytestmark = [pytest.mark.cpu]
 
@@ -927,7 +928,10 @@ def test_time_replays_times_every_graph_replay_of_the_session(monkeypatch):
         def close(self):
             pass
 
-    graphs = session._steps.graphs = Graphs()
+    graphs, runner = Graphs(), session.step_runner  # the same runner over the stand-in: its planner holds its shapes
+    session.step_runner = StepRunner(
+        runner.pool, session.n_vq, runner.ladder, runner.counters, runner.tracer, graphs=graphs
+    )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     arm._time_replays(graphs)
     arm.time_replays = True

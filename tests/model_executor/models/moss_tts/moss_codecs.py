@@ -221,13 +221,13 @@ def make_session(
 def count_steps(session, monkeypatch) -> list[tuple[int, int, int]]:
     """Record ``(rows, T, packed frames)`` of every eager pool step of ``session``."""
     steps = []
-    real = session._steps.eager_step
+    real = session.step_runner.eager_step
 
     def spy(codes, lengths, slot_ids, valid, frames):
         steps.append((lengths.shape[0], frames, codes.shape[1]))
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(session._steps, "eager_step", spy)
+    monkeypatch.setattr(session.step_runner, "eager_step", spy)
     return steps
 
 

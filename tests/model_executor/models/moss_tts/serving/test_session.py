@@ -26,8 +26,13 @@ from vllm_omni_moss.model_executor.models.moss_tts.serving import (
     CodecStreamSession,
     SessionOptions,
 )
+from vllm_omni_moss.model_executor.models.moss_tts.serving.counters import SessionCounters
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
-from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec
+from vllm_omni_moss.model_executor.models.moss_tts.serving.scheduler import Scheduler
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner, StepRunner
+from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
+from vllm_omni_moss.model_executor.models.moss_tts.serving.tracing import CallTracer
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -94,7 +99,8 @@ def test_graph_replays_count_the_padding_rows_and_frames_of_their_shapes(ring_de
         def close(self):
             pass
 
-    s._steps.graphs = Graphs()
+    runner = s.step_runner  # the same runner over a stand-in graph runner: its planner holds the captured shapes
+    s.step_runner = StepRunner(runner.pool, s.n_vq, runner.ladder, runner.counters, runner.tracer, graphs=Graphs())
     codes = random_codes(ring_decoder, 1, 4, seed=3)[:, 0]
     s.decode([ChunkRequest(r, codes[:, :1]) for r in "abc"])  # 3 rows of 1 frame: total 4, 4 rows
     got = s.decode([ChunkRequest(r, codes[:, :3]) for r in "ab"])  # 2 rows of 3 frames: total 8, 4 rows
@@ -160,43 +166,49 @@ def test_slots_are_lifo(ring_decoder):
 
 
 def test_the_step_runner_reads_frozen_scheduled_chunks_and_the_scheduler_counts_what_it_decoded(ring_decoder):
-    """One way: ``Scheduler.schedule`` takes each ready stream's chunks out of its ``Stream`` into frozen
-    ``ScheduledChunks`` (the same tensors, in order); the runner never sees a ``Stream``; ``Scheduler.update``
-    adds the frames it decoded, a chunk longer than a piece counted whole."""
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import ScheduledChunks
-
-    s = make_session(ring_decoder, 4, max_step_frames=4)
-    runner, scheduler, seen = s._steps, s._scheduler, []
-    real = runner.decode_streams
-
-    def spy(work):
-        assert all(type(w) is ScheduledChunks for w in work)
-        assert all(scheduler.live[w.request_id].chunks == [] for w in work)  # taken, not shared
-        seen.append({w.request_id: (w.slot, [c.shape[1] for c in w.chunks]) for w in work})
-        with pytest.raises(AttributeError):
-            work[0].chunks = ()  # frozen
-        return real(work)
-
-    runner.decode_streams = spy
+    """One way, with a scheduler and a step runner built alone: ``Scheduler.schedule`` takes each ready stream's
+    chunks out of its ``Stream`` into a frozen ``SchedulerOutput`` of ``ScheduledChunks`` (the same tensors, in
+    order); ``StepRunner.execute`` returns a frozen ``RunnerOutput``; ``Scheduler.update`` adds the frames it
+    decoded, a chunk longer than a piece counted whole."""
+    options = SessionOptions(4, max_step_frames=4)
+    pool = build_pool(ring_decoder, StateSpec.from_options(ring_decoder))
+    pool.initialize(4, 0)
+    counters, n_vq = SessionCounters(), ring_decoder.config.num_quantizers
+    scheduler = Scheduler(pool, 4, 64, 4096, counters)
+    runner = StepRunner(pool, n_vq, options.step_ladder, counters, CallTracer())
     chunks = {"a": _codes(ring_decoder, 3, 1), "b": _codes(ring_decoder, 9, 2)}  # b: 9 frames > 4 a piece
-    s.decode([ChunkRequest(rid, c) for rid, c in chunks.items()])
-    assert seen == [{"a": (0, [3]), "b": (1, [9])}]
+    output = scheduler.schedule([ChunkRequest(rid, c) for rid, c in chunks.items()])
+    assert [(w.request_id, w.slot, w.chunks) for w in output.chunks] == [
+        ("a", 0, (chunks["a"],)),
+        ("b", 1, (chunks["b"],)),
+    ]
+    assert (output.admitted, output.refused, output.failures, output.ending) == (("a", "b"), {}, {}, ())
+    assert all(scheduler.live[rid].chunks == [] for rid in chunks)  # taken, not shared
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        output.chunks = ()  # frozen
+    result = runner.execute(output)
+    assert result.decoded_frames == {"a": 3, "b": 9} and result.errors == {}
+    assert [r.shape[-1] for r in result.audio["b"]] == [4 * 8, 4 * 8, 8]  # 8 samples a frame: pieces of 4, 4, 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.errors = {}  # frozen
+    update = scheduler.update(output, result)
+    assert (update.step_errors, update.failures, update.schedule_again) == ({}, {}, False)
     assert {rid: st.frames_decoded for rid, st in scheduler.live.items()} == {"a": 3, "b": 9}
-    s.decode([ChunkRequest("a", _codes(ring_decoder, 2, 3))])
-    assert seen[-1] == {"a": (0, [2])} and scheduler.live["a"].frames_decoded == 5
+    second = scheduler.schedule([ChunkRequest("a", _codes(ring_decoder, 2, 3), True)])
+    assert [(w.request_id, w.slot) for w in second.chunks] == [("a", 0)] and second.ending == ("a",)
+    assert scheduler.update(second, runner.execute(second)).schedule_again is False
+    assert list(scheduler.live) == ["b"] and pool.free_slot_count == 3 and counters.decoded_frames == 14
 
 
 def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
-    """``StepRunner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records: one step for the
+    """``StepPlanner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records: one step for the
     whole round, shortest rows first, with their slots, the pieces themselves, their valid frames, the ladder's
-    shape for their real frames and whether a graph replays it (the shape was captured: a stand-in runner here);
-    a piece with another codebook count runs eager even where its shape's graph exists."""
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
-
-    s = make_session(ring_decoder, 8, graph_frame_totals=(1, 2, 4, 8, 16), graph_frame_sizes=(1, 4))
-    s._steps.graphs = types.SimpleNamespace(graphs={StepShape(8, 4, 16): None, StepShape(2, 4, 2): None})
+    shape for their real frames and whether a graph replays it (the shape is among the captured ones the planner
+    was handed)."""
+    ladder = SessionOptions(8, graph_frame_totals=(1, 2, 4, 8, 16), graph_frame_sizes=(1, 4)).step_ladder
+    planner = StepPlanner(ladder, frozenset({StepShape(8, 4, 16), StepShape(2, 4, 2)}))
     pieces = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 1), ("c", 4), ("d", 1)])}
-    steps = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
+    steps = planner.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
     assert [type(b) for b in steps] == [StepBatch]
     (step,) = steps  # 9 real frames: the total 16, min(8 slots, 16) rows
     assert (step.request_ids, step.slots, step.valid_frames) == (("b", "d", "a", "c"), (1, 3, 0, 2), (1, 1, 3, 4))
@@ -204,10 +216,8 @@ def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
     assert step.pieces[2] is pieces["a"] and step.pieces[3] is pieces["c"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         step.graph = False  # frozen
-    wide = s._steps.plan_round({"e": (4, _codes(ring_decoder, 2, 5)[:1])})  # one codebook, graphs hold s.n_vq
-    assert len(wide) == 1 and (wide[0].shape, wide[0].graph, wide[0].padding_rows) == (StepShape(2, 4, 2), False, 1)
-    s._steps.graphs = None
-    s.close()
+    (one,) = planner.plan_round({"e": (4, _codes(ring_decoder, 1, 5))})
+    assert (one.shape, one.graph, one.padding_rows) == (StepShape(1, 4, 1), False, 0)  # total 1: not captured
 
 
 def _assert_slot_clear(session, slot):
@@ -681,13 +691,13 @@ def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
     # Slot ids and lengths that were views of one staging tensor would make torch.compile guard on its strides.
     s = make_session(ring_decoder, 3)
     seen = []
-    real = s._steps.eager_step
+    real = s.step_runner.eager_step
 
     def spy(codes, lengths, slot_ids, valid, frames):
         seen.append((codes, lengths, slot_ids, frames))
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", spy)
+    monkeypatch.setattr(s.step_runner, "eager_step", spy)
     chunks = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 2), ("b", 3), ("c", 1)])}
     s.decode([ChunkRequest(r, c) for r, c in chunks.items()])
     ((codes, lengths, slot_ids, frames),) = seen
@@ -708,7 +718,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     assert s.call_traces is None  # off by default: nothing recorded
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
     traces = s.enable_call_traces(max_calls=3)
-    assert s.call_traces is traces and s._tracer in tracing_module._TRACING
+    assert s.call_traces is traces and any(t.traces is traces for t in tracing_module._TRACING)
     assert gc.callbacks.count(tracing_module._gc_hook) == 1
     s.enable_call_traces(max_calls=3)  # enabling again: a new, empty history, still one hook
     assert gc.callbacks.count(tracing_module._gc_hook) == 1
@@ -716,14 +726,14 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
 
     # A garbage collection inside the pool step is counted and lands in the run phase; a collection's stop
     # whose start came before the call is not counted.
-    real = s._steps.eager_step
+    real = s.step_runner.eager_step
     collected = []
 
     def step_with_gc(codes, lengths, slot_ids, valid, frames):
         collected.append(gc.collect())
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", step_with_gc)
+    monkeypatch.setattr(s.step_runner, "eager_step", step_with_gc)
     before = sum(s.stats()["steps_by_path"].values())
     tracing_module._gc_hook("start", {})  # outside any call: ignored
     # Chunks of 3 frames are cut into pieces of 2 and 1: two steps in one call.
@@ -743,7 +753,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
         tracing_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", stray_stop)
+    monkeypatch.setattr(s.step_runner, "eager_step", stray_stop)
     gc.disable()
     try:
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 5))])
@@ -761,16 +771,16 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     def broken(*args):
         raise RuntimeError("the device fell over")
 
-    monkeypatch.setattr(s._steps, "eager_step", broken)
+    monkeypatch.setattr(s.step_runner, "eager_step", broken)
     assert "the device fell over" in s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])["c"].error
     assert not traces[-1].failed and traces[-1].failed_steps == 1 and traces[-1].steps == 0
     # A call that raises is recorded as failed; the session goes on decoding and tracing.
-    monkeypatch.setattr(s._scheduler, "ready", broken)
+    monkeypatch.setattr(s.scheduler, "schedule", broken)
     with pytest.raises(RuntimeError, match="the device fell over"):
         s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
-    assert traces[-1].failed and traces[-1].steps == 0 and s._tracer.trace is None
+    assert traces[-1].failed and traces[-1].steps == 0 and all(t.trace is None for t in tracing_module._TRACING)
     monkeypatch.undo()
-    monkeypatch.setattr(s._steps, "eager_step", real)
+    monkeypatch.setattr(s.step_runner, "eager_step", real)
     s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 7))])
     assert not traces[-1].failed and traces[-1].steps == 1
 
@@ -883,7 +893,7 @@ def test_a_round_pads_to_the_next_ladder_total_and_is_cut_only_past_the_slots(ri
 
     def shapes(lengths):
         pieces = {f"r{i}": (i, _codes(ring_decoder, n, 0)) for i, n in enumerate(lengths)}
-        return [(b.rows, b.shape, sum(b.valid_frames)) for b in s._steps.plan_round(pieces)]
+        return [(b.rows, b.shape, sum(b.valid_frames)) for b in s.step_runner.planner.plan_round(pieces)]
 
     assert shapes([4] * 20) == [(20, StepShape(80, 4, 80), 80)]  # 80 is a total: no dummy frame
     assert shapes([4] * 25) == [(25, StepShape(102, 4, 102), 100)]  # 100 frames: 2 dummies

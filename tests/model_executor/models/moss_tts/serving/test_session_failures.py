@@ -19,6 +19,7 @@ from moss_codecs import stream_codes as _codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -46,7 +47,7 @@ def _pieces(frames: int) -> list[int]:
 def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, int]]:
     """Make the ``fail_at``-th pool step from now raise (``before`` it runs, or ``after`` it wrote its state);
     returns the ``(rows, T, packed frames)`` of every step tried."""
-    real, tried = session._steps.eager_step, []
+    real, tried = session.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         tried.append((lengths.shape[0], frames, codes.shape[1]))
@@ -57,7 +58,7 @@ def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, in
             raise RuntimeError(f"injected failure in step {fail_at}")
         return out
 
-    monkeypatch.setattr(session._steps, "eager_step", step)
+    monkeypatch.setattr(session.step_runner, "eager_step", step)
     return tried
 
 
@@ -144,7 +145,7 @@ def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkey
     def interrupted(codes, lengths, slot_ids, valid, frames):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(s._steps, "eager_step", interrupted)
+    monkeypatch.setattr(s.step_runner, "eager_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
 
@@ -459,10 +460,10 @@ def test_a_failing_release_as_requests_finish_does_not_raise_and_the_slot_frees_
 
 
 def _broken_planner(session, monkeypatch) -> None:
-    def broken(round_pieces):
+    def broken(planner, round_pieces):
         raise RuntimeError("injected planner failure")
 
-    monkeypatch.setattr(session._steps, "plan_round", broken)
+    monkeypatch.setattr(StepPlanner, "plan_round", broken)
 
 
 def test_a_call_that_raises_past_its_checks_ends_the_streams_it_touched(ring_decoder, monkeypatch):
@@ -513,7 +514,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
     """While one thread's decode() is inside a pool step, every mutating method called from another thread
     raises at once, changing nothing; the first call then finishes exactly and the session serves again."""
     s = make_session(ring_decoder, 2)
-    real = s._steps.eager_step
+    real = s.step_runner.eager_step
     entered, release = threading.Event(), threading.Event()
 
     def blocking(codes, lengths, slot_ids, valid, frames):
@@ -521,7 +522,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
         assert release.wait(timeout=60)
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", blocking)
+    monkeypatch.setattr(s.step_runner, "eager_step", blocking)
     a = _codes(ring_decoder, 3, 1)
     out = {}
     worker = threading.Thread(target=lambda: out.update(s.decode([ChunkRequest("a", a[:, :2])])))
@@ -575,7 +576,7 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
     assert str(info.value) == _busy_message("close", "on_requests_finished")
     assert s.live_requests == {} and s.free_slots == 2  # the id seen before the failure was released
 
-    real, refused = s._steps.eager_step, []
+    real, refused = s.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         try:
@@ -584,7 +585,7 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
             refused.append(str(exc))
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", step)
+    monkeypatch.setattr(s.step_runner, "eager_step", step)
     got = s.decode([ChunkRequest("b", a, True)])["b"]
     assert refused == [_busy_message("on_requests_finished", "decode")]
     _close(got.audio, ring_decoder.decode(a[:, None], [2])[0], "b")

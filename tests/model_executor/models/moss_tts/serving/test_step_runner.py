@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from moss_codecs import (
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, SessionOptions
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
@@ -91,18 +91,16 @@ def test_exact_ragged_steps_equal_offline_decode(ring_decoder):
 
 def test_plan_round_decides_each_step_shape_and_its_graph_once(ring_decoder):
     """A round is one ``StepBatch``, shortest rows first, whose shape is the ladder's for its real frames; it is a
-    graph step when the runner captured that shape (a stand-in runner on CPU), else an eager step of the same
+    graph step when its shape is among the captured ones handed to the planner, else an eager step of the same
     shape."""
-    s = make_session(ring_decoder, 8, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP)
-    s._steps.graphs = SimpleNamespace(graphs={StepShape(8, 6, 16): None})
+    ladder = SessionOptions(8, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP).step_ladder
+    planner = StepPlanner(ladder, frozenset({StepShape(8, 6, 16)}))
     pieces = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 6), ("b", 1), ("c", 4), ("d", 2)])}
-    (step,) = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
+    (step,) = planner.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
     assert (step.request_ids, step.slots, step.valid_frames) == (("b", "d", "c", "a"), (1, 3, 2, 0), (1, 2, 4, 6))
     assert (step.shape, step.graph, step.padding_rows) == (StepShape(8, 6, 16), True, 4)
-    (wide,) = s._steps.plan_round({r: (i, stream_codes(ring_decoder, 6, i)) for i, r in enumerate("wxyz")})
+    (wide,) = planner.plan_round({r: (i, stream_codes(ring_decoder, 6, i)) for i, r in enumerate("wxyz")})
     assert (wide.shape, wide.graph) == (StepShape(8, 6, 24), False)  # 24 real frames: no graph of that shape here
-    s._steps.graphs = None
-    s.close()
 
 
 def test_a_round_no_shape_holds_is_cut_into_steps_that_fit(ring_decoder, monkeypatch):
@@ -207,7 +205,7 @@ def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanl
     their solo decodes, in this call and the next."""
     s = make_session(ring_decoder, 4, graph_frame_totals=(1, 2, 4), graph_frame_sizes=(4,))
     codes = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 3), ("c", 6)])}
-    real, tried = s._steps.eager_step, []
+    real, tried = s.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         tried.append(lengths.shape[0])
@@ -215,7 +213,7 @@ def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanl
             raise RuntimeError("injected failure in step 2")
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", step)
+    monkeypatch.setattr(s.step_runner, "eager_step", step)
     got = s.decode(
         [ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1]), ChunkRequest("c", codes["c"])]
     )
@@ -242,8 +240,8 @@ from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 decoder = build_decoder(ring_codec_raw(), pathlib.Path(tempfile.mkdtemp()), version="v2")
 s = make_session(decoder, 2, graph_frame_totals=(1, 2, 4, 8, 16, 24), graph_frame_sizes=(1, 2, 4, 6),
                  max_waiting_streams=1)
-seen, real = [], s._steps.eager_step
-s._steps.eager_step = lambda *args: seen.append(gc.isenabled()) or real(*args)
+seen, real = [], s.step_runner.eager_step
+s.step_runner.eager_step = lambda *args: seen.append(gc.isenabled()) or real(*args)
 codes = {r: stream_codes(decoder, 9, i) for i, r in enumerate("abcd")}
 s.decode([ChunkRequest("a", codes["a"][:, :1])])  # warm: first-call caches are not per-call garbage
 gc.collect()
