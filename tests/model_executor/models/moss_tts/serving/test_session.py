@@ -26,13 +26,10 @@ from vllm_omni_moss.model_executor.models.moss_tts.serving import (
     CodecStreamSession,
     SessionOptions,
 )
-from vllm_omni_moss.model_executor.models.moss_tts.serving.counters import SessionCounters
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
-from vllm_omni_moss.model_executor.models.moss_tts.serving.scheduler import Scheduler
 from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner, StepRunner
 from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
-from vllm_omni_moss.model_executor.models.moss_tts.serving.tracing import CallTracer
-from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -163,41 +160,6 @@ def test_slots_are_lifo(ring_decoder):
     s.on_requests_finished(["c"])
     s.decode([ChunkRequest("e", _codes(ring_decoder, 1, 9)), ChunkRequest("f", _codes(ring_decoder, 1, 10))])
     assert s.live_requests["e"] == 2 and s.live_requests["f"] == 0
-
-
-def test_the_step_runner_reads_frozen_scheduled_chunks_and_the_scheduler_counts_what_it_decoded(ring_decoder):
-    """One way, with a scheduler and a step runner built alone: ``Scheduler.schedule`` takes each ready stream's
-    chunks out of its ``Stream`` into a frozen ``SchedulerOutput`` of ``ScheduledChunks`` (the same tensors, in
-    order); ``StepRunner.execute`` returns a frozen ``RunnerOutput``; ``Scheduler.update`` adds the frames it
-    decoded, a chunk longer than a piece counted whole."""
-    options = SessionOptions(4, max_step_frames=4)
-    pool = build_pool(ring_decoder, StateSpec.from_options(ring_decoder))
-    pool.initialize(4, 0)
-    counters, n_vq = SessionCounters(), ring_decoder.config.num_quantizers
-    scheduler = Scheduler(pool, 4, 64, 4096, counters)
-    runner = StepRunner(pool, n_vq, options.step_ladder, counters, CallTracer())
-    chunks = {"a": _codes(ring_decoder, 3, 1), "b": _codes(ring_decoder, 9, 2)}  # b: 9 frames > 4 a piece
-    output = scheduler.schedule([ChunkRequest(rid, c) for rid, c in chunks.items()])
-    assert [(w.request_id, w.slot, w.chunks) for w in output.chunks] == [
-        ("a", 0, (chunks["a"],)),
-        ("b", 1, (chunks["b"],)),
-    ]
-    assert (output.admitted, output.refused, output.failures, output.ending) == (("a", "b"), {}, {}, ())
-    assert all(scheduler.live[rid].chunks == [] for rid in chunks)  # taken, not shared
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        output.chunks = ()  # frozen
-    result = runner.execute(output)
-    assert result.decoded_frames == {"a": 3, "b": 9} and result.errors == {}
-    assert [r.shape[-1] for r in result.audio["b"]] == [4 * 8, 4 * 8, 8]  # 8 samples a frame: pieces of 4, 4, 1
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        result.errors = {}  # frozen
-    update = scheduler.update(output, result)
-    assert (update.step_errors, update.failures, update.schedule_again) == ({}, {}, False)
-    assert {rid: st.frames_decoded for rid, st in scheduler.live.items()} == {"a": 3, "b": 9}
-    second = scheduler.schedule([ChunkRequest("a", _codes(ring_decoder, 2, 3), True)])
-    assert [(w.request_id, w.slot) for w in second.chunks] == [("a", 0)] and second.ending == ("a",)
-    assert scheduler.update(second, runner.execute(second)).schedule_again is False
-    assert list(scheduler.live) == ["b"] and pool.free_slot_count == 3 and counters.decoded_frames == 14
 
 
 def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
