@@ -45,7 +45,11 @@ import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (  # noqa: E402
+    ChunkRequest,
+    CodecStreamSession,
+    SessionOptions,
+)
 from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch  # noqa: E402
 from vllm_omni_moss.testing.weights import fill_random_weights_  # noqa: E402
@@ -94,17 +98,11 @@ def _state_arrays(prefix: str, pool, out: dict[str, np.ndarray]) -> None:
 
 
 def _session_trace(name: str, decoder, kind, backend, semantics, fraction, out) -> None:
-    extra = {} if fraction is None else {"page_fraction": fraction}
-    session = CodecStreamSession(
-        decoder,
-        SLOTS,
-        pool_kind=kind,
-        attention_backend=backend,
-        ring_semantics=semantics,
-        graph_frame_sizes=FRAME_SIZES,
-        max_waiting_streams=8,
-        **extra,
+    spec = StateSpec.from_options(
+        decoder, kind=kind, attention_backend=backend, ring_semantics=semantics, page_fraction=fraction
     )
+    options = SessionOptions(SLOTS, graph_frame_sizes=tuple(FRAME_SIZES), max_waiting_streams=8)
+    session = CodecStreamSession(decoder, spec, options)
     rng = random.Random(11)
     gen = torch.Generator().manual_seed(11)
     K, n_vq = decoder.config.codebook_size, decoder.config.num_quantizers

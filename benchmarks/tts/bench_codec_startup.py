@@ -36,7 +36,12 @@ import torch  # noqa: E402
 
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (  # noqa: E402
+    ChunkRequest,
+    CodecStreamSession,
+    SessionOptions,
+)
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec  # noqa: E402
 
 
 def _process_start_seconds_ago() -> float | None:
@@ -107,7 +112,8 @@ def main(argv=None) -> int:
 
     decoder = load_checkpoint(args.checkpoint, device=device)
     lap("load checkpoint")
-    session = CodecStreamSession(decoder, args.capacity, graph_frame_totals=totals, graph_frame_sizes=frame_sizes)
+    options = SessionOptions(args.capacity, graph_frame_totals=tuple(totals), graph_frame_sizes=tuple(frame_sizes))
+    session = CodecStreamSession(decoder, StateSpec.from_options(decoder), options)
     lap("session (pool, graph capture)")
     rows = args.capacity
     n_vq = session.n_vq

@@ -90,7 +90,12 @@ from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import official_de
 from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS, preset_config  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule  # noqa: E402
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals  # noqa: E402
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession  # noqa: E402
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (  # noqa: E402
+    ChunkRequest,
+    CodecStreamSession,
+    SessionOptions,
+)
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec  # noqa: E402
 
 CHUNKS = (1, 15)  # frames: the first chunk, then the steady chunk size
 DEFAULT_MARKS = "43,94,171,400,1000,4000"
@@ -480,13 +485,14 @@ def run_ours(spec: ArmSpec, decoder: CodecDecoder, codes: torch.Tensor, args, la
     t0 = time.perf_counter()
     session = CodecStreamSession(
         decoder,
-        codes.shape[1],
-        pool_kind=spec.pool_kind,
-        ring_semantics=spec.ring_semantics,
-        graph_frame_totals=frame_totals(codes.shape[1] * max(CHUNKS)) if graphs else (),
-        graph_frame_sizes=CHUNKS,
-        max_step_frames=max(CHUNKS),
-        n_vq=args.n_vq,
+        StateSpec.from_options(decoder, kind=spec.pool_kind, ring_semantics=spec.ring_semantics),
+        SessionOptions(
+            codes.shape[1],
+            n_vq=args.n_vq,
+            graph_frame_totals=tuple(frame_totals(codes.shape[1] * max(CHUNKS))) if graphs else (),
+            graph_frame_sizes=tuple(CHUNKS),
+            max_step_frames=max(CHUNKS),
+        ),
     )
     try:
         setup = time.perf_counter() - t0

@@ -26,6 +26,7 @@ import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepShape, frame_totals
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepRunner
 
 pytestmark = [pytest.mark.cpu]
 
@@ -517,17 +518,17 @@ def test_stage_paged_arm_splits_a_budget_by_fill_on_request(tmp_path, monkeypatc
     original = codec_stage.arms.CodecStreamSession
 
     class Recording(original):
-        def __init__(self, *args, **kwargs):
-            seen.setdefault(kwargs.get("pool_kind"), kwargs)
-            super().__init__(*args, **kwargs)
+        def __init__(self, decoder, spec, options, **kwargs):
+            seen.setdefault(spec.kind, (spec, options))
+            super().__init__(decoder, spec, options, **kwargs)
 
     monkeypatch.setattr(codec_stage.arms, "CodecStreamSession", Recording)
     flags = "--arms v2-paged --concurrency 2 --requests-per-stream 1 --state-budget-gib 0.0003"
     argv = _cpu(flags + " --expected-stream-seconds 4.3 --give-up-ms 600000", out=tmp_path)
     result = bench.main(argv)
-    kwargs = seen["paged"]
-    assert kwargs["state_budget_bytes"] == int(0.0003 * 2**30) and kwargs["expected_stream_frames"] == 54
-    assert kwargs["page_fraction"] is None and kwargs["graph_frame_totals"] == ()  # no graphs on CPU
+    spec, options = seen["paged"]
+    assert spec.paging.state_budget_bytes == int(0.0003 * 2**30) and spec.paging.expected_stream_frames == 54
+    assert spec.paging.page_fraction is None and options.graph_frame_totals == ()  # no graphs on CPU
     details = result["details"]["v2-paged"]["2"]
     assert not details["stopped_early"] and details["finished_requests"] == 2
 
@@ -928,7 +929,10 @@ def test_time_replays_times_every_graph_replay_of_the_session(monkeypatch):
         def close(self):
             pass
 
-    graphs = session._steps.graphs = Graphs()
+    graphs, runner = Graphs(), session.step_runner  # the same runner over the stand-in: its planner holds its shapes
+    session.step_runner = StepRunner(
+        runner.pool, session.n_vq, runner.ladder, runner.counters, runner.tracer, graphs=graphs
+    )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     arm._time_replays(graphs)
     arm.time_replays = True

@@ -22,7 +22,12 @@ import torch
 import upstream_stage
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, collector_paused
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (
+    ChunkRequest,
+    CodecStreamSession,
+    SessionOptions,
+    collector_paused,
+)
 from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 
 from .trace import FRAME_RATE
@@ -207,20 +212,23 @@ class OurArm(Arm):
         self.peak_state = self.state_now = 0
         slots = concurrency if slots is None else slots
         self.ladder = frame_totals(slots * max(chunk_sizes))
-        self.session = CodecStreamSession(
+        spec = StateSpec.from_options(
             decoder,
-            slots,
-            pool_kind=None if kind == "v2" else common.pool_kind(kind),
-            graph_frame_totals=self.ladder if graphs else (),
-            graph_frame_sizes=sorted(set(chunk_sizes)),
-            max_step_frames=max(chunk_sizes),
-            n_vq=n_vq,
-            # Streams beyond the slots, and paged streams preempted short of pages, wait in the session's queue.
-            max_waiting_streams=concurrency,
-            max_waiting_frames=1 << 30,
+            kind=None if kind == "v2" else common.pool_kind(kind),
             page_fraction=page_fraction,
             **(paged_budget or {}),
         )
+        options = SessionOptions(
+            slots,
+            n_vq=n_vq,
+            graph_frame_totals=tuple(self.ladder) if graphs else (),
+            graph_frame_sizes=tuple(sorted(set(chunk_sizes))),
+            max_step_frames=max(chunk_sizes),
+            # Streams beyond the slots, and paged streams preempted short of pages, wait in the session's queue.
+            max_waiting_streams=concurrency,
+            max_waiting_frames=1 << 30,
+        )
+        self.session = CodecStreamSession(decoder, spec, options)
         self.time_replays = time_replays and self.session.runner is not None
         if self.time_replays:
             self._time_replays(self.session.runner)

@@ -20,7 +20,12 @@ from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import (
     TRITON_INTERPRET_AT_IMPORT,
     cpu_uses_triton_interpreter,
 )
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, ChunkResult
+from vllm_omni_moss.model_executor.models.moss_tts.serving import (
+    ChunkRequest,
+    ChunkResult,
+    CodecStreamSession,
+    SessionOptions,
+)
 from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec, build_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
@@ -195,16 +200,41 @@ def assert_close_to_solo(got: torch.Tensor, ref: torch.Tensor, what: str) -> Non
     assert err <= 1e-5 * ref.abs().max().item(), f"{what}: max error {err}"
 
 
+def make_session(
+    decoder,
+    state_capacity: int | None = None,
+    *,
+    compile=False,
+    state_spec: StateSpec | None = None,
+    pool_kind: str | None = None,
+    state_dtype: torch.dtype | None = None,
+    attention_backend: str | None = None,
+    ring_semantics: str | None = None,
+    page_fraction: float | None = None,
+    state_budget_bytes: int | None = None,
+    expected_stream_frames: int | None = None,
+    **options,
+) -> CodecStreamSession:
+    """A session of ``decoder`` from loose options: the pool's (``StateSpec.from_options``, or ``state_spec``) and
+    the session's (:class:`SessionOptions` fields: ``graph_frame_totals``, ``max_step_frames``, ``n_vq``, ...)."""
+    spec = state_spec or StateSpec.from_options(
+        decoder, kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics,
+        attention_backend=attention_backend, page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
+        expected_stream_frames=expected_stream_frames,
+    )  # fmt: skip
+    return CodecStreamSession(decoder, spec, SessionOptions(state_capacity, **options), compile=compile)
+
+
 def count_steps(session, monkeypatch) -> list[tuple[int, int, int]]:
     """Record ``(rows, T, packed frames)`` of every eager pool step of ``session``."""
     steps = []
-    real = session._steps.eager_step
+    real = session.step_runner.eager_step
 
     def spy(codes, lengths, slot_ids, valid, frames):
         steps.append((lengths.shape[0], frames, codes.shape[1]))
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(session._steps, "eager_step", spy)
+    monkeypatch.setattr(session.step_runner, "eager_step", spy)
     return steps
 
 

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from moss_codecs import assert_slot_state_equal, build_decoder, make_state_pool, random_codes
+from moss_codecs import assert_slot_state_equal, build_decoder, make_session, make_state_pool, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts import backends
 from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
@@ -25,7 +25,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGr
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepShape
 from vllm_omni_moss.model_executor.models.moss_tts.ops.dispatch import cpu_uses_triton_interpreter
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
 from vllm_omni_moss.testing.weights import fill_random_weights_
@@ -107,7 +107,7 @@ def test_triton_without_triton_fails_at_construction(monkeypatch, ring_decoder):
         "install it or use attention backend 'sdpa'"
     )
     with pytest.raises(RuntimeError, match="needs the `triton` package"):
-        CodecStreamSession(ring_decoder, 2, attention_backend="triton")
+        make_session(ring_decoder, 2, attention_backend="triton")
     assert make_state_pool(ring_decoder).attention_backend == "sdpa"  # the default still builds
 
 
@@ -185,7 +185,7 @@ def test_triton_pool_step_traces_fullgraph(ring_decoder):
 
 @pytest.mark.cpu
 def test_session_passes_backend_and_semantics_to_its_pool(ring_decoder):
-    session = CodecStreamSession(ring_decoder, 2, attention_backend="triton", ring_semantics="exact")
+    session = make_session(ring_decoder, 2, attention_backend="triton", ring_semantics="exact")
     assert (session.pool.attention_backend, session.pool.ring_semantics) == ("triton", "exact")
     codes = random_codes(ring_decoder, 1, 20, seed=2)[:, 0]
     audio = []
@@ -193,7 +193,7 @@ def test_session_passes_backend_and_semantics_to_its_pool(ring_decoder):
         audio.append(session.decode([ChunkRequest("r", codes[:, a:b], b == 20)])["r"].audio)
     assert rel_max(torch.cat(audio, -1), ring_decoder.decode(codes[:, None])[0]) <= 1e-5
     with pytest.raises(ValueError, match="unknown ring semantics 'x'"):
-        CodecStreamSession(ring_decoder, 2, ring_semantics="x")
+        make_session(ring_decoder, 2, ring_semantics="x")
 
 
 @pytest.mark.cpu

@@ -18,7 +18,14 @@ import random
 
 import pytest
 import torch
-from moss_codecs import assert_slot_state_equal, build_decoder, make_state_pool, random_codes, ring_codec_raw
+from moss_codecs import (
+    assert_slot_state_equal,
+    build_decoder,
+    make_session,
+    make_state_pool,
+    random_codes,
+    ring_codec_raw,
+)
 
 from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_module
 from vllm_omni_moss.model_executor.models.moss_tts.compile import (
@@ -32,7 +39,7 @@ from vllm_omni_moss.model_executor.models.moss_tts.config import PRESETS
 from vllm_omni_moss.model_executor.models.moss_tts.cuda_graph import StreamingGraphRunner
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.pool_kinds import POOL_KIND_RECORDS
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch, decode_tensors
 from vllm_omni_moss.model_executor.models.moss_tts.token_packing import pack_codes, unpack_audio
@@ -240,7 +247,7 @@ def test_session_staging_with_a_tiny_codec(tmp_path):
     chunks are oversized and their scatter is nondeterministic on CUDA.
     """
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=(1, 2, 4), graph_frame_sizes=(1,))
+    session = make_session(dec, CAPACITY, graph_frame_totals=(1, 2, 4), graph_frame_sizes=(1,))
     shapes = [StepShape(1, 1, 1), StepShape(2, 1, 2), StepShape(4, 1, 4)]
     assert session.runner is not None and sorted(session.runner.graphs, key=lambda s: s.total_frames) == shapes
     assert isinstance(session.pool, CompactDecoderStatePool) and session.pool.num_slots == CAPACITY + 1
@@ -273,7 +280,7 @@ def test_session_replays_one_packed_graph_a_call_bitwise_as_the_eager_step_of_it
     is one replay of the graph of the smallest total holding its real frames, bit for bit the eager step of the
     same shape (padding rows, dummy frames), and the null slot stays zero."""
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=frame_totals(16), graph_frame_sizes=(1, 2, 4))
+    session = make_session(dec, CAPACITY, graph_frame_totals=frame_totals(16), graph_frame_sizes=(1, 2, 4))
     runner = session.runner
     assert runner.captured_totals == tuple(range(1, 17)) and not runner.failures
     assert session.step_ladder == StepLadder(CAPACITY, 4, tuple(range(1, 17)))
@@ -308,7 +315,7 @@ def test_session_pins_the_audio_rows_of_every_row_size_class_at_startup(tmp_path
     no page-locked block (torch's caching host allocator serves a row only from its own power-of-two size class,
     so warming one size alone left the other sizes' first steps to pin theirs)."""
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=frame_totals(12), graph_frame_sizes=(1, 2, 3))
+    session = make_session(dec, CAPACITY, graph_frame_totals=frame_totals(12), graph_frame_sizes=(1, 2, 3))
     spf = int(dec.config.samples_per_frame) * int(dec.config.number_channels) * 4
     assert len({(spf * t - 1).bit_length() for t in (1, 2, 3)}) == 3, "the sizes must fall in distinct classes"
     torch.cuda.synchronize()
@@ -331,8 +338,8 @@ def test_session_counts_clamped_codes_of_host_and_device_chunks(tmp_path):
     device chunks on the device (read when ``clamped_codes`` is read); the audio is that of the
     clamped codes, through the graph path."""
     dec = build_decoder(PRESETS["tiny-v2"], tmp_path, device="cuda")
-    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=(1, 2), graph_frame_sizes=(1,))
-    clean = CodecStreamSession(dec, CAPACITY, graph_frame_totals=(1, 2), graph_frame_sizes=(1,))
+    session = make_session(dec, CAPACITY, graph_frame_totals=(1, 2), graph_frame_sizes=(1,))
+    clean = make_session(dec, CAPACITY, graph_frame_totals=(1, 2), graph_frame_sizes=(1,))
     K, n_vq = dec.config.codebook_size, dec.config.num_quantizers
     codes = torch.randint(0, K, (n_vq, 2, 1), generator=torch.Generator().manual_seed(3))
     raw = codes.clone()
@@ -380,7 +387,7 @@ def test_session_serves_every_tail_length_from_graphs(cuda_ring_decoder):
     """Chunks of every length up to the largest chunk size never run eagerly, one step a call, and each stream
     stays within bf16 rounding of its solo reference decode at its own chunk lengths."""
     dec = cuda_ring_decoder
-    session = CodecStreamSession(dec, CAPACITY, graph_frame_totals=frame_totals(20), graph_frame_sizes=(1, 5))
+    session = make_session(dec, CAPACITY, graph_frame_totals=frame_totals(20), graph_frame_sizes=(1, 5))
     gen = torch.Generator().manual_seed(5)
     streams = {rid: [1] + [1 + (i + k) % 5 for k in range(4)] for i, rid in enumerate("abcd")}
     codes = {rid: torch.randint(0, 16, (2, sum(s)), generator=gen) for rid, s in streams.items()}
@@ -421,7 +428,7 @@ def test_steps_of_one_call_queued_behind_a_busy_device_equal_one_step_per_call(c
     codes = {rid: torch.randint(0, 16, (2, 13), generator=gen) for rid in "abc"}
 
     def run(one_call: bool) -> dict[str, torch.Tensor]:
-        session = CodecStreamSession(
+        session = make_session(
             dec, 2, graph_frame_totals=frame_totals(10), graph_frame_sizes=(1, 5), max_waiting_streams=1
         )
         session.decode([ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1])])

@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
-from moss_codecs import cuda_kernel_test
+from moss_codecs import cuda_kernel_test, make_session
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder, chunk_schedule
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 from vllm_omni_moss.testing.weights import fill_random_weights_
 
 pytestmark = [pytest.mark.core_model]
@@ -42,7 +42,7 @@ def _decoders() -> tuple[CodecDecoder, CodecDecoder]:
 def _stream(decoder: CodecDecoder, codes: torch.Tensor, semantics: str) -> torch.Tensor:
     """``codes`` int64 ``(n_vq, B, FRAMES)`` on CPU -> float32 audio ``(B, channels, FRAMES * spf)``."""
     B = codes.shape[1]
-    session = CodecStreamSession(
+    session = make_session(
         decoder,
         B,
         ring_semantics=semantics,

@@ -35,16 +35,16 @@ def vllm_omni_root() -> str | None:
 
 @pytest.fixture
 def session_kwargs(monkeypatch):
-    """The keyword arguments the stage builds its session with."""
+    """The arguments the stage builds its session with: ``spec``, ``options`` and the keyword ``compile``."""
     from vllm_omni_moss.model_executor.models.moss_tts import stage as stage_module
 
     seen: dict = {}
     base = stage_module.CodecStreamSession
 
     class Recording(base):
-        def __init__(self, *args, **kwargs):
-            seen.update(kwargs)
-            super().__init__(*args, **kwargs)
+        def __init__(self, decoder, spec, options, **kwargs):
+            seen.update(kwargs, spec=spec, options=options)
+            super().__init__(decoder, spec, options, **kwargs)
 
     monkeypatch.setattr(stage_module, "CodecStreamSession", Recording)
     return seen
@@ -115,7 +115,7 @@ def test_state_budget_picks_the_paged_pool_with_the_pages_it_pays_for(tmp_path, 
     stage = build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=budget_gib, max_num_seqs=8)
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
     budget = int(budget_gib * 2**30)
-    spec = session_kwargs["state_spec"]  # the budget, no kind: the spec picks the paged pool
+    spec = session_kwargs["spec"]  # the budget, no kind: the spec picks the paged pool
     assert spec.paging.state_budget_bytes == budget and spec.kind == "paged"
     pool = stage._session.pool
     assert pool.kind == "paged"
@@ -133,14 +133,14 @@ def test_state_budget_picks_the_paged_pool_with_the_pages_it_pays_for(tmp_path, 
 def test_expected_stream_seconds_reach_the_session_in_frames(tmp_path, session_kwargs):
     stage = build_stage(tmp_path, "tiny-v2", codec_state_budget_gib=0.0002, codec_expected_stream_seconds=4.3)
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
-    assert session_kwargs["state_spec"].paging.expected_stream_frames == 54  # round(4.3 s x 12.5 frames/s)
+    assert session_kwargs["spec"].paging.expected_stream_frames == 54  # round(4.3 s x 12.5 frames/s)
     assert stage._session.pool.expected_stream_frames == 54
 
 
 def test_pool_kind_reaches_the_session(tmp_path, session_kwargs):
     stage = build_stage(tmp_path, "tiny-v2", codec_pool_kind="paged")
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
-    assert session_kwargs["state_spec"].kind == "paged" and stage._session.pool.kind == "paged"
+    assert session_kwargs["spec"].kind == "paged" and stage._session.pool.kind == "paged"
     assert stage._session.pool.page_fraction == 1.0
 
 
@@ -272,7 +272,7 @@ def test_auto_precision_on_cpu_is_float32_and_logged(tmp_path, caplog, session_k
     assert {p.dtype for p in stage._codec.parameters()} == {torch.float32}
     assert stage._codec.lut.dtype == torch.float32
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
-    assert session_kwargs["state_spec"].dtype == torch.float32
+    assert session_kwargs["spec"].dtype == torch.float32
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MOSS codec decoder loaded")]
     assert "precision float32 (weights, decode table and state rings; codec_dtype=auto)" in line
 
@@ -283,7 +283,7 @@ def test_codec_dtype_override_casts_weights_table_and_rings(tmp_path, caplog, se
     assert {p.dtype for p in stage._codec.parameters()} == {torch.bfloat16}
     assert stage._codec.lut.dtype == torch.bfloat16
     wav = run(stage, [torch.ones(stage.n_vq, 2)], [delay_info()], ["a"])[0]
-    assert session_kwargs["state_spec"].dtype == torch.bfloat16
+    assert session_kwargs["spec"].dtype == torch.bfloat16
     assert wav.dtype == torch.float32 and wav.shape[-1] == 2 * stage._codec.config.samples_per_frame
     assert any(
         "precision bfloat16 (weights, decode table and state rings; codec_dtype=bfloat16)" in r.getMessage()
@@ -322,7 +322,7 @@ def test_auto_precision_on_cuda_follows_upstream(tmp_path, session_kwargs, prese
     assert {p.dtype for p in stage._codec.parameters()} == {dtype} and stage._codec.lut.dtype == dtype
     assert stage._codec.device.type == "cuda"
     run(stage, [torch.zeros(stage.n_vq, 1)], [delay_info()], ["a"])
-    assert session_kwargs["state_spec"].dtype == dtype
+    assert session_kwargs["spec"].dtype == dtype
 
 
 # ----------------------------------------------------------------------------- chunk schedule

@@ -25,6 +25,8 @@ import torch
 from moss_codecs import count_steps
 from stage_helpers import build_stage, delay_info, error_result, fresh_decode, raw_info, run
 
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner
+
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.core_model]
 
 STAGE_LOGGER = "vllm_omni_moss.model_executor.models.moss_tts.stage"
@@ -583,7 +585,7 @@ def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_r
     its row returns the 3 frames decoded before in round 0's step beside g's frame (the error logged once),
     request g's row is exact, and f's next row returns empty audio while g decodes on."""
     session = stage._ensure_session()
-    real, tried = session._steps.eager_step, []
+    real, tried = session.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         tried.append((lengths.shape[0], frames, codes.shape[1]))
@@ -591,7 +593,7 @@ def test_a_failing_step_returns_the_audio_decoded_before_it_and_fails_only_its_r
             raise RuntimeError("injected")
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(session._steps, "eager_step", step)
+    monkeypatch.setattr(session.step_runner, "eager_step", step)
     g, f = _codes(stage, 2, seed=31), _codes(stage, 6, seed=32)
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
         out = run(stage, [g[:, :1], f[:, :5]], [delay_info(), delay_info()], ["g", "f"])
@@ -618,10 +620,10 @@ def test_a_session_call_that_raises_fails_its_rows_alone_and_forward_returns(sta
     g, f, h = (_codes(stage, 2, seed=seed) for seed in (41, 42, 43))
     run(stage, [g[:, :1]], [delay_info()], ["g"])
 
-    def broken(round_pieces):
+    def broken(planner, round_pieces):
         raise RuntimeError("injected planner failure")
 
-    monkeypatch.setattr(session._steps, "plan_round", broken)
+    monkeypatch.setattr(StepPlanner, "plan_round", broken)
     with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
         out = run(stage, [g[:, 1:], f[:, :1]], [delay_info(), delay_info()], ["g", "f"])
     monkeypatch.undo()

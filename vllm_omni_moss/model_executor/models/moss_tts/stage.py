@@ -183,8 +183,8 @@ class MossTTSCodecDecoder(nn.Module):
             graphs = self._graph_rows() > 0
             self._session = CodecStreamSession(
                 self._codec,
-                state_spec=self._state_spec,
-                options=self.options.session_options(),
+                self._state_spec,
+                self.options.session_options(),
                 compile=vllm_compile_factory(self.vllm_config) if graphs else False,
             )
             _log_graphs(self._session.runner, self.options.graph_memory_bytes)

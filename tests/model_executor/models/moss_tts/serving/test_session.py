@@ -16,7 +16,7 @@ import torch
 from moss_codecs import ChunkDriver as _Driver
 from moss_codecs import assert_close_to_solo as _close
 from moss_codecs import count_steps as _count_steps
-from moss_codecs import random_codes
+from moss_codecs import make_session, random_codes
 from moss_codecs import solo_decode as _solo
 from moss_codecs import stream_codes as _codes
 
@@ -27,6 +27,9 @@ from vllm_omni_moss.model_executor.models.moss_tts.serving import (
     SessionOptions,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.serving.requests import InvalidRequestId
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner, StepRunner
+from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
+from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -39,7 +42,7 @@ def test_mixed_batches_equal_solo_decodes(kind, ring_decoder, monkeypatch):
     """Staggered starts, chunks of different lengths packed into one step per round (no graph sizes: each step
     shaped exactly, its rows, its longest piece and its real frames), a long chunk split into pieces, terminals
     mid-script: each request gets exactly its solo decode."""
-    s = CodecStreamSession(ring_decoder, 4, pool_kind=kind, max_step_frames=3)
+    s = make_session(ring_decoder, 4, pool_kind=kind, max_step_frames=3)
     steps = _count_steps(s, monkeypatch)
     d = _Driver(s, ring_decoder)
     for rid, frames, seed in (("a", 14, 1), ("b", 9, 2), ("c", 6, 3), ("d", 4, 4)):
@@ -69,7 +72,7 @@ def test_graph_replays_count_the_padding_rows_and_frames_of_their_shapes(ring_de
     stats()["padded_frames"]) and stages the real rows first, the padding rows after them (valid frames 0, the
     graph's own padding slot ids, not valid). The graph runner is a stand-in here (CPU): it holds the shapes of
     totals 4 and 8 (4 slots, 4 frames a row) and returns zero audio."""
-    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 2, 4, 8), graph_frame_sizes=(1, 4))
+    s = make_session(ring_decoder, 4, graph_frame_totals=(1, 2, 4, 8), graph_frame_sizes=(1, 4))
     spf, channels = ring_decoder.config.samples_per_frame, ring_decoder.config.number_channels
     replays = []
 
@@ -93,7 +96,8 @@ def test_graph_replays_count_the_padding_rows_and_frames_of_their_shapes(ring_de
         def close(self):
             pass
 
-    s._steps.graphs = Graphs()
+    runner = s.step_runner  # the same runner over a stand-in graph runner: its planner holds the captured shapes
+    s.step_runner = StepRunner(runner.pool, s.n_vq, runner.ladder, runner.counters, runner.tracer, graphs=Graphs())
     codes = random_codes(ring_decoder, 1, 4, seed=3)[:, 0]
     s.decode([ChunkRequest(r, codes[:, :1]) for r in "abc"])  # 3 rows of 1 frame: total 4, 4 rows
     got = s.decode([ChunkRequest(r, codes[:, :3]) for r in "ab"])  # 2 rows of 3 frames: total 8, 4 rows
@@ -108,7 +112,7 @@ def test_graph_replays_count_the_padding_rows_and_frames_of_their_shapes(ring_de
 
 
 def test_long_chunk_split_matches_split_reference(ring_decoder, monkeypatch):
-    s = CodecStreamSession(ring_decoder, 2, max_step_frames=2)
+    s = make_session(ring_decoder, 2, max_step_frames=2)
     steps = _count_steps(s, monkeypatch)
     codes = _codes(ring_decoder, 7, seed=9)
     out = s.decode([ChunkRequest("x", codes, True)])["x"]
@@ -118,7 +122,7 @@ def test_long_chunk_split_matches_split_reference(ring_decoder, monkeypatch):
 
 
 def test_v1_codec_legacy_pool_equals_solo(ring_decoder_v1):
-    s = CodecStreamSession(ring_decoder_v1, 3)
+    s = make_session(ring_decoder_v1, 3)
     assert type(s.pool).__name__ == "LegacyDecoderStatePool"
     d = _Driver(s, ring_decoder_v1)
     d.add("a", 9, 5)
@@ -131,7 +135,7 @@ def test_v1_codec_legacy_pool_equals_solo(ring_decoder_v1):
 
 
 def test_tiny_presets_equal_solo(tiny_decoder):
-    s = CodecStreamSession(tiny_decoder, 2)
+    s = make_session(tiny_decoder, 2)
     d = _Driver(s, tiny_decoder)
     d.add("a", 4, 1)
     d.add("b", 3, 2)
@@ -145,7 +149,7 @@ def test_tiny_presets_equal_solo(tiny_decoder):
 
 
 def test_slots_are_lifo(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 4)
+    s = make_session(ring_decoder, 4)
     one = {rid: ChunkRequest(rid, _codes(ring_decoder, 1, i)) for i, rid in enumerate("abc")}
     s.decode(list(one.values()))
     assert s.live_requests == {"a": 0, "b": 1, "c": 2}
@@ -158,44 +162,15 @@ def test_slots_are_lifo(ring_decoder):
     assert s.live_requests["e"] == 2 and s.live_requests["f"] == 0
 
 
-def test_the_step_runner_reads_frozen_scheduled_chunks_and_the_scheduler_counts_what_it_decoded(ring_decoder):
-    """One way: ``Scheduler.schedule`` takes each ready stream's chunks out of its ``Stream`` into frozen
-    ``ScheduledChunks`` (the same tensors, in order); the runner never sees a ``Stream``; ``Scheduler.update``
-    adds the frames it decoded, a chunk longer than a piece counted whole."""
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import ScheduledChunks
-
-    s = CodecStreamSession(ring_decoder, 4, max_step_frames=4)
-    runner, scheduler, seen = s._steps, s._scheduler, []
-    real = runner.decode_streams
-
-    def spy(work):
-        assert all(type(w) is ScheduledChunks for w in work)
-        assert all(scheduler.live[w.request_id].chunks == [] for w in work)  # taken, not shared
-        seen.append({w.request_id: (w.slot, [c.shape[1] for c in w.chunks]) for w in work})
-        with pytest.raises(AttributeError):
-            work[0].chunks = ()  # frozen
-        return real(work)
-
-    runner.decode_streams = spy
-    chunks = {"a": _codes(ring_decoder, 3, 1), "b": _codes(ring_decoder, 9, 2)}  # b: 9 frames > 4 a piece
-    s.decode([ChunkRequest(rid, c) for rid, c in chunks.items()])
-    assert seen == [{"a": (0, [3]), "b": (1, [9])}]
-    assert {rid: st.frames_decoded for rid, st in scheduler.live.items()} == {"a": 3, "b": 9}
-    s.decode([ChunkRequest("a", _codes(ring_decoder, 2, 3))])
-    assert seen[-1] == {"a": (0, [2])} and scheduler.live["a"].frames_decoded == 5
-
-
 def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
-    """``StepRunner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records: one step for the
+    """``StepPlanner.plan_round`` turns one round of pieces into frozen ``StepBatch`` records: one step for the
     whole round, shortest rows first, with their slots, the pieces themselves, their valid frames, the ladder's
-    shape for their real frames and whether a graph replays it (the shape was captured: a stand-in runner here);
-    a piece with another codebook count runs eager even where its shape's graph exists."""
-    from vllm_omni_moss.model_executor.models.moss_tts.serving.streams import StepBatch
-
-    s = CodecStreamSession(ring_decoder, 8, graph_frame_totals=(1, 2, 4, 8, 16), graph_frame_sizes=(1, 4))
-    s._steps.graphs = types.SimpleNamespace(graphs={StepShape(8, 4, 16): None, StepShape(2, 4, 2): None})
+    shape for their real frames and whether a graph replays it (the shape is among the captured ones the planner
+    was handed)."""
+    ladder = SessionOptions(8, graph_frame_totals=(1, 2, 4, 8, 16), graph_frame_sizes=(1, 4)).step_ladder
+    planner = StepPlanner(ladder, frozenset({StepShape(8, 4, 16), StepShape(2, 4, 2)}))
     pieces = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 1), ("c", 4), ("d", 1)])}
-    steps = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
+    steps = planner.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
     assert [type(b) for b in steps] == [StepBatch]
     (step,) = steps  # 9 real frames: the total 16, min(8 slots, 16) rows
     assert (step.request_ids, step.slots, step.valid_frames) == (("b", "d", "a", "c"), (1, 3, 0, 2), (1, 1, 3, 4))
@@ -203,10 +178,8 @@ def test_plan_round_decides_each_step_once_as_a_frozen_step_batch(ring_decoder):
     assert step.pieces[2] is pieces["a"] and step.pieces[3] is pieces["c"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         step.graph = False  # frozen
-    wide = s._steps.plan_round({"e": (4, _codes(ring_decoder, 2, 5)[:1])})  # one codebook, graphs hold s.n_vq
-    assert len(wide) == 1 and (wide[0].shape, wide[0].graph, wide[0].padding_rows) == (StepShape(2, 4, 2), False, 1)
-    s._steps.graphs = None
-    s.close()
+    (one,) = planner.plan_round({"e": (4, _codes(ring_decoder, 1, 5))})
+    assert (one.shape, one.graph, one.padding_rows) == (StepShape(1, 4, 1), False, 0)  # total 1: not captured
 
 
 def _assert_slot_clear(session, slot):
@@ -217,7 +190,7 @@ def _assert_slot_clear(session, slot):
 
 @pytest.mark.parametrize("meta_only", [False, True])
 def test_terminal_chunk_resets_and_releases(meta_only, ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 2, 1))])
     slot = s.live_requests["a"]
     last = _codes(ring_decoder, 0 if meta_only else 2, 2)
@@ -228,7 +201,7 @@ def test_terminal_chunk_resets_and_releases(meta_only, ring_decoder):
 
 
 def test_abort_releases_and_a_later_chunk_starts_fresh(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 2, 1)), ChunkRequest("b", _codes(ring_decoder, 1, 2))])
     slot = s.live_requests["a"]
     s.on_requests_finished({"a", "never-seen"})
@@ -243,7 +216,7 @@ def test_abort_releases_and_a_later_chunk_starts_fresh(ring_decoder):
 
 
 def test_reused_id_after_finish_starts_fresh(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 3, 1))])
     s.decode([ChunkRequest("a", _codes(ring_decoder, 2, 2), True)])
     s.on_requests_finished(["a"])  # the runner reports normal completions too: nothing left to release
@@ -263,7 +236,7 @@ def test_a_terminal_chunk_of_a_waiting_stream_is_decoded_in_its_call(max_waiting
     # "a" is restored into the freed slot in the same call. The id is free again at once; a later reuse of it is
     # served the same way, and "a" decodes exactly as if it had never left its slot.
     bound = {} if max_waiting_frames is None else {"max_waiting_frames": max_waiting_frames}
-    s = CodecStreamSession(ring_decoder, 1, **bound)
+    s = make_session(ring_decoder, 1, **bound)
     a, b, reuse = (_codes(ring_decoder, n, seed) for n, seed in ((4, 1), (3, 2), (3, 3)))
     first = s.decode([ChunkRequest("a", a[:, :2])])["a"].audio
     got = s.decode([ChunkRequest("b", b, True)])["b"]
@@ -281,7 +254,7 @@ def test_a_terminal_chunk_over_the_queue_bounds_still_ends_its_waiting_stream(ri
     # "w" waits with 3 frames buffered (of max_waiting_frames=4) when its 2-frame terminal chunk arrives: the
     # bound would refuse it (5 > 4) and drop all 5 frames; a terminal chunk is decoded in its call instead, the
     # live stream "l" preempted for it and restored once "w" ends.
-    s = CodecStreamSession(ring_decoder, 1, max_waiting_streams=1, max_waiting_frames=4)
+    s = make_session(ring_decoder, 1, max_waiting_streams=1, max_waiting_frames=4)
     live, w = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 5, 2)
     first = s.decode([ChunkRequest("l", live[:, :1])])["l"].audio
     assert s.decode([ChunkRequest("w", w[:, :3])])["w"].queued
@@ -297,7 +270,7 @@ def test_a_terminal_chunk_over_the_queue_bounds_still_ends_its_waiting_stream(ri
 
 
 def test_new_streams_wait_for_a_slot_while_live_streams_decode(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     a, b, c = (_codes(ring_decoder, 6, seed) for seed in (1, 2, 3))
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
     got = s.decode([ChunkRequest("a", a[:, 1:3]), ChunkRequest("c", c[:, :1])])
@@ -318,7 +291,7 @@ def test_new_streams_wait_for_a_slot_while_live_streams_decode(ring_decoder):
 
 
 def test_admitted_stream_equals_its_solo_decode(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     a, c = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 5, 2)
     s.decode([ChunkRequest("a", a[:, :1])])
     assert s.decode([ChunkRequest("c", c[:, :1])])["c"].queued
@@ -337,7 +310,7 @@ def test_buffered_chunks_do_not_follow_the_callers_tensors(ring_decoder):
     session's own copy once decode() returns, so the caller may reuse (here: overwrite) its tensor. The
     chunk also holds an out-of-range code, clamped when its step runs, after it waited."""
     K = ring_decoder.config.codebook_size
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     a, c = _codes(ring_decoder, 2, 1), _codes(ring_decoder, 4, 2)
     s.decode([ChunkRequest("a", a[:, :1])])
     sent = c[:, :3].clone()
@@ -353,7 +326,7 @@ def test_buffered_chunks_do_not_follow_the_callers_tensors(ring_decoder):
 
 
 def test_admission_queue_bounds_fail_the_request_alone(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 1, max_waiting_streams=1, max_waiting_frames=4)
+    s = make_session(ring_decoder, 1, max_waiting_streams=1, max_waiting_frames=4)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
     got = s.decode([ChunkRequest("b", _codes(ring_decoder, 2, 2)), ChunkRequest("c", _codes(ring_decoder, 1, 3))])
     assert got["b"].queued and got["c"].error == (
@@ -371,7 +344,7 @@ def test_admission_queue_bounds_fail_the_request_alone(ring_decoder):
 
 
 def test_slots_freed_between_calls_go_to_waiting_streams_first(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2, max_waiting_streams=1)
+    s = make_session(ring_decoder, 2, max_waiting_streams=1)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1)), ChunkRequest("b", _codes(ring_decoder, 1, 2))])
     assert s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 3))])["c"].queued
     s.on_requests_finished(["a", "b"])
@@ -381,7 +354,7 @@ def test_slots_freed_between_calls_go_to_waiting_streams_first(ring_decoder):
 
 
 def test_abort_of_a_waiting_stream_drops_its_chunks(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
     s.decode([ChunkRequest("b", _codes(ring_decoder, 2, 2))])
     s.on_requests_finished(["b"])
@@ -391,7 +364,7 @@ def test_abort_of_a_waiting_stream_drops_its_chunks(ring_decoder):
 
 
 def test_a_bad_request_fails_alone(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     good, live = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 2, 2)
     s.decode([ChunkRequest("live", live[:, :1])])
     before = s.pool.slot_state(s.live_requests["live"])
@@ -422,7 +395,7 @@ def test_a_bad_request_fails_alone(ring_decoder):
 
 
 def test_a_refused_chunk_of_an_admitted_stream_keeps_its_error_beside_the_buffered_audio(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     a, w = _codes(ring_decoder, 1, 1), _codes(ring_decoder, 2, 2)
     s.decode([ChunkRequest("a", a), ChunkRequest("w", w)])  # "w" waits for the only slot
     n_vq = ring_decoder.config.num_quantizers
@@ -435,7 +408,7 @@ def test_a_refused_chunk_of_an_admitted_stream_keeps_its_error_beside_the_buffer
 
 
 def test_codes_that_are_not_dense_fail_their_request_alone(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     got = s.decode([ChunkRequest("good", good, True), ChunkRequest("sparse", good.to_sparse())])
     assert (
@@ -446,7 +419,7 @@ def test_codes_that_are_not_dense_fail_their_request_alone(ring_decoder):
 
 
 def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     c = _codes(ring_decoder, 1, 1)
     s.decode([ChunkRequest("req-1", c), ChunkRequest("r", c)])
     with pytest.raises(TypeError, match="request_ids must be a collection of request ids, got the single id 'req-1'"):
@@ -466,7 +439,7 @@ def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
     ],
 )
 def test_a_bad_request_id_fails_alone(bad_id, message, ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     got = s.decode([ChunkRequest("good", good, True), ChunkRequest(bad_id, good)])
     key = InvalidRequestId(1, bad_id)
@@ -476,7 +449,7 @@ def test_a_bad_request_id_fails_alone(bad_id, message, ring_decoder):
 
 
 def test_two_empty_request_ids_fail_alone_not_the_batch(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     got = s.decode([ChunkRequest("good", good, True), ChunkRequest("", good), ChunkRequest("", good)])
     assert [got[InvalidRequestId(i, "")].error for i in (1, 2)] == ["request_id must be a non-empty str, got ''"] * 2
@@ -484,7 +457,7 @@ def test_two_empty_request_ids_fail_alone_not_the_batch(ring_decoder):
 
 
 def test_a_non_bool_finished_flag_fails_its_request_alone(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     got = s.decode([ChunkRequest("good", good[:, :1]), ChunkRequest("b", good, torch.tensor([True, False]))])
     assert got["b"].error == "request 'b': finished must be a bool, got tensor([ True, False])"
@@ -494,7 +467,7 @@ def test_a_non_bool_finished_flag_fails_its_request_alone(ring_decoder):
 
 
 def test_bad_batches_raise(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     c = _codes(ring_decoder, 1, 1)
     with pytest.raises(ValueError, match="request 'a' appears twice in one decode batch"):
         s.decode([ChunkRequest("a", c), ChunkRequest("a", c)])
@@ -519,38 +492,36 @@ def test_bad_batches_raise(ring_decoder):
 )
 def test_bad_configuration_is_refused(kwargs, message, ring_decoder):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        CodecStreamSession(ring_decoder, 2, **kwargs)
+        make_session(ring_decoder, 2, **kwargs)
 
 
-def test_session_options_are_one_frozen_record_the_keywords_build_too(ring_decoder):
-    """The keyword arguments and an options record give the session the same record (graph sizes normalised once:
-    distinct, ascending; frame totals above the slot count kept, a step's total counts frames, not rows); the
-    record is frozen; its step ladder is the session's; a record with loose options beside it, or no slot count
-    at all, is refused."""
-    loose = CodecStreamSession(
-        ring_decoder, 3, graph_frame_totals=[8, 2, 2, 1], graph_frame_sizes=[3, 1, 3], max_step_frames=5, n_vq=1
-    )
+def test_session_options_are_one_frozen_record(ring_decoder):
+    """An options record gives the session its options (graph sizes normalised once: distinct, ascending; frame
+    totals above the slot count kept, a step's total counts frames, not rows); the record is frozen; its step ladder
+    is the session's; the session takes the record, spec and decoder alone (no loose options beside them); an n_vq
+    the codec does not have is refused."""
     want = SessionOptions(3, n_vq=1, graph_frame_totals=(1, 2, 8), graph_frame_sizes=(1, 3), max_step_frames=5)
-    assert loose.options == want and loose.graph_frame_sizes == [1, 3]
-    assert loose.step_ladder == want.step_ladder == StepLadder(3, 3, (1, 2, 8)) and loose.max_step_rows == 3
+    assert (
+        SessionOptions(3, graph_frame_totals=[8, 2, 2, 1], graph_frame_sizes=[3, 1, 3], max_step_frames=5, n_vq=1)
+        == want
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         want.max_step_frames = 6
-    recorded = CodecStreamSession(ring_decoder, options=want)
+    spec = StateSpec.from_options(ring_decoder)
+    recorded = CodecStreamSession(ring_decoder, spec, want)
     assert recorded.options is want and recorded.state_capacity == 3 and recorded.n_vq == 1
+    assert recorded.graph_frame_sizes == [1, 3] and recorded.max_step_rows == 3
+    assert recorded.step_ladder == want.step_ladder == StepLadder(3, 3, (1, 2, 8))
     assert recorded.max_piece_frames == 3 and recorded.pool.state_capacity == 3
-    both = "give the session an options record or the options it is made of, not both"
-    for kwargs in ({"max_step_frames": 4}, {"graph_frame_sizes": (2,)}, {"n_vq": 2}):
-        with pytest.raises(ValueError, match=both):
-            CodecStreamSession(ring_decoder, options=want, **kwargs)
-    with pytest.raises(ValueError, match=both):
-        CodecStreamSession(ring_decoder, 4, options=want)
-    assert CodecStreamSession(ring_decoder, 3, options=want).options is want
+    for loose in ({"max_step_frames": 4}, {"state_capacity": 3}, {"pool_kind": "compact"}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            CodecStreamSession(ring_decoder, spec, want, **loose)
     with pytest.raises(ValueError, match="state_capacity must be an integer >= 1, got None"):
-        CodecStreamSession(ring_decoder)
+        SessionOptions(None)
     with pytest.raises(ValueError, match="max_waiting_frames must be an integer >= 0, got -2"):
         SessionOptions(2, max_waiting_frames=-2)
     with pytest.raises(ValueError, match="n_vq must be in 1..2 for this codec, got 3"):
-        CodecStreamSession(ring_decoder, options=SessionOptions(2, n_vq=3))
+        CodecStreamSession(ring_decoder, spec, SessionOptions(2, n_vq=3))
 
 
 # ----------------------------------------------------------------------------- exact padded tails and clamping
@@ -561,7 +532,7 @@ def test_tails_pad_into_the_graph_frame_size_and_stay_exact(kind, ring_decoder, 
     """Graph frame sizes (1, 3), frame totals (1, 2, 4, 8): the 2-frame tail shares a 3-frame step with a steady
     chunk (as it would share a CUDA graph), packed with dummy frames up to the total 8, and still equals its solo
     decode at its own length; the dummies change no slot's state."""
-    s = CodecStreamSession(ring_decoder, 4, pool_kind=kind, graph_frame_totals=(1, 2, 4, 8), graph_frame_sizes=(1, 3))
+    s = make_session(ring_decoder, 4, pool_kind=kind, graph_frame_totals=(1, 2, 4, 8), graph_frame_sizes=(1, 3))
     assert s.runner is None  # CPU: graphs are never captured, steps are planned as on a GPU
     steps = _count_steps(s, monkeypatch)
     d = _Driver(s, ring_decoder)
@@ -583,7 +554,7 @@ def test_tails_pad_into_the_graph_frame_size_and_stay_exact(kind, ring_decoder, 
 def test_steps_never_exceed_the_largest_frame_total(ring_decoder, monkeypatch):
     """Frame totals up to 6: a round of more real frames is cut (shortest rows first) into steps that each fit,
     and every stream still equals its solo decode."""
-    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 2, 4, 6), graph_frame_sizes=(1, 3))
+    s = make_session(ring_decoder, 4, graph_frame_totals=(1, 2, 4, 6), graph_frame_sizes=(1, 3))
     steps = _count_steps(s, monkeypatch)
     d = _Driver(s, ring_decoder)
     for i, (rid, frames) in enumerate((("a", 8), ("b", 3), ("c", 8))):
@@ -599,7 +570,7 @@ def test_steps_never_exceed_the_largest_frame_total(ring_decoder, monkeypatch):
 
 
 def test_out_of_range_codes_are_clamped_and_counted(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     K = ring_decoder.config.codebook_size
     codes = _codes(ring_decoder, 3, 1)
     raw = codes.clone()
@@ -611,7 +582,7 @@ def test_out_of_range_codes_are_clamped_and_counted(ring_decoder):
 
 
 def test_generators_are_consumed_once(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     codes = random_codes(ring_decoder, 1, 2, seed=1)[:, 0]
     with pytest.raises(TypeError, match="requests must be a sequence of ChunkRequest, got ChunkRequest"):
         s.decode(ChunkRequest("a", codes))
@@ -624,7 +595,7 @@ def test_clamped_codes_count_only_out_of_range_codes_of_taken_chunks(tiny_decode
     # int8 codes: the codebook's last index (K - 1 = 1023 for tiny-v2) does not fit int8, the count must not wrap.
     K = tiny_decoder.config.codebook_size
     assert K - 1 > torch.iinfo(torch.int8).max
-    s = CodecStreamSession(tiny_decoder, 1, max_waiting_streams=0)
+    s = make_session(tiny_decoder, 1, max_waiting_streams=0)
     small = torch.full((tiny_decoder.config.num_quantizers, 4), 5, dtype=torch.int8)
     small[0, 0] = -3
     got = s.decode([ChunkRequest("a", small)])
@@ -639,7 +610,7 @@ def test_clamped_codes_of_a_chunk_cut_into_pieces_are_counted_once(ring_decoder)
     # A chunk longer than the largest step frame size is decoded in pieces, one step each; every
     # out-of-range code is counted by the step that clamps it, once, and the audio is the clamped codes'.
     K = ring_decoder.config.codebook_size
-    s = CodecStreamSession(ring_decoder, 1, graph_frame_sizes=(2,))
+    s = make_session(ring_decoder, 1, graph_frame_sizes=(2,))
     raw = _codes(ring_decoder, 5, 4)
     raw[0, 0], raw[1, 3], raw[0, 4] = K, -2, K + 1  # in pieces 0, 1 and 2
     out = s.decode([ChunkRequest("a", raw, True)])["a"]
@@ -651,7 +622,7 @@ def test_clamped_codes_of_one_batch_in_mixed_dtypes_are_counted_once_each(tiny_d
     # The host chunks of a batch are compared together: int8, uint8 and int64 chunks side by side must
     # neither wrap (uint8 255 is in range; int8 -1 is not) nor count another row's codes.
     K, Q = tiny_decoder.config.codebook_size, tiny_decoder.config.num_quantizers
-    s = CodecStreamSession(tiny_decoder, 3)
+    s = make_session(tiny_decoder, 3)
     a = torch.full((Q, 2), 7, dtype=torch.int8)
     a[0, 1] = -1
     b = torch.full((Q, 3), 255, dtype=torch.uint8)
@@ -663,7 +634,7 @@ def test_clamped_codes_of_one_batch_in_mixed_dtypes_are_counted_once_each(tiny_d
 
 
 def test_finishing_frees_the_slots_of_the_ids_seen_before_the_iterable_fails(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     c = _codes(ring_decoder, 1, 1)
     s.decode([ChunkRequest("a", c), ChunkRequest("b", c)])
 
@@ -680,15 +651,15 @@ def test_finishing_frees_the_slots_of_the_ids_seen_before_the_iterable_fails(rin
 
 def test_step_inputs_are_tensors_of_their_own(ring_decoder, monkeypatch):
     # Slot ids and lengths that were views of one staging tensor would make torch.compile guard on its strides.
-    s = CodecStreamSession(ring_decoder, 3)
+    s = make_session(ring_decoder, 3)
     seen = []
-    real = s._steps.eager_step
+    real = s.step_runner.eager_step
 
     def spy(codes, lengths, slot_ids, valid, frames):
         seen.append((codes, lengths, slot_ids, frames))
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", spy)
+    monkeypatch.setattr(s.step_runner, "eager_step", spy)
     chunks = {r: _codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 2), ("b", 3), ("c", 1)])}
     s.decode([ChunkRequest(r, c) for r, c in chunks.items()])
     ((codes, lengths, slot_ids, frames),) = seen
@@ -705,11 +676,11 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
 
     from vllm_omni_moss.model_executor.models.moss_tts.serving import tracing as tracing_module
 
-    s = CodecStreamSession(ring_decoder, 4, graph_frame_sizes=[2], max_step_frames=2)
+    s = make_session(ring_decoder, 4, graph_frame_sizes=[2], max_step_frames=2)
     assert s.call_traces is None  # off by default: nothing recorded
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
     traces = s.enable_call_traces(max_calls=3)
-    assert s.call_traces is traces and s._tracer in tracing_module._TRACING
+    assert s.call_traces is traces and any(t.traces is traces for t in tracing_module._TRACING)
     assert gc.callbacks.count(tracing_module._gc_hook) == 1
     s.enable_call_traces(max_calls=3)  # enabling again: a new, empty history, still one hook
     assert gc.callbacks.count(tracing_module._gc_hook) == 1
@@ -717,14 +688,14 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
 
     # A garbage collection inside the pool step is counted and lands in the run phase; a collection's stop
     # whose start came before the call is not counted.
-    real = s._steps.eager_step
+    real = s.step_runner.eager_step
     collected = []
 
     def step_with_gc(codes, lengths, slot_ids, valid, frames):
         collected.append(gc.collect())
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", step_with_gc)
+    monkeypatch.setattr(s.step_runner, "eager_step", step_with_gc)
     before = sum(s.stats()["steps_by_path"].values())
     tracing_module._gc_hook("start", {})  # outside any call: ignored
     # Chunks of 3 frames are cut into pieces of 2 and 1: two steps in one call.
@@ -744,7 +715,7 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
         tracing_module._gc_hook("stop", {})  # a stop without a start inside the call: ignored
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", stray_stop)
+    monkeypatch.setattr(s.step_runner, "eager_step", stray_stop)
     gc.disable()
     try:
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 5))])
@@ -762,16 +733,16 @@ def test_call_traces_split_each_call_into_phases(ring_decoder, monkeypatch):
     def broken(*args):
         raise RuntimeError("the device fell over")
 
-    monkeypatch.setattr(s._steps, "eager_step", broken)
+    monkeypatch.setattr(s.step_runner, "eager_step", broken)
     assert "the device fell over" in s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])["c"].error
     assert not traces[-1].failed and traces[-1].failed_steps == 1 and traces[-1].steps == 0
     # A call that raises is recorded as failed; the session goes on decoding and tracing.
-    monkeypatch.setattr(s._scheduler, "ready", broken)
+    monkeypatch.setattr(s.scheduler, "schedule", broken)
     with pytest.raises(RuntimeError, match="the device fell over"):
         s.decode([ChunkRequest("c", _codes(ring_decoder, 1, 6))])
-    assert traces[-1].failed and traces[-1].steps == 0 and s._tracer.trace is None
+    assert traces[-1].failed and traces[-1].steps == 0 and all(t.trace is None for t in tracing_module._TRACING)
     monkeypatch.undo()
-    monkeypatch.setattr(s._steps, "eager_step", real)
+    monkeypatch.setattr(s.step_runner, "eager_step", real)
     s.decode([ChunkRequest("d", _codes(ring_decoder, 1, 7))])
     assert not traces[-1].failed and traces[-1].steps == 1
 
@@ -798,7 +769,7 @@ def test_tracing_keeps_no_session_alive(ring_decoder):
     import gc
     import weakref
 
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     s.enable_call_traces()
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 0))])
     ref, pool = weakref.ref(s), weakref.ref(s.pool)
@@ -812,7 +783,7 @@ def test_call_traces_refuse_a_bad_length(bad, ring_decoder):
     import re
     import sys
 
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     message = f"max_calls must be None or an integer in 1..{sys.maxsize}, got {bad!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
         s.enable_call_traces(bad)
@@ -828,7 +799,7 @@ def test_a_refused_request_stays_refused_until_it_ends(ring_decoder, bound):
     started a fresh stream from zero state, and the request's audio silently lacked its beginning); its
     terminal chunk ends the refusal, and the id may then start a new stream."""
     bounds = {"max_waiting_streams": 0} if bound == "streams" else {"max_waiting_frames": 2}
-    s = CodecStreamSession(ring_decoder, 1, **bounds)
+    s = make_session(ring_decoder, 1, **bounds)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])  # a holds the only slot
     first = s.decode([ChunkRequest("b", _codes(ring_decoder, 3, 2))])["b"]
     assert first.error is not None and first.error.startswith("all 1 decoder slots are busy")
@@ -846,7 +817,7 @@ def test_a_refused_request_stays_refused_until_it_ends(ring_decoder, bound):
 
 
 def test_on_requests_finished_ends_a_refusal(ring_decoder):
-    s = CodecStreamSession(ring_decoder, 1, max_waiting_streams=0)
+    s = make_session(ring_decoder, 1, max_waiting_streams=0)
     s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
     assert s.decode([ChunkRequest("b", _codes(ring_decoder, 1, 2))])["b"].error is not None
     s.on_requests_finished(["a", "b"])
@@ -858,7 +829,7 @@ def test_ids_that_are_not_strings_get_keys_no_other_request_shares(ring_decoder)
     """A list id (which cannot key a dict) and the string of its repr are two requests; ids that compare
     equal (1, True, 1.0) get one result each (before, they shared one, and the repr collided with the string)."""
 
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     good = _codes(ring_decoder, 2, 1)
     requests = [ChunkRequest("['x']", good, True), ChunkRequest(["x"], good), ChunkRequest(1, good)]
     requests += [ChunkRequest(True, good), ChunkRequest(1.0, good)]
@@ -879,12 +850,12 @@ def test_a_round_pads_to_the_next_ladder_total_and_is_cut_only_past_the_slots(ri
     ..., 96, 99, 102, ..., 126, 129, ...): a round is one step padded to the smallest total holding its real
     frames (at most 1/32 of them above 64), with ``min(slots, total)`` rows; a round of more rows than slots is
     cut into a full step and the rest."""
-    s = CodecStreamSession(ring_decoder, 128, graph_frame_totals=frame_totals(128 * 4), graph_frame_sizes=[1, 4])
+    s = make_session(ring_decoder, 128, graph_frame_totals=frame_totals(128 * 4), graph_frame_sizes=[1, 4])
     assert s.step_ladder == StepLadder(128, 4, tuple(frame_totals(512))) and s.max_step_rows == 128
 
     def shapes(lengths):
         pieces = {f"r{i}": (i, _codes(ring_decoder, n, 0)) for i, n in enumerate(lengths)}
-        return [(b.rows, b.shape, sum(b.valid_frames)) for b in s._steps.plan_round(pieces)]
+        return [(b.rows, b.shape, sum(b.valid_frames)) for b in s.step_runner.planner.plan_round(pieces)]
 
     assert shapes([4] * 20) == [(20, StepShape(80, 4, 80), 80)]  # 80 is a total: no dummy frame
     assert shapes([4] * 25) == [(25, StepShape(102, 4, 102), 100)]  # 100 frames: 2 dummies
@@ -900,7 +871,7 @@ def test_the_session_keeps_graph_sizes_distinct_ascending(ring_decoder):
     bounded by the slot count (a total counts packed frames), but their largest must hold a row of the frame size."""
     from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import graph_sizes
 
-    s = CodecStreamSession(ring_decoder, 8, graph_frame_totals=[16, 4, 0, 4, 8, -2], graph_frame_sizes=[15, 1, 1, 0])
+    s = make_session(ring_decoder, 8, graph_frame_totals=[16, 4, 0, 4, 8, -2], graph_frame_sizes=[15, 1, 1, 0])
     assert (s.options.graph_frame_totals, s.graph_frame_sizes) == ((4, 8, 16), [1, 15])
     assert s.step_ladder == StepLadder(8, 15, (4, 8, 16))
     assert graph_sizes([3, 3, 2, -1]) == [2, 3] and graph_sizes([]) == []
@@ -909,14 +880,14 @@ def test_the_session_keeps_graph_sizes_distinct_ascending(ring_decoder):
             graph_sizes(bad)
         assert str(err.value) == f"graph sizes must be integers, got {bad[-1]!r} in {bad!r}"
     with pytest.raises(ValueError) as err:
-        CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 3), graph_frame_sizes=(1, 2, 4, 6))
+        make_session(ring_decoder, 4, graph_frame_totals=(1, 3), graph_frame_sizes=(1, 2, 4, 6))
     assert str(err.value) == "the largest frame total 3 is below the frame size 6: a row of 6 frames would fit no step"
 
 
 def test_a_call_of_mixed_frame_sizes_is_one_step(ring_decoder, monkeypatch):
     """A 1-frame first chunk beside 4-frame chunks shares their step (one step per round, whatever its pieces'
     lengths), and the audio is each stream's solo decode."""
-    s = CodecStreamSession(ring_decoder, 3, graph_frame_sizes=[1, 4])
+    s = make_session(ring_decoder, 3, graph_frame_sizes=[1, 4])
     steps = _count_steps(s, monkeypatch)
     a, b, c = (_codes(ring_decoder, 5, seed) for seed in (1, 2, 3))
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
@@ -950,5 +921,5 @@ def test_session_options_refuse_what_is_not_an_integer(field, value, message, ri
     with pytest.raises(ValueError, match=message):
         SessionOptions(2, **{field: value})
     with pytest.raises(ValueError, match=message):
-        CodecStreamSession(ring_decoder, 2, **{field: value})
+        make_session(ring_decoder, 2, **{field: value})
     assert SessionOptions(2, n_vq=1, graph_memory_bytes=0) == SessionOptions(2, 1, graph_memory_bytes=0)

@@ -14,11 +14,12 @@ import threading
 
 import pytest
 import torch
-from moss_codecs import random_codes
+from moss_codecs import make_session, random_codes
 from moss_codecs import stream_codes as _codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -46,7 +47,7 @@ def _pieces(frames: int) -> list[int]:
 def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, int]]:
     """Make the ``fail_at``-th pool step from now raise (``before`` it runs, or ``after`` it wrote its state);
     returns the ``(rows, T, packed frames)`` of every step tried."""
-    real, tried = session._steps.eager_step, []
+    real, tried = session.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         tried.append((lengths.shape[0], frames, codes.shape[1]))
@@ -57,7 +58,7 @@ def _inject(session, monkeypatch, fail_at: int, when: str) -> list[tuple[int, in
             raise RuntimeError(f"injected failure in step {fail_at}")
         return out
 
-    monkeypatch.setattr(session._steps, "eager_step", step)
+    monkeypatch.setattr(session.step_runner, "eager_step", step)
     return tried
 
 
@@ -70,7 +71,7 @@ def test_a_failing_step_fails_its_rows_alone_and_keeps_every_decoded_frame(fail_
     pieces decoded before it; their slots are released; the steps after it run; later chunks of a failed
     stream get its error until it ends, then the id starts afresh; every other stream stays exact."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 6, graph_frame_sizes=[1, 4], graph_frame_totals=frame_totals(7))
+    s = make_session(ring_decoder, 6, graph_frame_sizes=[1, 4], graph_frame_totals=frame_totals(7))
     total = {rid: 1 + frames + THIRD for rid, frames in SECOND.items()}
     codes = {rid: _codes(ring_decoder, n, seed) for seed, (rid, n) in enumerate(total.items())}
     first = s.decode([ChunkRequest(rid, c[:, :1]) for rid, c in codes.items()])  # every stream holds a slot
@@ -123,7 +124,7 @@ def test_a_failing_step_fails_its_rows_alone_and_keeps_every_decoded_frame(fail_
 def test_a_failing_step_fails_a_stream_admitted_from_the_queue_alone(ring_decoder, monkeypatch):
     """A waiting stream admitted in a call whose step for it raises: its result (not in the batch) carries the
     error; the stream that ended to free its slot keeps its audio."""
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     a, w = _codes(ring_decoder, 2, 1), _codes(ring_decoder, 2, 2)
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("w", w)])  # "w" waits for the only slot
     _inject(s, monkeypatch, 2, "before")  # step 1: a's terminal chunk; step 2: w's buffered chunk
@@ -139,12 +140,12 @@ def test_a_failing_step_fails_a_stream_admitted_from_the_queue_alone(ring_decode
 
 def test_an_exception_that_is_not_an_error_still_propagates(ring_decoder, monkeypatch):
     """Only ``Exception`` fails a step's rows; a ``KeyboardInterrupt`` inside a step leaves the call at once."""
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
 
     def interrupted(codes, lengths, slot_ids, valid, frames):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(s._steps, "eager_step", interrupted)
+    monkeypatch.setattr(s.step_runner, "eager_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         s.decode([ChunkRequest("a", _codes(ring_decoder, 1, 1))])
 
@@ -188,7 +189,7 @@ def test_a_failing_preemption_for_a_terminal_chunk_fails_the_preempted_stream_al
     when restoring it raises once "w" has ended, l2 fails then and its slot is freed. Either way l2 gets the error
     once (logged once), "w" and "l1" decode exactly in that call and after, and no slot leaks."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     l1, l2, w = (_codes(ring_decoder, n, seed) for n, seed in ((3, 1), (4, 2), (3, 3)))
     s.decode([ChunkRequest("l1", l1[:, :1]), ChunkRequest("l2", l2[:, :1])])
     assert s.decode([ChunkRequest("w", w[:, :1])])["w"].queued
@@ -223,7 +224,7 @@ def test_a_failing_preemption_for_pages_fails_the_preempted_stream_alone(method,
     decode. Saving a's state, or restoring it once "b" ended, raises: "a" fails with the error (logged once), "b"
     decodes exactly, and every slot and page is free again."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 2, pool_kind="paged", page_fraction=0.75)
+    s = make_session(ring_decoder, 2, pool_kind="paged", page_fraction=0.75)
     full = s.pool.free_page_counts()
     codes = random_codes(ring_decoder, 2, 6, seed=1)
     a, b = codes[:, 0], codes[:, 1]
@@ -254,7 +255,7 @@ def test_a_failing_admission_fails_the_admitted_stream_alone(ring_decoder, monke
     """A slot frees between calls (on_requests_finished) for the waiting "w"; taking it raises as the next call
     admits "w" (before its chunk of that call is routed), and again for the new stream "n": both fail, each with
     its error once (this call's chunk included in the frames left undecoded), and "k" decodes exactly."""
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     k, w, n = (_codes(ring_decoder, t, seed) for t, seed in ((3, 1), (3, 2), (2, 3)))
     s.decode([ChunkRequest("k", k[:, :1]), ChunkRequest("a", w[:, :1])])
     assert s.decode([ChunkRequest("w", w[:, :1])])["w"].queued
@@ -319,7 +320,7 @@ def test_a_failing_reservation_before_a_step_fails_the_ready_streams_not_the_cal
     once each); decode() returns instead of raising; their slots and pages are free. "k", live without a chunk
     in that call, decodes exactly afterwards; "a" stays refused until it ends, the ended "b" starts afresh."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 3, pool_kind=pool_kind)
+    s = make_session(ring_decoder, 3, pool_kind=pool_kind)
     full = _pages(s)
     a, b, k = (_codes(ring_decoder, 6, seed) for seed in (1, 2, 3))
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1]), ChunkRequest("k", k[:, :1])])
@@ -352,7 +353,7 @@ def test_a_failing_reservation_of_the_live_streams_before_an_admission_fails_the
     """Admitting the new stream "n" first reserves the live streams' pages for their chunks of the call; that
     reservation raises: the live stream with a chunk ("a") fails, naming it, and "n" is admitted and decodes
     exactly in the same call; every slot and page is free once "n" ends."""
-    s = CodecStreamSession(ring_decoder, 2, pool_kind="paged")
+    s = make_session(ring_decoder, 2, pool_kind="paged")
     full = _pages(s)
     a, n = _codes(ring_decoder, 4, 1), _codes(ring_decoder, 3, 2)
     s.decode([ChunkRequest("a", a[:, :1])])
@@ -375,7 +376,7 @@ def test_a_failing_release_of_an_ended_stream_fails_it_alone_and_its_slot_frees_
     exact audio with the error beside it, "b" ends normally (its slot released alone). a's slot (and its pages)
     is released as the next call begins."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 2, pool_kind="paged")
+    s = make_session(ring_decoder, 2, pool_kind="paged")
     full = _pages(s)
     a, b = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 3, 2)
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("b", b[:, :1])])
@@ -400,7 +401,7 @@ def test_a_failing_release_of_an_ended_stream_fails_it_alone_and_its_slot_frees_
 def test_a_failing_release_after_a_step_failure_adds_to_the_streams_error(ring_decoder, monkeypatch):
     """A step raises and releasing its stream's slot raises too: the stream's error names both; the slot is
     released as the next call begins."""
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     a = _codes(ring_decoder, 3, 1)
     s.decode([ChunkRequest("a", a[:, :1])])
     _inject(s, monkeypatch, 1, "before")
@@ -423,7 +424,7 @@ def test_a_failing_release_of_a_preempted_stream_fails_it_and_another_is_preempt
     exactly in its call and "l1" resumes exactly once "w" ended. The next call releases l2's slot first: once
     "l1" ends every slot is free."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     l1, l2, w = (_codes(ring_decoder, n, seed) for n, seed in ((3, 1), (4, 2), (3, 3)))
     s.decode([ChunkRequest("l1", l1[:, :1]), ChunkRequest("l2", l2[:, :1])])
     assert s.decode([ChunkRequest("w", w[:, :1])])["w"].queued
@@ -449,7 +450,7 @@ def test_a_failing_release_of_a_preempted_stream_fails_it_and_another_is_preempt
 def test_a_failing_release_as_requests_finish_does_not_raise_and_the_slot_frees_next_call(ring_decoder, monkeypatch):
     """on_requests_finished: releasing the finished streams' slots raises (a's alone too): the call returns, b's
     slot is free at once, a's as the next decode begins."""
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     s.decode([ChunkRequest(rid, _codes(ring_decoder, 1, seed)) for seed, rid in enumerate("ab")])
     _failing_for(s, monkeypatch, "release", s.live_requests["a"])
     s.on_requests_finished(["a", "b"])
@@ -459,10 +460,10 @@ def test_a_failing_release_as_requests_finish_does_not_raise_and_the_slot_frees_
 
 
 def _broken_planner(session, monkeypatch) -> None:
-    def broken(round_pieces):
+    def broken(planner, round_pieces):
         raise RuntimeError("injected planner failure")
 
-    monkeypatch.setattr(session._steps, "plan_round", broken)
+    monkeypatch.setattr(StepPlanner, "plan_round", broken)
 
 
 def test_a_call_that_raises_past_its_checks_ends_the_streams_it_touched(ring_decoder, monkeypatch):
@@ -471,7 +472,7 @@ def test_a_call_that_raises_past_its_checks_ends_the_streams_it_touched(ring_dec
     refused until they end, the error naming the call; "k", live without a chunk in the call, decodes on
     exactly. A successful call clears ``last_call_error``; a refused one (a duplicate id) never sets it."""
     spf = ring_decoder.config.samples_per_frame
-    s = CodecStreamSession(ring_decoder, 3)
+    s = make_session(ring_decoder, 3)
     a, k, n = (_codes(ring_decoder, 3, seed) for seed in (1, 2, 3))
     s.decode([ChunkRequest("a", a[:, :1]), ChunkRequest("k", k[:, :1])])
     assert s.last_call_error is None
@@ -512,8 +513,8 @@ def _busy_message(called: str, running: str) -> str:
 def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch):
     """While one thread's decode() is inside a pool step, every mutating method called from another thread
     raises at once, changing nothing; the first call then finishes exactly and the session serves again."""
-    s = CodecStreamSession(ring_decoder, 2)
-    real = s._steps.eager_step
+    s = make_session(ring_decoder, 2)
+    real = s.step_runner.eager_step
     entered, release = threading.Event(), threading.Event()
 
     def blocking(codes, lengths, slot_ids, valid, frames):
@@ -521,7 +522,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
         assert release.wait(timeout=60)
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", blocking)
+    monkeypatch.setattr(s.step_runner, "eager_step", blocking)
     a = _codes(ring_decoder, 3, 1)
     out = {}
     worker = threading.Thread(target=lambda: out.update(s.decode([ChunkRequest("a", a[:, :2])])))
@@ -554,7 +555,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(ring_decoder, monkeypatch)
 
 def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
     """Re-entrant calls (a generator of requests or ids, a step) raise; the outer call is not disturbed."""
-    s = CodecStreamSession(ring_decoder, 2)
+    s = make_session(ring_decoder, 2)
     a = _codes(ring_decoder, 2, 1)
     s.decode([ChunkRequest("a", a[:, :1])])
 
@@ -575,7 +576,7 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
     assert str(info.value) == _busy_message("close", "on_requests_finished")
     assert s.live_requests == {} and s.free_slots == 2  # the id seen before the failure was released
 
-    real, refused = s._steps.eager_step, []
+    real, refused = s.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         try:
@@ -584,7 +585,7 @@ def test_a_call_from_inside_a_running_one_is_refused(ring_decoder, monkeypatch):
             refused.append(str(exc))
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", step)
+    monkeypatch.setattr(s.step_runner, "eager_step", step)
     got = s.decode([ChunkRequest("b", a, True)])["b"]
     assert refused == [_busy_message("on_requests_finished", "decode")]
     _close(got.audio, ring_decoder.decode(a[:, None], [2])[0], "b")
@@ -595,7 +596,7 @@ def test_a_waiting_stream_gets_the_slot_whose_release_failed_once_in_the_same_ca
     """One slot: "x" is live, "y" waits. x ends and y sends its terminal chunk in one call while releasing x's slot
     raises once: x gets the error beside its audio, the slot is released again before y's admission in that call,
     and y's terminal chunk decodes exactly in it."""
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     x, y = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 3, 2)
     s.decode([ChunkRequest("x", x[:, :1])])
     assert s.decode([ChunkRequest("y", y[:, :1])])["y"].queued
@@ -611,7 +612,7 @@ def test_a_terminal_chunk_left_without_a_slot_fails_its_stream_in_its_call(ring_
     """As above, but releasing x's slot raises for the whole call: y's terminal chunk cannot be decoded in its call,
     so y fails there with an error (never left queued for a request the engine is finishing), and a later chunk
     under y starts afresh once the slot is back."""
-    s = CodecStreamSession(ring_decoder, 1)
+    s = make_session(ring_decoder, 1)
     x, y = _codes(ring_decoder, 3, 1), _codes(ring_decoder, 3, 2)
     s.decode([ChunkRequest("x", x[:, :1])])
     s.decode([ChunkRequest("y", y[:, :1])])

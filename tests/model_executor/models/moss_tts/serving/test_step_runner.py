@@ -9,16 +9,24 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moss_codecs import ChunkDriver, assert_close_to_solo, count_steps, random_codes, solo_decode, stream_codes
+from moss_codecs import (
+    ChunkDriver,
+    assert_close_to_solo,
+    count_steps,
+    make_session,
+    random_codes,
+    solo_decode,
+    stream_codes,
+)
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession, SessionOptions
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, SessionOptions
+from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner
 from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
@@ -33,7 +41,7 @@ def test_a_ramp_decodes_in_one_step_per_call_and_every_stream_equals_its_solo_de
     """Four streams start one call apart on the ramp 1, 2, 4, 6: every call holds chunks of up to four lengths
     and decodes them in one step of 6 frames a row, packed to the smallest ladder total holding its real frames
     (dummy frames included, as a GPU runs them); each stream's audio is its solo decode."""
-    s = CodecStreamSession(ring_decoder, 4, pool_kind=kind, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP)
+    s = make_session(ring_decoder, 4, pool_kind=kind, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP)
     steps = count_steps(s, monkeypatch)
     d = ChunkDriver(s, ring_decoder)
     for i, rid in enumerate("abcd"):
@@ -62,7 +70,7 @@ def test_a_ramp_decodes_in_one_step_per_call_and_every_stream_equals_its_solo_de
 def test_exact_ragged_steps_equal_offline_decode(ring_decoder):
     """Under exact ring semantics every stream equals its offline decode (1e-5): three streams of 17 frames start
     one call apart on the ramp 1, 2, 4, 6, 6, ..."""
-    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP, ring_semantics="exact")
+    s = make_session(ring_decoder, 4, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP, ring_semantics="exact")
     codes = {rid: stream_codes(ring_decoder, 17, 10 + i) for i, rid in enumerate("abc")}
     pos, audio = dict.fromkeys(codes, 0), {r: [] for r in codes}
     for call in range(8):
@@ -83,24 +91,22 @@ def test_exact_ragged_steps_equal_offline_decode(ring_decoder):
 
 def test_plan_round_decides_each_step_shape_and_its_graph_once(ring_decoder):
     """A round is one ``StepBatch``, shortest rows first, whose shape is the ladder's for its real frames; it is a
-    graph step when the runner captured that shape (a stand-in runner on CPU), else an eager step of the same
+    graph step when its shape is among the captured ones handed to the planner, else an eager step of the same
     shape."""
-    s = CodecStreamSession(ring_decoder, 8, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP)
-    s._steps.graphs = SimpleNamespace(graphs={StepShape(8, 6, 16): None})
+    ladder = SessionOptions(8, graph_frame_totals=TOTALS, graph_frame_sizes=RAMP).step_ladder
+    planner = StepPlanner(ladder, frozenset({StepShape(8, 6, 16)}))
     pieces = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 6), ("b", 1), ("c", 4), ("d", 2)])}
-    (step,) = s._steps.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
+    (step,) = planner.plan_round({r: (slot, pieces[r]) for slot, r in enumerate(pieces)})
     assert (step.request_ids, step.slots, step.valid_frames) == (("b", "d", "c", "a"), (1, 3, 2, 0), (1, 2, 4, 6))
     assert (step.shape, step.graph, step.padding_rows) == (StepShape(8, 6, 16), True, 4)
-    (wide,) = s._steps.plan_round({r: (i, stream_codes(ring_decoder, 6, i)) for i, r in enumerate("wxyz")})
+    (wide,) = planner.plan_round({r: (i, stream_codes(ring_decoder, 6, i)) for i, r in enumerate("wxyz")})
     assert (wide.shape, wide.graph) == (StepShape(8, 6, 24), False)  # 24 real frames: no graph of that shape here
-    s._steps.graphs = None
-    s.close()
 
 
 def test_a_round_no_shape_holds_is_cut_into_steps_that_fit(ring_decoder, monkeypatch):
     """Ladder totals up to 8 frames: a round of 4 + 4 + 4 real frames is cut into a step of 8 and one of 4, each
     stream equal to its solo decode; no step pads beyond its ladder total."""
-    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=(2, 4, 8), graph_frame_sizes=(4,))
+    s = make_session(ring_decoder, 4, graph_frame_totals=(2, 4, 8), graph_frame_sizes=(4,))
     steps = count_steps(s, monkeypatch)
     codes = {r: stream_codes(ring_decoder, 4, i) for i, r in enumerate("abc")}
     got = s.decode([ChunkRequest(r, c, True) for r, c in codes.items()])
@@ -110,7 +116,7 @@ def test_a_round_no_shape_holds_is_cut_into_steps_that_fit(ring_decoder, monkeyp
 
 
 def test_without_graph_sizes_a_step_is_shaped_exactly_by_its_rows(ring_decoder, monkeypatch):
-    s = CodecStreamSession(ring_decoder, 4, max_step_frames=8)
+    s = make_session(ring_decoder, 4, max_step_frames=8)
     steps = count_steps(s, monkeypatch)
     got = s.decode([ChunkRequest(r, stream_codes(ring_decoder, n, i)) for i, (r, n) in enumerate([("a", 7), ("b", 2)])])
     assert steps == [(2, 7, 9)] and s.stats()["padded_frames"] == 0
@@ -197,9 +203,9 @@ def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanl
     """Ladder totals up to 4 frames, chunks cut at 4: round 0 is (a, b) then (c); c alone has a second piece. c's
     step raises: c alone gets the error, the next round has no piece left and takes no step, and a and b equal
     their solo decodes, in this call and the next."""
-    s = CodecStreamSession(ring_decoder, 4, graph_frame_totals=(1, 2, 4), graph_frame_sizes=(4,))
+    s = make_session(ring_decoder, 4, graph_frame_totals=(1, 2, 4), graph_frame_sizes=(4,))
     codes = {r: stream_codes(ring_decoder, n, i) for i, (r, n) in enumerate([("a", 3), ("b", 3), ("c", 6)])}
-    real, tried = s._steps.eager_step, []
+    real, tried = s.step_runner.eager_step, []
 
     def step(codes, lengths, slot_ids, valid, frames):
         tried.append(lengths.shape[0])
@@ -207,7 +213,7 @@ def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanl
             raise RuntimeError("injected failure in step 2")
         return real(codes, lengths, slot_ids, valid, frames)
 
-    monkeypatch.setattr(s._steps, "eager_step", step)
+    monkeypatch.setattr(s.step_runner, "eager_step", step)
     got = s.decode(
         [ChunkRequest("a", codes["a"][:, :1]), ChunkRequest("b", codes["b"][:, :1]), ChunkRequest("c", codes["c"])]
     )
@@ -228,14 +234,14 @@ def test_a_failed_step_whose_streams_alone_had_later_pieces_ends_the_call_cleanl
 _NO_CYCLES = """
 import gc, pathlib, sys, tempfile
 sys.path.insert(0, sys.argv[1])
-from moss_codecs import build_decoder, ring_codec_raw, stream_codes
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from moss_codecs import build_decoder, make_session, ring_codec_raw, stream_codes
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 
 decoder = build_decoder(ring_codec_raw(), pathlib.Path(tempfile.mkdtemp()), version="v2")
-s = CodecStreamSession(decoder, 2, graph_frame_totals=(1, 2, 4, 8, 16, 24), graph_frame_sizes=(1, 2, 4, 6),
-                       max_waiting_streams=1)
-seen, real = [], s._steps.eager_step
-s._steps.eager_step = lambda *args: seen.append(gc.isenabled()) or real(*args)
+s = make_session(decoder, 2, graph_frame_totals=(1, 2, 4, 8, 16, 24), graph_frame_sizes=(1, 2, 4, 6),
+                 max_waiting_streams=1)
+seen, real = [], s.step_runner.eager_step
+s.step_runner.eager_step = lambda *args: seen.append(gc.isenabled()) or real(*args)
 codes = {r: stream_codes(decoder, 9, i) for i, r in enumerate("abcd")}
 s.decode([ChunkRequest("a", codes["a"][:, :1])])  # warm: first-call caches are not per-call garbage
 gc.collect()

@@ -8,11 +8,11 @@ import random
 
 import pytest
 import torch
-from moss_codecs import build_decoder, make_state_pool, random_codes, ring_codec_raw
+from moss_codecs import build_decoder, make_session, make_state_pool, random_codes, ring_codec_raw
 from moss_codecs import step_valid_rows as _step
 
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
-from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, CodecStreamSession
+from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
     PagesExhausted,
 )
@@ -179,9 +179,7 @@ def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_d
 
 @pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
 def test_a_session_on_a_paged_pool_decodes_as_on_a_compact_pool(ring_decoder):
-    sessions = [
-        CodecStreamSession(ring_decoder, 2, pool_kind=k, attention_backend="triton") for k in ("compact", "paged")
-    ]
+    sessions = [make_session(ring_decoder, 2, pool_kind=k, attention_backend="triton") for k in ("compact", "paged")]
     rng = random.Random(5)
     for call in range(6):
         batch = [
@@ -203,7 +201,7 @@ def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
     """Three slots but pages for about two full streams: the youngest live stream is preempted
     (state saved to the host, pages freed) when the others need pages, waits ahead of new streams,
     and resumes exactly: every stream's audio equals its solo decode, nothing leaks."""
-    session = CodecStreamSession(ring_decoder, 3, pool_kind="paged", page_fraction=0.67)
+    session = make_session(ring_decoder, 3, pool_kind="paged", page_fraction=0.67)
     pool = session.pool
     assert pool.free_page_counts() == [3, 5]  # 2 and 4 pages per full stream
     rng = random.Random(7)
@@ -290,8 +288,8 @@ def test_cuda_graph_session_on_a_paged_pool(page_fraction, cuda_ring_decoder):
 def _paged_session_case(dec, page_fraction):
     on_cuda = next(dec.parameters()).is_cuda
     graphs = dict(graph_frame_totals=frame_totals(3 * 4), graph_frame_sizes=(1, 4))  # the stage's ladder
-    compact = CodecStreamSession(dec, 3, pool_kind="compact", attention_backend="triton", **graphs)
-    paged = CodecStreamSession(dec, 3, pool_kind="paged", page_fraction=page_fraction, **graphs)
+    compact = make_session(dec, 3, pool_kind="compact", attention_backend="triton", **graphs)
+    paged = make_session(dec, 3, pool_kind="paged", page_fraction=page_fraction, **graphs)
     assert (compact.runner is not None and paged.runner is not None) == on_cuda
     full = paged.pool.free_page_counts()
     rng = random.Random(4)
@@ -333,7 +331,7 @@ def _paged_session_case(dec, page_fraction):
 def test_a_preempted_stream_keeps_its_chunks_whatever_the_queue_bounds(ring_decoder):
     """A preempted stream was live: its later chunks are buffered even when they exceed the admission
     queue's frame bound, and it resumes exactly (its audio equals its solo decode)."""
-    session = CodecStreamSession(ring_decoder, 2, pool_kind="paged", page_fraction=0.75, max_waiting_frames=3)
+    session = make_session(ring_decoder, 2, pool_kind="paged", page_fraction=0.75, max_waiting_frames=3)
     codes = {r: random_codes(ring_decoder, 1, 9, seed=i)[:, 0] for i, r in enumerate("ab")}
     schedule, start = [1, 2, 2, 2, 2], 0
     audio = {r: [] for r in "ab"}
@@ -355,7 +353,7 @@ def test_a_stream_ending_in_the_call_is_never_the_one_preempted(ring_decoder):
     """Both streams bring chunks that together need more pages than the pool holds; the youngest ("b") sends its
     terminal chunk. "a" is preempted instead, "b" is decoded and ends, and "a" is restored and decoded in the
     same call: every chunk of the call comes back, exactly."""
-    session = CodecStreamSession(ring_decoder, 2, pool_kind="paged", page_fraction=0.75)
+    session = make_session(ring_decoder, 2, pool_kind="paged", page_fraction=0.75)
     assert session.pool.free_page_counts() == [2, 3]
     codes = random_codes(ring_decoder, 2, 5, seed=1)
     a, b = codes[:, 0], codes[:, 1]
@@ -375,7 +373,7 @@ def test_a_stream_ending_in_the_call_is_never_the_one_preempted(ring_decoder):
 def test_a_finished_stream_gives_its_pages_back_before_anyone_is_preempted(ring_decoder):
     """A stream whose terminal chunk is empty only waits to end: when a live stream needs pages, it is
     released, not preempted (no state is saved for it, nothing waits behind it)."""
-    session = CodecStreamSession(ring_decoder, 4, pool_kind="paged", page_fraction=0.375)
+    session = make_session(ring_decoder, 4, pool_kind="paged", page_fraction=0.375)
     q = ring_decoder.config.num_quantizers
     assert session.pool.free_page_counts() == [2, 3]
     session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=1)[:, 0])])
@@ -398,7 +396,7 @@ def test_new_streams_wait_while_live_streams_need_the_pages(ring_decoder, caplog
     """Admission counts the pages the live streams' chunks of the same batch need: a new stream that
     would leave them short waits (rather than being admitted and preempted at once). A waiting stream
     that the engine ends with frames still buffered loses them, and the log says so."""
-    session = CodecStreamSession(ring_decoder, 3, pool_kind="paged", page_fraction=0.34)
+    session = make_session(ring_decoder, 3, pool_kind="paged", page_fraction=0.34)
     assert session.pool.free_page_counts() == [2, 3]  # rings of 1 and 2 pages
     session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=1)[:, 0])])
     # a's next 5 frames take the last group-1 page but one; b's 3 frames (6 tokens) would need two.
@@ -483,7 +481,7 @@ def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):
 def test_a_stream_is_admitted_for_all_it_brings_not_just_one_piece(ring_decoder):
     """A new stream whose first chunk needs more pages than are free waits (it used to be admitted for
     its first piece, then preempted in the same call and again on every call after)."""
-    session = CodecStreamSession(ring_decoder, 3, pool_kind="paged", page_fraction=0.5, max_step_frames=1)
+    session = make_session(ring_decoder, 3, pool_kind="paged", page_fraction=0.5, max_step_frames=1)
     assert session.pool.free_page_counts() == [2, 3]
     session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 3, seed=1)[:, 0])])
     assert session.pool.free_page_counts() == [1, 1]
@@ -533,10 +531,8 @@ def test_a_session_call_writes_the_page_tables_once_however_many_streams_it_admi
             return func(*args, **(kwargs or {}))
 
     streams = 6
-    compact = CodecStreamSession(
-        ring_decoder, streams, pool_kind="compact", attention_backend="triton", max_step_frames=4
-    )
-    paged = CodecStreamSession(ring_decoder, streams, pool_kind="paged", attention_backend="triton", max_step_frames=4)
+    compact = make_session(ring_decoder, streams, pool_kind="compact", attention_backend="triton", max_step_frames=4)
+    paged = make_session(ring_decoder, streams, pool_kind="paged", attention_backend="triton", max_step_frames=4)
     batch = [ChunkRequest(f"r{i}", random_codes(ring_decoder, 1, 4, seed=30 + i)[:, 0]) for i in range(streams)]
     want = compact.decode(batch)
     with CountWrites():
@@ -552,7 +548,7 @@ def _terminal_waiters_beside_two_live_streams(decoder, caplog):
     later streams "x", "y", "z" arrive one after the other, each waiting a call and sending its terminal chunk in
     the next, beside a chunk of "a" and of "b". Everything then ends and drains. Returns (the result of every
     call, the streams preempted, in order, the session's stats); every stream's audio equals its solo decode."""
-    session = CodecStreamSession(decoder, 4, pool_kind="paged", page_fraction=0.6)
+    session = make_session(decoder, 4, pool_kind="paged", page_fraction=0.6)
     assert session.pool.free_page_counts() == [3, 5]
     plan = {"a": [5, 1, 1, 1, 1], "b": [5, 1, 1, 1, 1], "h": [3, 1], "x": [2, 2], "y": [2, 2], "z": [2, 2]}
     codes = {r: random_codes(decoder, 1, sum(n), seed=i)[:, 0] for i, (r, n) in enumerate(plan.items())}

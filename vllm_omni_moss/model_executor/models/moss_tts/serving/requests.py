@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a session takes and gives back: one chunk per request id in, one result per request id out."""
+"""What a session takes and gives back: one chunk per request id in, one result per request id out; a call's
+requests checked once, at the session's entry (:func:`check_batch`)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CODE_DTYPES", "ChunkRequest", "ChunkResult", "InvalidRequestId", "chunk_error", "result_key"]
+__all__ = ["CODE_DTYPES", "CheckedBatch", "ChunkRequest", "ChunkResult", "InvalidRequestId", "check_batch"]
 
 #: Integer dtypes a chunk's codes may have (they are gathered into int64 when a step stages them).
 CODE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -83,16 +86,61 @@ class InvalidRequestId:
         return f"InvalidRequestId({self.position}, {self.request_id!r})"
 
 
-def result_key(request_id, position: int) -> object:
+@dataclass(frozen=True, slots=True)
+class CheckedBatch:
+    """A ``decode`` call's requests, checked once at the session's entry (:func:`check_batch`).
+
+    Attributes:
+        keys: the result key of each request, in the call's order: its id, or an :class:`InvalidRequestId` when the
+            id is not a non-empty ``str``.
+        accepted: the valid requests, in order (nothing downstream checks them again).
+        refused: result key -> why each invalid request cannot be taken, in order.
+    """
+
+    keys: tuple[object, ...]
+    accepted: tuple[ChunkRequest, ...]
+    refused: dict[object, str]
+
+
+def check_batch(requests, n_vq: int) -> CheckedBatch:
+    """Check a ``decode`` call's ``requests`` once, for a session of ``n_vq`` codebooks per frame: the batch as a
+    whole (which raises, before anything changes) and each request (whose errors come back in ``refused``).
+
+    Raises:
+        TypeError: ``requests`` is not a sequence of :class:`ChunkRequest` (``"requests must be a sequence of
+            ChunkRequest, got <type>"``, or ``"requests must hold ChunkRequest objects, got <type>"``).
+        ValueError: a valid request id appears twice (``"request 'x' appears twice in one decode batch"``).
+    """
+    if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
+        raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
+    requests = list(requests)
+    for req in requests:
+        if not isinstance(req, ChunkRequest):
+            raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
+    keys = [_result_key(req.request_id, i) for i, req in enumerate(requests)]
+    named = [key for key in keys if isinstance(key, str)]  # valid ids only: an empty one gets its own error
+    dupes = sorted(key for key, n in Counter(named).items() if n > 1)
+    if dupes:
+        raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
+    accepted, refused = [], {}
+    for req, key in zip(requests, keys):
+        error = _chunk_error(req, key, n_vq)
+        if error is None:
+            accepted.append(req)
+        else:
+            refused[key] = error
+    return CheckedBatch(tuple(keys), tuple(accepted), refused)
+
+
+def _result_key(request_id, position: int) -> object:
     """The key of a request's result: its id when it is a non-empty ``str``, else an :class:`InvalidRequestId`."""
     return request_id if isinstance(request_id, str) and request_id else InvalidRequestId(position, request_id)
 
 
-def chunk_error(req: ChunkRequest, n_vq: int) -> str | None:
-    """Why ``req`` cannot be taken by a session of ``n_vq`` codebooks per frame (checked before anything
-    changes), or None."""
+def _chunk_error(req: ChunkRequest, key: object, n_vq: int) -> str | None:
+    """Why ``req`` (result key ``key``) cannot be taken by a session of ``n_vq`` codebooks per frame, or None."""
     rid, c = req.request_id, req.codes
-    if not isinstance(rid, str) or not rid:
+    if isinstance(key, InvalidRequestId):
         # Ids are matched against on_requests_finished's strings: anything else would leak a slot.
         return f"request_id must be a non-empty str, got {rid!r}"
     if not isinstance(req.finished, bool):

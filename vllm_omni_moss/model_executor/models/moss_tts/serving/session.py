@@ -51,7 +51,7 @@ import functools
 import gc
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -60,9 +60,9 @@ from ..state import DecoderStatePool, build_pool
 from ..state.spec import StateSpec
 from .counters import SessionCounters
 from .options import SessionOptions
-from .requests import ChunkRequest, ChunkResult, chunk_error, result_key
+from .requests import CheckedBatch, ChunkRequest, ChunkResult, check_batch
 from .scheduler import Scheduler
-from .step_runner import StepRunner
+from .step_runner import StepRunner, capture_graphs, compiled_step
 from .tracing import CallTrace, CallTracer
 
 __all__ = ["CallTrace", "ChunkRequest", "ChunkResult", "CodecStreamSession", "collector_paused"]
@@ -118,104 +118,60 @@ class CodecStreamSession:
 
     Args:
         decoder: the codec weights (any device; the pool lives on the same device).
-        state_capacity: live streams at most (Stage 1's ``max_num_seqs``).
-        pool_kind: ``"compact"`` / ``"legacy"`` / ``"paged"``; default: compact for v2 codecs, legacy for v1.
-        state_dtype: ring dtype; default ``decoder.state_dtype``.
-        attention_backend: the pool's attention backend, ``"sdpa"`` or ``"triton"``; default: the pool's.
-        ring_semantics: the pool's ring semantics, ``"upstream"`` or ``"exact"``; default: upstream's for the
-            codec version.
-        graph_frame_totals: the packed frame totals steps pad to and CUDA graphs are captured for (e.g.
-            ``graph_ladder.frame_totals(state_capacity x max(graph_frame_sizes))``); empty: exact shapes, no graphs.
-        graph_frame_sizes: the chunk schedule's sizes; the largest is every step's ``T`` (longer chunks are cut).
-        max_step_frames: longest piece decoded in one step when no graph frame sizes are given.
+        spec: the pool's resolved :class:`~..state.StateSpec` (kind, ring dtype, ring semantics, attention
+            backend, paging); ``StateSpec.from_options`` builds one from loose pool options.
+        options: the session's :class:`~.options.SessionOptions` (slots, codebooks, graph sizes, longest step,
+            queue bounds, graph memory); the stage builds it with ``StageOptions.session_options()``.
         compile: ``False`` (eager), ``True`` (:func:`~..compile.compile_decode`), or a factory
             ``pool -> callable`` with the signature of ``step.decode_tensors`` less the pool (the stage passes
             vLLM's compiled adapter). The callable is used for graph capture; eager steps use it only for
             ``True`` (a factory's callable may skip guards; eager steps then take the validated step).
-        n_vq: codebooks per frame in every chunk; default: all of the codec's.
-        max_waiting_streams: new streams that may wait for a slot.
-        max_waiting_frames: code frames that waiting streams may buffer in total.
-        page_fraction: state pages of a ``"paged"`` pool, as a fraction of full rings for every slot
-            (:class:`~..state.PagedDecoderStatePool`); below 1 the session admits streams while pages last and
-            preempts a live stream (the one preempted least often, then the youngest) when a step runs short.
-        state_budget_bytes: instead of ``page_fraction``, the bytes of ring pages a ``"paged"`` pool may hold
-            (picks the paged pool when ``pool_kind`` is None); ``state_capacity`` then caps live streams and the
-            budget decides how many of them fit (``docs/memory.md``, "Paged rings").
-        expected_stream_frames: with ``state_budget_bytes``, split the budget by the groups' fill over a
-            stream of this many frames (:class:`~..state.PagedDecoderStatePool`).
-        state_spec: instead of the pool options above, a resolved :class:`~..state.StateSpec`.
-        graph_memory_bytes: device memory the CUDA graphs may take, or None for no bound
-            (``cuda_graph.StreamingGraphRunner``).
-        options: instead of ``state_capacity`` and the session options above (graph sizes, ``max_step_frames``,
-            ``n_vq``, queue bounds, ``graph_memory_bytes``), a :class:`~.options.SessionOptions` record (the stage
-            builds one from its ``StageOptions``). Those keyword arguments build the same record.
 
-    Graphs are captured at construction when the decoder is on CUDA and frame totals and frame sizes are given. A session
-    takes one caller at a time (it is not thread-safe): a mutating method called while another runs raises
-    ``RuntimeError`` naming both.
+    Graphs are captured at construction when the decoder is on CUDA and ``options`` gives frame totals and frame
+    sizes. A session takes one caller at a time (it is not thread-safe): a mutating method called while another
+    runs raises ``RuntimeError`` naming both.
 
     Raises:
-        ValueError: ``state_capacity < 1``, ``max_step_frames < 1``, a negative queue bound, bad ``n_vq``, both an
-            options record and the options it is made of (or a state spec and pool options), or an
-            unknown ``pool_kind``, ``attention_backend`` or ``ring_semantics`` (or ``"triton"`` for the legacy
-            pool); a ``page_fraction`` or ``state_budget_bytes`` refused by the paged pool, e.g. a budget too
-            small for one stream (the message names the minimum).
-        RuntimeError: ``attention_backend="triton"`` without the ``triton`` package.
-        GraphMemoryError: the CUDA graphs do not fit ``graph_memory_bytes`` (the message names the sizes).
+        ValueError: ``options.n_vq`` outside ``1..num_quantizers`` of the codec; a ``page_fraction`` or
+            ``state_budget_bytes`` of ``spec`` refused by the paged pool, e.g. a budget too small for one stream
+            (the message names the minimum).
+        GraphMemoryError: the CUDA graphs do not fit ``options.graph_memory_bytes`` (the message names the sizes).
     """
 
     def __init__(
         self,
         decoder,
-        state_capacity: int | None = None,
+        spec: StateSpec,
+        options: SessionOptions,
         *,
-        pool_kind: str | None = None,
-        state_dtype: torch.dtype | None = None,
-        attention_backend: str | None = None,
-        ring_semantics: str | None = None,
-        graph_frame_totals: Iterable[int] = (),
-        graph_frame_sizes: Iterable[int] = (),
-        max_step_frames: int = 100,
         compile: bool | Callable[[DecoderStatePool], Callable] = False,
-        n_vq: int | None = None,
-        max_waiting_streams: int = 64,
-        max_waiting_frames: int = 4096,
-        page_fraction: float | None = None,
-        state_budget_bytes: int | None = None,
-        expected_stream_frames: int | None = None,
-        state_spec: StateSpec | None = None,
-        graph_memory_bytes: int | None = None,
-        options: SessionOptions | None = None,
     ):
-        loose = SessionOptions(
-            state_capacity if options is None else options.state_capacity, n_vq, tuple(graph_frame_totals),
-            tuple(graph_frame_sizes), max_step_frames, max_waiting_streams, max_waiting_frames, graph_memory_bytes,
-        )  # fmt: skip
-        options = _one_options_record(decoder, state_capacity, options, loose)
         cfg = decoder.config
+        quantizers = cfg.num_quantizers
+        if options.n_vq is not None and not 1 <= options.n_vq <= quantizers:
+            raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {options.n_vq!r}")
         self.options = options
         self.decoder, self.state_capacity, self.device = decoder, options.state_capacity, decoder.device
-        self.n_vq = cfg.num_quantizers if options.n_vq is None else int(options.n_vq)
+        self.n_vq = quantizers if options.n_vq is None else options.n_vq
         self.sample_rate, self.channels = int(cfg.sampling_rate), int(cfg.number_channels)
         self.samples_per_frame = int(cfg.samples_per_frame)
         self.graph_frame_sizes = [*options.graph_frame_sizes]
-        pool_options = dict(
-            kind=pool_kind, dtype=state_dtype, ring_semantics=ring_semantics, attention_backend=attention_backend,
-            page_fraction=page_fraction, state_budget_bytes=state_budget_bytes,
-            expected_stream_frames=expected_stream_frames,
-        )  # fmt: skip
-        if state_spec is not None and any(v is not None for v in pool_options.values()):
-            raise ValueError("give the session a state_spec or the pool options it is made of, not both")
-        spec = state_spec or StateSpec.from_options(decoder, **pool_options)
         self.pool = build_pool(decoder, spec)
         use_graphs = self.device.type == "cuda" and options.uses_graphs
         self.pool.initialize(self.state_capacity, self.pool.scratch_slots_for(self.state_capacity) if use_graphs else 0)
         self._counters, self._tracer = SessionCounters(), CallTracer()
-        self._steps = StepRunner(
-            self.pool, self.n_vq, options.step_ladder, use_graphs, compile, self._counters, self._tracer,
-            options.graph_memory_bytes,
+        ladder = options.step_ladder
+        compiled = compiled_step(self.pool, compile)
+        graphs = (
+            capture_graphs(self.pool, ladder, self.n_vq, compiled, options.graph_memory_bytes) if use_graphs else None
+        )
+        #: The step runner (:class:`~.step_runner.StepRunner`): cut, stage, dispatch, copy back.
+        self.step_runner = StepRunner(
+            self.pool, self.n_vq, ladder, self._counters, self._tracer, graphs=graphs,
+            eager_step=compiled if compile is True else None,
         )  # fmt: skip
-        self._scheduler = Scheduler(
+        #: The scheduler (:class:`~.scheduler.Scheduler`): streams, admission, preemption, the round.
+        self.scheduler = Scheduler(
             self.pool, self.state_capacity, options.max_waiting_streams, options.max_waiting_frames, self._counters
         )
         self._closed = False
@@ -226,7 +182,7 @@ class CodecStreamSession:
     @property
     def runner(self):
         """The CUDA-graph runner (``cuda_graph.StreamingGraphRunner``), or None without graphs."""
-        return self._steps.graphs
+        return self.step_runner.graphs
 
     @property
     def max_step_frames(self) -> int:
@@ -236,27 +192,27 @@ class CodecStreamSession:
     def step_ladder(self):
         """How steps are shaped (``graph_ladder.StepLadder``): on CUDA, the frame totals whose graphs were
         captured."""
-        return self._steps.ladder
+        return self.step_runner.ladder
 
     @property
     def max_piece_frames(self) -> int:
         """Most frames of one chunk decoded in one step (:attr:`~.step_runner.StepRunner.max_piece_frames`)."""
-        return self._steps.max_piece_frames
+        return self.step_runner.max_piece_frames
 
     @property
     def max_step_rows(self) -> int:
         """Most rows in one step: the slot count."""
-        return self._steps.max_step_rows
+        return self.step_runner.max_step_rows
 
     @property
     def live_requests(self) -> dict[str, int]:
         """Copy of the live streams: request id -> its slot."""
-        return {rid: s.slot for rid, s in self._scheduler.live.items()}
+        return {rid: s.slot for rid, s in self.scheduler.live.items()}
 
     @property
     def waiting_requests(self) -> list[str]:
         """Request ids waiting for a slot, oldest first."""
-        return self._scheduler.waiting.request_ids
+        return self.scheduler.waiting.request_ids
 
     @property
     def free_slots(self) -> int:
@@ -269,7 +225,7 @@ class CodecStreamSession:
         chunk refused, or dropped while it waits, counts nothing; one whose step raises counts again if it is
         sent again). Reading it waits for the device when chunks arrived on it (their counts stay on the device
         until read)."""
-        return self._steps.clamped_codes
+        return self.step_runner.clamped_codes
 
     @property
     def last_call_error(self) -> Exception | None:
@@ -290,7 +246,7 @@ class CodecStreamSession:
         streams preempted for state memory (paged pools) with the host bytes of their saved states and the
         seconds saving and restoring took, the streams that ended by how many times each was preempted
         (``{preemptions: streams}``), clamped codes and requests refused or failed."""
-        waiting = self._scheduler.waiting
+        waiting = self.scheduler.waiting
         return self._counters.stats(len(waiting), waiting.buffered_frames, self.clamped_codes)
 
     # ------------------------------------------------------------------ lifecycle
@@ -306,7 +262,7 @@ class CodecStreamSession:
         if isinstance(request_ids, (str, bytes)):
             raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
         if not self._closed:
-            self._scheduler.finish_requests(request_ids)
+            self.scheduler.finish_requests(request_ids)
 
     @_one_caller
     def enable_call_traces(self, max_calls: int | None = 4096) -> deque[CallTrace]:
@@ -336,9 +292,9 @@ class CodecStreamSession:
             return
         self._closed = True
         self._tracer.disable()
-        self._steps.close()
+        self.step_runner.close()
         self.pool.close()
-        self._scheduler.clear()
+        self.scheduler.clear()
 
     # ------------------------------------------------------------------ decode
     @_one_caller
@@ -369,81 +325,62 @@ class CodecStreamSession:
         tracing = self._tracer.traces is not None  # decided once per call
         started = time.perf_counter() if tracing else 0.0
         self._call_error = None
-        requests, ids = _checked(requests)
+        batch = check_batch(requests, self.n_vq)
         if tracing:  # the batch's checks above count as planning
-            self._tracer.begin(len(requests), started)
+            self._tracer.begin(len(batch.keys), started)
         with collector_paused():
-            return self._decode_guarded(requests, ids)
+            return self._decode_guarded(batch)
 
-    def _decode_guarded(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
+    def _decode_guarded(self, batch: CheckedBatch) -> dict[str, ChunkResult]:
         # decode() past its argument checks: a failure ends the call's streams; host copies are awaited always.
         try:
-            return self._decode_batch(requests, ids)
+            return self._decode_batch(batch)
         except BaseException as exc:
             self._tracer.fail()
             if isinstance(exc, Exception):  # the call's streams are in an unknown state: they end (docs/serving.md)
                 self._call_error = exc
-                self._scheduler.abandon([r for r in requests if chunk_error(r, self.n_vq) is None], exc)
+                self.scheduler.abandon(list(batch.accepted), exc)
             raise
         finally:
-            self._steps.await_host_copies()  # after a failure too: no copy into a returned row outlives the call
+            self.step_runner.await_host_copies()  # after a failure too: no copy into a returned row outlives the call
             self._tracer.end()
 
-    def _decode_batch(self, requests: list[ChunkRequest], ids: list[object]) -> dict[str, ChunkResult]:
-        # decode() past its argument checks (which change nothing).
+    def _decode_batch(self, batch: CheckedBatch) -> dict[str, ChunkResult]:
+        # decode() past its argument checks (which change nothing): the scheduler's rounds, each executed by the
+        # step runner and taken back by the scheduler, until the scheduler says the call is done.
         results: dict[str, ChunkResult] = {}
-        accepted = []
-        for req, key in zip(requests, ids):
-            error = chunk_error(req, self.n_vq)
-            if error is None:
-                accepted.append(req)
-            else:
-                self._counters.request_errors += 1
-                results[key] = self._empty(error=error)
-        scheduler, failed = self._scheduler, {}  # failed: request id -> the error of a stream whose step raised
-        scheduler.begin(accepted)
-        scheduler.admit_waiting()  # slots freed since the last call go to waiting streams first
+        for key, error in batch.refused.items():
+            self._counters.request_errors += 1
+            results[key] = self._empty(error=error)
+        audio: dict[str, list[torch.Tensor]] = {}
+        failures: dict[str, str] = {}  # streams failed outside a step
+        step_errors: dict[str, str] = {}  # streams whose step raised
         try:
-            for req in accepted:
-                error = scheduler.accept(req)
-                if error is not None:
-                    self._counters.request_errors += 1
-                    results[req.request_id] = self._empty(error=error)
-            audio = self._decode_ready(failed)
+            output = self.scheduler.schedule(batch.accepted)
+            for rid, error in output.refused.items():
+                self._counters.request_errors += 1
+                results[rid] = self._empty(error=error)
+            while True:
+                failures.update(output.failures)
+                result = self.step_runner.execute(output)
+                for rid, rows in result.audio.items():
+                    audio.setdefault(rid, []).extend(rows)
+                update = self.scheduler.update(output, result)
+                step_errors.update(update.step_errors)
+                failures.update(update.failures)
+                if not update.schedule_again:
+                    break
+                output = self.scheduler.schedule()
         finally:
             # Whatever happened above, no buffered chunk outlives this call as the caller's tensor.
-            scheduler.own_buffered_chunks(accepted)
-        for rid, error in {**scheduler.failures, **failed}.items():
+            self.scheduler.own_buffered_chunks(list(batch.accepted))
+        for rid, error in {**failures, **step_errors}.items():
             refused = results.get(rid)  # this call's chunk under the id was refused too: both errors
             if refused is not None and refused.error == error:
                 continue  # it failed as the call began (admitted from the queue): its chunk got the error already
             self._counters.request_errors += 1
             results[rid] = self._empty(error=error if refused is None else f"{refused.error}; {error}")
-        return self._results(results, audio, ids)
-
-    def _decode_ready(self, failed: dict[str, str]) -> dict[str, list[torch.Tensor]]:
-        """Decode every live stream's buffered chunks; end finished streams, and streams whose step raised (their
-        errors are added to ``failed``). Admits waiting streams whenever slots are free (also those freed by this
-        call's terminal chunks). Returns each stream's audio rows in order; on CUDA their copies may still be
-        running."""
-        scheduler, audio = self._scheduler, {}
-        while True:
-            scheduler.admit_waiting()
-            scheduler.admit_ending()
-            work = scheduler.schedule()
-            ending = scheduler.finished_live()
-            if work:
-                decoded, frames, errors = self._steps.decode_streams(work)
-                scheduler.update(frames)
-                for rid, rows in decoded.items():
-                    audio.setdefault(rid, []).extend(rows)
-                if errors:
-                    scheduler.fail(errors)
-                    failed.update(errors)
-            scheduler.end([s for s in ending if s.request_id not in failed])
-            if not (ending and scheduler.waiting):
-                scheduler.fail_stranded_endings()
-                return audio
+        return self._results(results, audio, batch.keys)
 
     def _results(self, results, audio, ids) -> dict[str, ChunkResult]:
         # Result objects are made while the device may still run the last step; only the audio of a stream
@@ -459,8 +396,8 @@ class CodecStreamSession:
                 results[rid] = None  # keeps the key's place; filled below
         for rid in ids:
             if rid not in results:
-                results[rid] = self._empty(queued=rid in self._scheduler.waiting)
-        self._steps.await_host_copies()
+                results[rid] = self._empty(queued=rid in self.scheduler.waiting)
+        self.step_runner.await_host_copies()
         for rid, (parts, error) in joined.items():
             results[rid] = self._result(torch.cat(parts, dim=-1), error)
         return results
@@ -470,31 +407,3 @@ class CodecStreamSession:
 
     def _empty(self, *, error: str | None = None, queued: bool = False) -> ChunkResult:
         return ChunkResult(torch.zeros(self.channels, 0, dtype=torch.float32), self.sample_rate, 0, error, queued)
-
-
-def _checked(requests) -> tuple[list[ChunkRequest], list[object]]:
-    if isinstance(requests, ChunkRequest) or not isinstance(requests, Iterable):
-        raise TypeError(f"requests must be a sequence of ChunkRequest, got {type(requests).__name__}")
-    requests = list(requests)
-    for req in requests:
-        if not isinstance(req, ChunkRequest):
-            raise TypeError(f"requests must hold ChunkRequest objects, got {type(req).__name__}")
-    ids = [result_key(req.request_id, i) for i, req in enumerate(requests)]
-    named = [rid for rid in ids if isinstance(rid, str)]  # valid ids only: an empty one gets its own error
-    dupes = sorted(rid for rid, n in Counter(named).items() if n > 1)
-    if dupes:
-        raise ValueError(f"request {dupes[0]!r} appears twice in one decode batch")
-    return requests, ids
-
-
-def _one_options_record(decoder, state_capacity, options: SessionOptions | None, loose: SessionOptions):
-    """``options``, or the record the keyword arguments built (``loose``) when it is None; n_vq checked against
-    the codec. Raises ValueError for both at once (keyword options other than the defaults beside a record)."""
-    if options is not None:
-        if state_capacity not in (None, options.state_capacity) or loose != SessionOptions(options.state_capacity):
-            raise ValueError("give the session an options record or the options it is made of, not both")
-        loose = options
-    quantizers = decoder.config.num_quantizers
-    if loose.n_vq is not None and not 1 <= int(loose.n_vq) <= quantizers:
-        raise ValueError(f"n_vq must be in 1..{quantizers} for this codec, got {loose.n_vq!r}")
-    return loose

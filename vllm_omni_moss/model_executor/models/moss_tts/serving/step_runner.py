@@ -7,28 +7,116 @@ packed (``token_packing.py``), shaped by the session's :class:`~..graph_ladder.S
 shape holds is cut into several steps). It stages each step's inputs (:class:`~.step_inputs.StepInputs`, through
 page-locked buffers on CUDA), dispatches the step (the CUDA-graph replay of its shape when one was captured, else
 the eager step of the same shape) and queues each row's audio to the host. Streams and slots are the scheduler's:
-the runner reads the frozen :class:`~.streams.ScheduledChunks` the scheduler hands it and returns the frames it
-decoded of each, which the scheduler counts. A step that raises fails its own rows' streams and no other
-(:meth:`StepRunner.decode_streams`).
+the runner executes the frozen ``scheduler.SchedulerOutput`` the scheduler hands it (its
+:class:`~.streams.ScheduledChunks`) and returns a frozen :class:`RunnerOutput` (audio, frames decoded, errors), which
+the scheduler takes back. Its :class:`StepPlanner` shapes each round's steps from the ladder and the captured graph
+shapes, both handed over once. A step that raises fails its own rows' streams and no other
+(:meth:`StepRunner.execute`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from ..graph_ladder import StepLadder
+from ..graph_ladder import StepLadder, StepShape
 from ..step import decode_tensors
 from .counters import SessionCounters
 from .step_inputs import StepInputs
-from .streams import ScheduledChunks, StepBatch
+from .streams import StepBatch
 from .tracing import CallTracer
 
-__all__ = ["StepRunner"]
+__all__ = ["RunnerOutput", "StepPlanner", "StepRunner", "capture_graphs", "compiled_step"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What :meth:`StepRunner.execute` decoded of one round (``scheduler.SchedulerOutput``), for
+    ``Scheduler.update``.
+
+    Attributes:
+        audio: request id -> the stream's audio rows, one ``(channels, valid_frames * samples_per_frame)`` float32
+            CPU tensor per piece decoded, in order (on CUDA their copies may still run:
+            :meth:`StepRunner.await_host_copies`); a failed stream with none is left out.
+        decoded_frames: request id -> frames decoded of the stream's scheduled chunks (0 when none).
+        errors: request id -> the error of each stream whose step raised (the stream is to end).
+    """
+
+    audio: Mapping[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    decoded_frames: Mapping[str, int] = field(default_factory=dict)
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlanner:
+    """How a round's pieces become steps, decided on the host from what is handed over once: the ladder and the
+    shapes whose CUDA graphs were captured.
+
+    Attributes:
+        ladder: how steps are shaped (:class:`~..graph_ladder.StepLadder`): its ``frames`` is the longest piece of a
+            chunk decoded in one step, its totals the packed lengths steps pad to (none: exact shapes).
+        captured: the step shapes a captured CUDA graph replays (empty: every step runs eagerly).
+    """
+
+    ladder: StepLadder
+    captured: frozenset[StepShape] = frozenset()
+
+    def pieces(self, chunks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """``chunks`` (``(n_vq, T)`` codes) in order, each longer than ``ladder.frames`` cut into pieces of at most
+        that many frames (views, the last one shorter)."""
+        limit = self.ladder.frames
+        return [c if c.shape[1] <= limit else c[:, a : a + limit] for c in chunks for a in range(0, c.shape[1], limit)]
+
+    def plan_round(self, round_pieces: dict[str, tuple[int, torch.Tensor]]) -> list[StepBatch]:
+        """The steps of one round: ``round_pieces`` maps each stream decoding in it to ``(slot, piece)``, a piece
+        being ``(n_vq, T)`` integer codes with ``1 <= T <= ladder.frames``.
+
+        Every piece goes in one step, shortest first (so that first chunks come out first), unless no shape of
+        the ladder holds the round's frames: then :meth:`~..graph_ladder.StepLadder.cut` cuts it into as few
+        steps as hold it. Each step's shape, and whether a graph replays it (its shape is in :attr:`captured`), is
+        decided here, once.
+        """
+        rids = sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])
+        lengths = [round_pieces[r][1].shape[1] for r in rids]
+        steps, first = [], 0
+        for size in self.ladder.cut(lengths):
+            chosen, first = rids[first : first + size], first + size
+            pieces = tuple(round_pieces[r][1] for r in chosen)
+            valid_frames = tuple(p.shape[1] for p in pieces)
+            shape = self.ladder.shape(valid_frames)
+            slots = tuple(round_pieces[r][0] for r in chosen)
+            steps.append(StepBatch(tuple(chosen), slots, pieces, valid_frames, shape, shape in self.captured))
+        return steps
+
+
+def compiled_step(pool, compile: bool | Callable) -> Callable | None:
+    """The compiled step of ``pool`` that ``compile`` asks for: ``True``, :func:`~..compile.compile_decode`; a
+    factory ``pool -> callable``, its callable; ``False``, None."""
+    if compile is True:
+        from ..compile import compile_decode
+
+        return compile_decode(pool)
+    return compile(pool) if callable(compile) else None
+
+
+def capture_graphs(pool, ladder: StepLadder, n_vq: int, compiled: Callable | None, memory_budget_bytes: int | None):
+    """Capture a CUDA graph of every shape of ``ladder``'s totals over ``pool`` (``compiled``, or the plain step,
+    inside them). Returns the ``cuda_graph.StreamingGraphRunner``, or None when no capture succeeded.
+
+    Raises:
+        GraphMemoryError: the graphs do not fit ``memory_budget_bytes``.
+    """
+    from ..cuda_graph import StreamingGraphRunner
+
+    shapes = [ladder.shape_of_total(n) for n in ladder.totals]
+    runner = StreamingGraphRunner(pool, shapes, n_vq, callable=compiled, memory_budget_bytes=memory_budget_bytes)
+    runner.capture()
+    return runner if runner.graphs else None
 
 
 class StepRunner:
@@ -39,14 +127,15 @@ class StepRunner:
         n_vq: codebooks per frame in every chunk.
         ladder: how steps are shaped (:class:`~..graph_ladder.StepLadder`): its ``frames`` is the longest piece
             of a chunk decoded in one step, its totals the packed lengths steps pad to (none: exact shapes).
-        graphs: capture a CUDA graph of every shape of the ladder (the session asks for it on CUDA, with totals).
-        compile: ``False``, ``True`` (:func:`~..compile.compile_decode`) or a factory ``pool -> callable``
-            (as ``CodecStreamSession``).
         counters: the session's counters; tracer: the session's call tracer.
-        graph_memory_bytes: device memory the CUDA graphs may take (``cuda_graph.StreamingGraphRunner``), or None.
+        graphs: the captured graphs of the ladder's shapes (:func:`capture_graphs`; anything with ``graphs``,
+            ``buffers(shape)``, ``replay(shape)`` and ``close()``), or None: every step runs eagerly.
+        eager_step: the step of a shape no graph runs, with :func:`~..step.decode_tensors`'s signature less the
+            pool; None: :func:`~..step.decode_tensors` itself.
 
-    Raises:
-        GraphMemoryError: the graphs do not fit ``graph_memory_bytes``.
+    Attributes:
+        planner: the :class:`StepPlanner` of the ladder and the shapes ``graphs`` captured, handed over once here.
+        eager_step: as given (a test may wrap it).
     """
 
     def __init__(
@@ -54,11 +143,11 @@ class StepRunner:
         pool,
         n_vq: int,
         ladder: StepLadder,
-        graphs: bool,
-        compile: bool | Callable,
         counters: SessionCounters,
         tracer: CallTracer,
-        graph_memory_bytes: int | None = None,
+        *,
+        graphs=None,
+        eager_step: Callable | None = None,
     ):
         cfg = pool.config
         self.pool, self.n_vq, self.device = pool, n_vq, pool.device
@@ -66,17 +155,15 @@ class StepRunner:
         self.samples_per_frame = int(cfg.samples_per_frame)
         self.ladder = ladder
         self.counters, self.tracer = counters, tracer
-        self._graph_memory_bytes = graph_memory_bytes
-        self._compiled = self._compiled_step(compile)
-        #: The step of a shape no graph runs, with :func:`~..step.decode_tensors`'s signature less the pool.
-        self.eager_step: Callable = self._compiled if compile is True else self._plain_step
+        self.eager_step: Callable = eager_step or self._plain_step
         self.inputs = StepInputs(self.device, n_vq, self.codebook_size, counters)
         # Steps are shaped by the whole ladder on every device; a shape whose capture failed runs eagerly.
-        self.graphs = self._capture_graphs() if graphs else None
+        self.graphs = graphs
+        self.planner = StepPlanner(ladder, frozenset(graphs.graphs) if graphs is not None else frozenset())
         # Audio rows come page-locked from torch's caching host allocator (_to_host); queued copies not yet
         # awaited: await_host_copies.
         self._copies_pending = False
-        if self.graphs is not None:
+        if graphs is not None and self.device.type == "cuda":
             self.inputs.prepare(ladder.max_rows, ladder.max_total)
             # Pin one burst of audio rows of every size class a row can take (1 to T frames) and free it: the
             # caching host allocator keeps the blocks, in power-of-two size classes, and serves a row only from
@@ -91,29 +178,10 @@ class StepRunner:
     def _plain_step(self, codes, valid_frames, slot_ids, valid_rows, frames: int) -> torch.Tensor:
         return decode_tensors(self.pool, codes, valid_frames, slot_ids, valid_rows, frames)
 
-    def _compiled_step(self, compile) -> Callable | None:
-        if compile is True:
-            from ..compile import compile_decode
-
-            return compile_decode(self.pool)
-        return compile(self.pool) if callable(compile) else None
-
-    def _capture_graphs(self):
-        from ..cuda_graph import StreamingGraphRunner
-
-        ladder = self.ladder
-        shapes = [ladder.shape_of_total(n) for n in ladder.totals]
-        runner = StreamingGraphRunner(
-            self.pool, shapes, self.n_vq, callable=self._compiled, memory_budget_bytes=self._graph_memory_bytes
-        )
-        runner.capture()
-        return runner if runner.graphs else None
-
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        self._compiled = None
 
     @property
     def max_piece_frames(self) -> int:
@@ -126,30 +194,25 @@ class StepRunner:
         return self.ladder.max_rows
 
     # ------------------------------------------------------------------ cut and dispatch
-    def decode_streams(
-        self, streams: list[ScheduledChunks]
-    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, int], dict[str, str]]:
-        """Decode the scheduled chunks of ``streams`` (slots in use, pages reserved) in one step per round.
+    def execute(self, output) -> RunnerOutput:
+        """Decode the scheduled chunks of ``output`` (a ``scheduler.SchedulerOutput``: slots in use, state
+        reserved) in one step per round.
 
         Each stream's chunks keep their boundaries (a stream that waited is decoded chunk by chunk, as if it
         had never waited); a chunk longer than :attr:`max_piece_frames` is cut into pieces. Round ``i`` decodes
-        every stream's ``i``-th piece (:meth:`plan_round`).
+        every stream's ``i``-th piece (:meth:`StepPlanner.plan_round`).
 
         A step that raises an ``Exception`` (a CUDA out-of-memory error, say) fails its rows' streams alone: a
         failed stream keeps the audio of its pieces decoded before, its later pieces are dropped (its state is
         unknown: the step may have written part of it), and the other streams' steps go on.
 
         Returns:
-            Each stream's audio rows, one per piece decoded (on CUDA their copies may still run:
-            :meth:`await_host_copies`; a failed stream with none is left out), the frames decoded of each
-            stream (0 when none), and the error of each failed stream, all by request id.
+            The frozen :class:`RunnerOutput`: each stream's audio rows, frames decoded and error, by request id.
         """
-        limit = self.max_piece_frames
-        pieces: dict[str, list[torch.Tensor]] = {}
-        for s in streams:
-            pieces[s.request_id] = [
-                c if c.shape[1] <= limit else c[:, a : a + limit] for c in s.chunks for a in range(0, c.shape[1], limit)
-            ]
+        streams = output.chunks
+        if not streams:
+            return RunnerOutput()
+        pieces = {s.request_id: self.planner.pieces(s.chunks) for s in streams}
         parts: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in streams}
         frames_decoded = dict.fromkeys(parts, 0)
         failed: dict[str, str] = {}
@@ -159,7 +222,7 @@ class StepRunner:
                 for s in streams
                 if len(pieces[s.request_id]) > i and s.request_id not in failed
             }
-            for batch in self.plan_round(round_pieces):
+            for batch in self.planner.plan_round(round_pieces):
                 try:
                     wavs = self._step(batch)
                 except Exception as exc:  # the step's streams fail, the call goes on (docs/serving.md)
@@ -169,28 +232,7 @@ class StepRunner:
                 for rid, n, wav in zip(batch.request_ids, batch.valid_frames, wavs):
                     parts[rid].append(wav)
                     frames_decoded[rid] += n
-        return {rid: rows for rid, rows in parts.items() if rows}, frames_decoded, failed
-
-    def plan_round(self, round_pieces: dict[str, tuple[int, torch.Tensor]]) -> list[StepBatch]:
-        """The steps of one round: ``round_pieces`` maps each stream decoding in it to ``(slot, piece)``.
-
-        Every piece goes in one step, shortest first (so that first chunks come out first), unless no shape of
-        the ladder holds the round's frames: then :meth:`~..graph_ladder.StepLadder.cut` cuts it into as few
-        steps as hold it. Each step's shape, and whether a graph replays it, is decided here, once.
-        """
-        rids = sorted(round_pieces, key=lambda r: round_pieces[r][1].shape[1])
-        lengths = [round_pieces[r][1].shape[1] for r in rids]
-        steps, first = [], 0
-        for size in self.ladder.cut(lengths):
-            chosen, first = rids[first : first + size], first + size
-            pieces = tuple(round_pieces[r][1] for r in chosen)
-            valid_frames = tuple(p.shape[1] for p in pieces)
-            shape = self.ladder.shape(valid_frames)
-            graph = self.graphs is not None and shape in self.graphs.graphs and pieces[0].shape[0] == self.n_vq
-            steps.append(
-                StepBatch(tuple(chosen), tuple(round_pieces[r][0] for r in chosen), pieces, valid_frames, shape, graph)
-            )
-        return steps
+        return RunnerOutput({rid: tuple(rows) for rid, rows in parts.items() if rows}, frames_decoded, failed)
 
     def _step_failed(self, batch: StepBatch, undecoded: dict[str, int], exc: Exception) -> dict[str, str]:
         """Log the failure ``exc`` of the step ``batch`` (with its traceback) and return each of its streams'

@@ -44,7 +44,7 @@ class CallTrace:
         chunks: requests in the call.
         steps: pool steps the call completed.
         failed_steps: pool steps of the call that raised; their streams failed alone, with an error in their
-            results (``StepRunner.decode_streams``), and the call went on.
+            results (``StepRunner.execute``), and the call went on.
         failed: the call raised (after its argument checks, which record nothing); the time from the last
             closed phase to the failure counts in ``finish_ms`` (``plan_ms`` when no step had completed), and
             on CUDA the wait for the copies of the steps that did in ``wait_ms``.
