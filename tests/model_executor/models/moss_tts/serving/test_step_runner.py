@@ -19,6 +19,7 @@ from moss_codecs import (
     assert_close_to_solo,
     count_steps,
     make_session,
+    make_state_pool,
     random_codes,
     solo_decode,
     stream_codes,
@@ -27,7 +28,6 @@ from moss_codecs import (
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import StepLadder, StepShape, frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest, SessionOptions
 from vllm_omni_moss.model_executor.models.moss_tts.serving.step_runner import StepPlanner
-from vllm_omni_moss.model_executor.models.moss_tts.state import make_state_pool
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
