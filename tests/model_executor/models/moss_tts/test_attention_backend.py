@@ -410,8 +410,11 @@ def test_cuda_inductor_compiles_the_triton_step(cuda_tiny_decoder):
             torch.ones(B, device="cuda").bool(),
             15,
         )
-        ref = decode_tensors(eager, *args)
-        got = step(*args)
+        # The real frames come first in the packing; a dummy frame's samples are unspecified (its attention
+        # output is whatever its buffer held), so only the real ones are compared.
+        real = int(lengths.sum()) * dec.config.samples_per_frame
+        ref = decode_tensors(eager, *args)[:, :real]
+        got = step(*args)[:, :real]
         assert torch.isfinite(got).all() and _rel_rms(got, ref) <= 2.5e-2, f"step {i}"
         assert torch.equal(eager.frames_decoded, compiled.frames_decoded)
     torch._dynamo.reset()

@@ -213,7 +213,9 @@ def test_strict_dynamic_compilation_close_to_eager(kind, cuda_ring_decoder):
             torch.ones(B, dtype=torch.bool, device="cuda"),
             T,
         )
-        _assert_close_to_peak(step(*args), decode_tensors(eager, *args))
+        # Real frames first in the packing; a dummy frame's samples are unspecified, so only real ones compare.
+        real = int(lengths.sum()) * dec.config.samples_per_frame
+        _assert_close_to_peak(step(*args)[:, :real], decode_tensors(eager, *args)[:, :real])
         for s in range(CAPACITY):
             assert torch.equal(eager.slot_state(s)["layer_offsets"], compiled_pool.slot_state(s)["layer_offsets"])
     _assert_null_slot_zero(compiled_pool)
