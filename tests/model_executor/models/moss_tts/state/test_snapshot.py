@@ -13,6 +13,7 @@ from moss_codecs import step_every_row as _decode
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
 from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder
+from vllm_omni_moss.model_executor.models.moss_tts.state.snapshot import cells_in_use, check_slot_state, ring_geometry
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -89,3 +90,47 @@ def test_restore_refuses_another_geometry_and_tampered_states(ring_decoder):
     for op in (pool.save_slot, lambda s: pool.restore_slot(s, state)):
         with pytest.raises(ValueError, match=r"slot 2 is not a live slot id \(0..1\)"):
             op(2)
+
+
+# ------------------------------------------------------------------------------------------ geometry and cells
+
+
+def test_ring_geometry_lists_each_groups_layers_heads_capacity_width_and_rate(ring_decoder):
+    assert ring_geometry(ring_decoder.config) == ((3, 2, 5, 64, 1), (3, 2, 10, 64, 2))
+
+
+@pytest.mark.parametrize(
+    ("offset", "capacity", "cells"),
+    [
+        (0, 5, []),
+        (3, 5, [0, 1, 2]),
+        (5, 5, [0, 1, 2, 3, 4]),
+        (7, 5, [2, 3, 4, 0, 1]),
+        (12, 10, [2, 3, 4, 5, 6, 7, 8, 9, 0, 1]),
+    ],
+)
+def test_cells_in_use_are_the_latest_positions_oldest_first(offset, capacity, cells):
+    got = cells_in_use(offset, capacity)
+    assert got.dtype == torch.int64 and got.tolist() == cells
+
+
+def test_a_saved_state_holds_the_cells_in_use_of_each_layer_bit_for_bit(ring_decoder):
+    """3 frames: 3 of 5 cells in use in the first group's layers, 6 of 10 in the second's."""
+    pool = make_state_pool(ring_decoder)
+    pool.initialize(2)
+    _acquire_all(pool)
+    _decode(pool, [0, 1], 3, seed=7)
+    state = pool.save_slot(1)
+    assert (state.pool_kind, state.dtype, state.ring_semantics) == ("compact", torch.float32, "upstream")
+    assert state.geometry == ring_geometry(ring_decoder.config) and state.offsets.tolist() == [3]
+    assert [tuple(c.shape) for c in state.cells] == [(2, 2, 3, 64)] * 3 + [(2, 2, 6, 64)] * 3
+    for layer, (saved, ring) in enumerate(zip(state.cells, pool.rings)):
+        assert torch.equal(saved, ring[:, 1, :, : saved.shape[2]]), layer
+    assert state.nbytes == 3 * (2 * 2 * 3 * 64 * 4) + 3 * (2 * 2 * 6 * 64 * 4) + 8
+
+
+def test_a_restore_refuses_what_is_not_a_slot_state(ring_decoder):
+    pool = make_state_pool(ring_decoder)
+    pool.initialize(1)
+    with pytest.raises(TypeError, match=r"^restore_slot: state must be a SlotState \(from save_slot\), got list$"):
+        check_slot_state(pool, [])
