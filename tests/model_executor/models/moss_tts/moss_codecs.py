@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_omni_moss.model_executor.models.moss_tts import step_metadata
 from vllm_omni_moss.model_executor.models.moss_tts.checkpoint import load_checkpoint, save_random_checkpoint
 from vllm_omni_moss.model_executor.models.moss_tts.config import _transformer as config_transformer
 from vllm_omni_moss.model_executor.models.moss_tts.config import parse_config
@@ -184,6 +185,61 @@ def step_valid_rows(pool, codes: torch.Tensor, valid_frames: list[int], slots: l
     each). Returns ``(audio (B, channels, T * samples_per_frame), audio_lengths (B,))``."""
     B = codes.shape[1]
     return decode_batch(pool, codes, torch.tensor(valid_frames), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
+
+
+def initialized_state_pool(decoder, kind: str):
+    """A pool of ``kind`` for ``decoder``, initialised with 3 live slots and 2 scratch slots."""
+    pool = make_state_pool(decoder, kind)
+    pool.initialize(3, 2)
+    return pool
+
+
+def step_every_row(pool, slots: list[int], frames: int, seed: int) -> torch.Tensor:
+    """One step of ``frames`` random frames for each live slot of ``slots``, every row valid; returns the audio."""
+    codes = random_codes(pool.decoder, len(slots), frames, seed=seed)
+    B = len(slots)
+    audio, _ = decode_batch(pool, codes, torch.full((B,), frames), torch.tensor(slots), torch.ones(B, dtype=torch.bool))
+    return audio
+
+
+def slot_bits(pool, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copies of slot ``slot``'s ring in every layer, and of the pool's offset tensors."""
+    return [ring[:, slot].clone() for ring in pool.rings], [t.clone() for t in pool.offset_tensors()]
+
+
+def acquire_all(pool) -> None:
+    """Acquire every live slot of ``pool`` (``restore_slot`` writes slots in use only)."""
+    for _ in range(pool.state_capacity):
+        pool.acquire()
+
+
+#: Live slots of the pools :func:`compact_and_paged_pools` makes.
+PAGED_TEST_CAPACITY = 3
+
+
+def compact_and_paged_pools(decoder, **paged):
+    """A compact pool (Triton attention backend) and a paged pool (``paged``: its loose options) of
+    ``decoder``, each initialised with :data:`PAGED_TEST_CAPACITY` slots, all of them acquired."""
+    compact = make_state_pool(decoder, "compact", attention_backend="triton")
+    compact.initialize(PAGED_TEST_CAPACITY)
+    pool = make_state_pool(decoder, "paged", **paged)
+    pool.initialize(PAGED_TEST_CAPACITY)
+    for p in (compact, pool):
+        assert [p.acquire() for _ in range(PAGED_TEST_CAPACITY)] == list(range(PAGED_TEST_CAPACITY))
+    return compact, pool
+
+
+def count_ring_metadata_builds(monkeypatch) -> list[int]:
+    """Record the token count of every ``step_metadata.build_ring_metadata`` call from now on."""
+    calls = []
+    real = step_metadata.build_ring_metadata
+
+    def spy(*args, **kwargs):
+        calls.append(args[4])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_metadata, "build_ring_metadata", spy)
+    return calls
 
 
 def solo_decode(decoder, codes: torch.Tensor, schedule: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from moss_codecs import count_ring_metadata_builds as _count_builds
 from moss_codecs import random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts import attention as attention_mod
@@ -207,3 +208,13 @@ def test_cpu_decoders_run_the_references_and_cuda_bf16_needs_to_serving(tiny_dec
     with pytest.raises(RuntimeError, match=message):
         decoder_mod.check_served(folded)
     decoder_mod.check_served(_served_on_cpu(tiny_decoder))
+
+
+def test_fixed_width_streaming_keeps_independent_per_layer_state(monkeypatch, ring_decoder):
+    calls = _count_builds(monkeypatch)
+    with ring_decoder.streaming(1) as stream:
+        stream.decode(random_codes(ring_decoder, 1, 2, seed=2))
+        state = stream.state
+        assert len(state.offsets) == 6 and len({id(t) for t in state.offsets}) == 6
+        assert [int(t) for t in state.offsets] == [2, 2, 2, 4, 4, 4]
+    assert calls == [2, 2, 2, 4, 4, 4]

@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""step_metadata.build_ring_metadata: hand-computed cells, sources and masks for both ring semantics."""
+"""step_metadata: hand-computed cells, sources and masks of build_ring_metadata for both ring semantics, and RoPE
+positions that a stream's age does not change."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from moss_codecs import make_state_pool, random_codes
 
 from vllm_omni_moss.model_executor.models.moss_tts.config import GroupSpec
+from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import (
     build_ring_metadata,
     default_ring_semantics,
@@ -102,3 +105,26 @@ def test_bad_semantics_and_versions():
     assert default_ring_semantics("v2") == "upstream" and default_ring_semantics("v1") == "exact"
     with pytest.raises(ValueError, match="unknown codec version 'v3'"):
         default_ring_semantics("v3")
+
+
+@pytest.mark.parametrize("start_frames", [10**3, 10**6, 5 * 10**8])
+def test_a_stream_decodes_the_same_whatever_its_age(start_frames, ring_decoder):
+    """RoPE attention depends on position differences only: a stream whose position counters start at
+    ``start_frames`` (up to 1e9 tokens in the second group) decodes as one that starts at 0, once the
+    window of every layer holds only its own tokens (30 frames for this codec: 3 layers of 5 frames per
+    group, two groups), within 1e-5 in float32; its rings have wrapped many times by then."""
+    codes = random_codes(ring_decoder, 1, 60, seed=9)
+    audio = []
+    for start in (0, start_frames):
+        pool = make_state_pool(ring_decoder)
+        pool.initialize(1)
+        pool.frames_decoded[0] = start
+        parts = []
+        for a in range(0, 60, 15):
+            chunk = codes[:, :, a : a + 15]
+            out, _ = decode_batch(pool, chunk, torch.tensor([15]), torch.tensor([0]), torch.tensor([True]))
+            parts.append(out)
+        audio.append(torch.cat(parts, dim=-1))
+    spf = ring_decoder.config.samples_per_frame
+    young, old = audio[0][..., 40 * spf :], audio[1][..., 40 * spf :]
+    assert (old - young).abs().max().item() <= 1e-5 * young.abs().max().item()

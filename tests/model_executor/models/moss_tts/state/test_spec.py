@@ -8,7 +8,12 @@ import torch
 from moss_codecs import make_state_pool
 
 from vllm_omni_moss.model_executor.models.moss_tts import backends
-from vllm_omni_moss.model_executor.models.moss_tts.state import PagingSpec, StateSpec, state_bytes_for
+from vllm_omni_moss.model_executor.models.moss_tts.state import (
+    LegacyDecoderStatePool,
+    PagingSpec,
+    StateSpec,
+    state_bytes_for,
+)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.core_model]
 
@@ -95,3 +100,11 @@ def test_state_bytes_count_rings_and_offsets_without_allocating(ring_decoder):
     assert pool.state_bytes() == state_bytes_for(config, 3, "compact", 4)
     with pytest.raises(ValueError, match=r"^unknown state pool kind 'dense'"):
         state_bytes_for(config, 1, "dense")
+
+
+def test_v1_codec_keeps_the_legacy_pool(ring_decoder_v1):
+    assert isinstance(make_state_pool(ring_decoder_v1), LegacyDecoderStatePool)
+    with pytest.raises(ValueError, match="compact pool serves v2 codecs; this codec is v1"):
+        make_state_pool(ring_decoder_v1, "compact")
+    with pytest.raises(ValueError, match="unknown state pool kind 'shared'"):
+        make_state_pool(ring_decoder_v1, "shared")

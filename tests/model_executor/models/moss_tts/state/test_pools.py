@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The paged pool (state.PagedDecoderStatePool) against the compact pool it must equal bit for bit."""
+"""The three pool kinds (state/pools.py): the legacy and compact pools against each other, the paged pool against
+the compact pool it must equal bit for bit, each kind's padding policy and bytes, and a paged pool whose pages
+drive a session's admission and preemption."""
 
 from __future__ import annotations
 
@@ -8,17 +10,54 @@ import random
 
 import pytest
 import torch
-from moss_codecs import build_decoder, make_session, make_state_pool, random_codes, ring_codec_raw
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moss_codecs import PAGED_TEST_CAPACITY as CAPACITY
+from moss_codecs import (
+    assert_slot_state_equal,
+    build_decoder,
+    make_session,
+    make_state_pool,
+    random_codes,
+    ring_codec_raw,
+)
+from moss_codecs import compact_and_paged_pools as _pools
+from moss_codecs import count_ring_metadata_builds as _count_builds
+from moss_codecs import initialized_state_pool as _pool_for
 from moss_codecs import step_valid_rows as _step
 
+from vllm_omni_moss.model_executor.models.moss_tts.config import preset_config
+from vllm_omni_moss.model_executor.models.moss_tts.decoder import CodecDecoder
 from vllm_omni_moss.model_executor.models.moss_tts.graph_ladder import frame_totals
 from vllm_omni_moss.model_executor.models.moss_tts.serving import ChunkRequest
 from vllm_omni_moss.model_executor.models.moss_tts.state import (
+    POOL_CLASSES,
+    CompactDecoderStatePool,
+    LegacyDecoderStatePool,
+    PagedDecoderStatePool,
     PagesExhausted,
+    StateSpec,
+    build_pool,
+    state_bytes_for,
 )
 from vllm_omni_moss.model_executor.models.moss_tts.step import decode_batch
 
-CAPACITY = 3
+SLOT_BYTES_V2 = 88_678_400  # bf16 K+V rings of one v2 slot (docs/memory.md)
+
+
+def _pair(decoder, live=4, scratch=4):
+    legacy = make_state_pool(decoder, "legacy")
+    legacy.initialize(live, scratch)
+    v2 = make_state_pool(decoder)
+    v2.initialize(live, scratch)
+    return legacy, v2
+
+
+def _assert_null_slot_zero(v2):
+    null = v2.null_slot
+    assert int(v2.frames_decoded[null]) == 0
+    for ring in v2.rings:
+        assert torch.count_nonzero(ring[:, null]) == 0
 
 
 def _cuda(fn):
@@ -32,16 +71,6 @@ def cuda_ring_decoder(request, tmp_path):
     return build_decoder(ring_codec_raw(), tmp_path, version="v2", device="cuda").to(request.param)
 
 
-def _pools(decoder, **paged):
-    compact = make_state_pool(decoder, "compact", attention_backend="triton")
-    compact.initialize(CAPACITY)
-    pool = make_state_pool(decoder, "paged", **paged)
-    pool.initialize(CAPACITY)
-    for p in (compact, pool):
-        assert [p.acquire() for _ in range(CAPACITY)] == [0, 1, 2]
-    return compact, pool
-
-
 def _assert_same_state(compact, pool, slot, paged_slot=None):
     a, b = compact.slot_state(slot), pool.slot_state(slot if paged_slot is None else paged_slot)
     assert torch.equal(a["layer_offsets"], b["layer_offsets"])
@@ -51,6 +80,275 @@ def _assert_same_state(compact, pool, slot, paged_slot=None):
 
 def _held_pages(pool, slot):
     return [len(tables[slot]) for tables in pool.store.host_tables]
+
+
+# ----------------------------------------------------------------------------------------- the table of kinds
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_build_pool_constructs_each_kind_from_its_spec_and_refuses_another_kinds_spec(ring_decoder):
+    """build_pool makes the class of the spec's kind through its constructor ``(decoder, spec)``, holding that very
+    spec; a spec of another kind is refused with the class named (the paged pool before it reads the paging)."""
+    for kind, cls in POOL_CLASSES.items():
+        spec = StateSpec.from_options(ring_decoder, kind, torch.float32)
+        pool = build_pool(ring_decoder, spec)
+        assert type(pool) is cls and pool.spec is spec and cls(ring_decoder, spec).spec is spec
+    compact = StateSpec.from_options(ring_decoder, "compact")
+    with pytest.raises(ValueError, match=r"LegacyDecoderStatePool holds 'legacy' pools, the spec is for 'compact'"):
+        LegacyDecoderStatePool(ring_decoder, compact)
+    with pytest.raises(ValueError, match=r"PagedDecoderStatePool holds 'paged' pools, the spec is for 'compact'"):
+        PagedDecoderStatePool(ring_decoder, compact)
+    paged = StateSpec.from_options(ring_decoder, "paged", page_fraction=0.5)
+    with pytest.raises(ValueError, match=r"CompactDecoderStatePool holds 'compact' pools, the spec is for 'paged'"):
+        CompactDecoderStatePool(ring_decoder, paged)
+    assert PagedDecoderStatePool(ring_decoder, paged).page_fraction == 0.5
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_v2_pool_is_default_whatever_the_old_variable(env, monkeypatch, ring_decoder):
+    if env is None:
+        monkeypatch.delenv("VLLM_OMNI_MOSS_CODEC_SHARED_KV", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_OMNI_MOSS_CODEC_SHARED_KV", env)
+    pool = make_state_pool(ring_decoder)
+    assert isinstance(pool, CompactDecoderStatePool)
+    pool.initialize(4, 128)
+    assert pool.num_slots == 5 and pool.null_slot == 4
+    assert tuple(pool.frames_decoded.shape) == (5,)
+    assert [tuple(r.shape) for r in pool.rings[:1]] == [(2, 5, 2, 5, 64)]
+    pool.close()
+
+
+# ----------------------------------------------------------------------------------- legacy and compact pools
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_legacy_lifecycle_and_offset_bank(ring_decoder):
+    legacy = make_state_pool(ring_decoder, "legacy")
+    legacy.initialize(4, 4)
+    assert legacy.num_slots == 8
+    assert tuple(legacy.offset_table.shape) == (14, 8)  # 2 groups x (3 layers x 2 + 1)
+    codes = random_codes(ring_decoder, 2, 2, seed=3)
+    decode_batch(legacy, codes, torch.tensor([2, 2]), torch.tensor([1, 5]), torch.tensor([True, False]))
+    assert legacy.offset_table[:, 1].tolist() == [2] * 7 + [4] * 7
+    assert legacy.offset_table[:, 5].tolist() == [0] * 14
+    legacy.reset(torch.tensor([1]))
+    assert int(legacy.offset_table.abs().sum()) == 0
+    legacy.close()
+    legacy.initialize(2, 1)
+    assert legacy.num_slots == 3 and tuple(legacy.offset_table.shape) == (14, 3)
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_metadata_built_once_per_group_per_step(monkeypatch, ring_decoder):
+    calls = _count_builds(monkeypatch)
+    legacy, v2 = _pair(ring_decoder)
+    codes = random_codes(ring_decoder, 2, 3, seed=1)
+    args = (torch.tensor([3, 3]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    decode_batch(v2, codes, *args)
+    assert calls == [3, 6]  # one build per group, with its token count
+    calls.clear()
+    decode_batch(legacy, codes, *args)
+    assert calls == [3, 3, 3, 6, 6, 6]  # the legacy pool rebuilds per layer, as upstream
+
+
+SCRIPT_T = [1, 3, 3, 7, 1, 3, 7, 3]
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_full_codec_script_bit_identical_to_legacy(ring_decoder):
+    """Wraparound (rings 5 and 10), oversized chunks (T=7 -> 7 and 14 tokens), padding,
+    reordering, an all-padding step and a midway reset: V2 audio and live state equal
+    the legacy pool bit for bit; the null slot stays zero."""
+    legacy, v2 = _pair(ring_decoder)
+    for step, T in enumerate(SCRIPT_T):
+        codes = random_codes(ring_decoder, 4, T, seed=100 + step)
+        live = [1, 0] if step % 2 else [0, 1]
+        if step == 4:
+            valid = torch.tensor([False] * 4)
+            legacy_ids = torch.tensor([4, 5, 6, 7])
+            v2_ids = torch.tensor([4, 5, 6, 7])
+        else:
+            valid = torch.tensor([True, True, False, False])
+            legacy_ids = torch.tensor(live + [6, 7])
+            v2_ids = torch.tensor(live + [6, 7])  # out of range for V2: redirected to the null slot
+        lengths = torch.where(valid, T, 0)
+        a_audio, a_len = decode_batch(legacy, codes, lengths, legacy_ids, valid)
+        b_audio, b_len = decode_batch(v2, codes, lengths, v2_ids, valid)
+        assert torch.equal(a_audio, b_audio), f"step {step}: audio differs"
+        assert torch.equal(a_len, b_len)
+        assert a_len.tolist() == [T * 8 if v else 0 for v in valid.tolist()]
+        if step != 4:
+            assert torch.isfinite(a_audio[:2]).all() and a_audio[:2].abs().sum() > 0
+        assert torch.count_nonzero(b_audio[~valid]) == 0
+        assert_slot_state_equal(legacy, v2, range(4))
+        _assert_null_slot_zero(v2)
+        if step == 2:
+            legacy.reset(torch.tensor([0]))
+            v2.reset(torch.tensor([0]))
+            assert_slot_state_equal(legacy, v2, range(4))
+    expected_frames = sum(SCRIPT_T[3:]) - SCRIPT_T[4]  # slot 0: reset after step 2, idle at step 4
+    assert int(v2.frames_decoded[0]) == expected_frames
+    assert int(v2.frames_decoded[1]) == sum(SCRIPT_T) - SCRIPT_T[4]
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_v1_legacy_pool_matches_fixed_width_reference(ring_decoder_v1):
+    pool = make_state_pool(ring_decoder_v1)
+    pool.initialize(3, 2)
+    codes = random_codes(ring_decoder_v1, 1, sum(SCRIPT_T), seed=5)
+    ref = ring_decoder_v1.decode(codes, chunk_frames=SCRIPT_T)
+    out, start = [], 0
+    for T in SCRIPT_T:
+        chunk = codes[:, :, start : start + T].expand(-1, 2, -1).contiguous()
+        audio, _ = decode_batch(pool, chunk, torch.tensor([T, 0]), torch.tensor([2, 4]), torch.tensor([True, False]))
+        out.append(audio[:1])
+        start += T
+    got = torch.cat(out, dim=-1)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_compact_and_legacy_stay_bit_identical_with_padding(ring_decoder):
+    legacy, compact = _pair(ring_decoder)
+    for i, lengths in enumerate(([1, 1, 0], [3, 2, 1], [0, 3, 3], [2, 0, 3])):
+        codes = random_codes(ring_decoder, 3, 3, seed=20 + i)
+        args = (codes, torch.tensor(lengths), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
+        a, _ = decode_batch(legacy, *args)
+        b, _ = decode_batch(compact, *args)
+        assert torch.equal(a, b)
+        assert_slot_state_equal(legacy, compact, range(3))
+    _assert_null_slot_zero(compact)
+
+
+@st.composite
+def _scripts(draw):
+    n_streams = draw(st.integers(2, 5))
+    sizes = st.sampled_from([1, 2, 3, 7, 12])  # 7 and 12 frames overflow the 5- and 10-token rings
+    streams = [draw(st.lists(sizes, min_size=1, max_size=4)) for _ in range(n_streams)]
+    aborts = [draw(st.booleans()) for _ in range(n_streams)]
+    pads = draw(st.lists(st.integers(0, 2), min_size=40, max_size=40))
+    orders = draw(st.lists(st.randoms(use_true_random=False), min_size=1, max_size=1))
+    return streams, aborts, pads, orders[0]
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+@pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=_scripts())
+def test_random_scripts_v2_equals_legacy_and_solo_reference(script, ring_decoder):
+    streams, aborts, pads, rng = script
+    capacity, scratch = 3, 2
+    legacy, v2 = _pair(ring_decoder, capacity, scratch)
+    free = list(range(capacity))
+    pending = list(range(len(streams)))
+    active: dict[int, dict] = {}
+    outputs: dict[int, list] = {i: [] for i in range(len(streams))}
+    fed: dict[int, list] = {i: [] for i in range(len(streams))}
+    step = 0
+    while pending or active:
+        while pending and free:  # arrivals take the most recently freed slot
+            sid = pending.pop(0)
+            active[sid] = {"slot": free.pop(), "next": 0}
+        sizes = sorted({streams[s][st_["next"]] for s, st_ in active.items()})
+        T = sizes[rng.randrange(len(sizes))]
+        rows = [s for s, st_ in active.items() if streams[s][st_["next"]] == T]
+        rng.shuffle(rows)
+        n_pad = min(pads[step % len(pads)], scratch)
+        B = len(rows) + n_pad
+        codes = random_codes(ring_decoder, B, T, seed=1000 + step)
+        valid = torch.tensor([True] * len(rows) + [False] * n_pad)
+        live = [active[s]["slot"] for s in rows]
+        legacy_ids = torch.tensor(live + legacy.padding_slot_ids(n_pad).tolist(), dtype=torch.long)
+        v2_ids = torch.tensor(live + [-1] * n_pad, dtype=torch.long)
+        lengths = torch.where(valid, T, 0)
+        a, _ = decode_batch(legacy, codes, lengths, legacy_ids, valid)
+        b, _ = decode_batch(v2, codes, lengths, v2_ids, valid)
+        assert torch.equal(a, b)
+        _assert_null_slot_zero(v2)
+        for r, s in enumerate(rows):
+            outputs[s].append(a[r : r + 1])
+            fed[s].append(codes[:, r : r + 1])
+            active[s]["next"] += 1
+            done = active[s]["next"] == len(streams[s])
+            if done or (aborts[s] and active[s]["next"] == 1 and len(streams[s]) > 1):
+                slot = active.pop(s)["slot"]
+                legacy.reset([slot])
+                v2.reset([slot])
+                free.append(slot)
+        assert_slot_state_equal(legacy, v2, range(capacity))
+        step += 1
+    for s in range(len(streams)):
+        codes = torch.cat(fed[s], dim=-1)
+        ref = ring_decoder.decode(codes, chunk_frames=[c.shape[-1] for c in fed[s]])
+        got = torch.cat(outputs[s], dim=-1)
+        err = (got - ref).abs().max() / ref.abs().max()
+        assert err <= 1e-5, f"stream {s}: relative max error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------------- padding policy and bytes
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_legacy_padding_rows_must_use_distinct_scratch_slots(ring_decoder):
+    pool = make_state_pool(ring_decoder, "legacy")
+    pool.initialize(3, 2)
+    codes = random_codes(ring_decoder, 2, 1, seed=1)
+    with pytest.raises(ValueError, match=r"padding row slot id 1 is not a scratch slot \(3..4\)"):
+        decode_batch(pool, codes, torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([True, False]))
+    codes = random_codes(ring_decoder, 3, 1, seed=1)
+    with pytest.raises(ValueError, match=r"duplicate scratch slot ids among padding rows: \[3\]"):
+        decode_batch(pool, codes, torch.tensor([1, 0, 0]), torch.tensor([0, 3, 3]), torch.tensor([True, False, False]))
+    with pytest.raises(ValueError, match="3 padding rows need 3 scratch slots; this pool has 2"):
+        pool.padding_slot_ids(3)
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+def test_padding_policy(ring_decoder):
+    compact, legacy = _pool_for(ring_decoder, "compact"), _pool_for(ring_decoder, "legacy")
+    assert compact.scratch_slots_for(8) == 0 and legacy.scratch_slots_for(8) == 8
+    assert compact.padding_slot_ids(3).tolist() == [3, 3, 3] and compact.slots_dirtied_by_padding(3) == []
+    assert legacy.padding_slot_ids(2).tolist() == [3, 4] and legacy.slots_dirtied_by_padding(2) == [3, 4]
+    with pytest.raises(ValueError, match="3 padding rows need 3 scratch slots; this pool has 2"):
+        legacy.padding_slot_ids(3)
+    with pytest.raises(ValueError, match="padding row count must be an integer >= 0, got -1"):
+        compact.padding_slot_ids(-1)
+
+
+@pytest.mark.cpu
+@pytest.mark.core_model
+@pytest.mark.parametrize("live", [64, 128])
+def test_state_bytes_real_v2_geometry(live):
+    config = preset_config("v2")
+    assert config.state_bytes_per_slot(2) == SLOT_BYTES_V2
+    with torch.device("meta"):
+        decoder = CodecDecoder(config)
+    legacy = make_state_pool(decoder, "legacy", torch.bfloat16)
+    legacy.initialize(live, live)
+    v2 = make_state_pool(decoder, "compact", torch.bfloat16)
+    v2.initialize(live, live)
+    legacy_expected = 2 * live * SLOT_BYTES_V2 + 190 * 2 * live * 8
+    v2_expected = (live + 1) * SLOT_BYTES_V2 + (live + 1) * 8
+    assert legacy.state_bytes() == legacy_expected == state_bytes_for(config, 2 * live, "legacy")
+    assert v2.state_bytes() == v2_expected == state_bytes_for(config, live + 1, "compact")
+    # 21.14 GiB vs 10.65 GiB of rings at 128 live streams (docs/memory.md).
+    if live == 128:
+        assert round(256 * SLOT_BYTES_V2 / 2**30, 2) == 21.14
+        assert round(129 * SLOT_BYTES_V2 / 2**30, 2) == 10.65
+
+
+# ------------------------------------------------------------------------------------------------- paged pool
 
 
 @pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
@@ -106,42 +404,6 @@ def test_release_zeroes_and_frees_pages_and_save_restore_is_exact(ring_decoder):
         compact.restore_slot(1, saved)
 
 
-def test_release_zeroes_only_the_reslots_in_use_pages(ring_decoder):
-    # Freed pages are filled group by group (one fill per resolution group): the other slot's pages keep
-    # their bytes in every layer, and the freed pages return to their group's free list.
-    _, pool = _pools(ring_decoder)
-    full = pool.free_page_counts()
-    _step(pool, random_codes(ring_decoder, 2, 7, seed=4), [7, 5], [0, 1])
-    before = [ring.clone() for ring in pool.rings]
-    kept = [sorted({int(p) for p in table[1] if p}) for table in pool.page_tables]
-    freed = [sorted({int(p) for p in table[0] if p}) for table in pool.page_tables]
-    pool.release([0])
-    assert pool.free_page_counts() == [f - len(k) for f, k in zip(full, kept)]
-    for layer, (ring, old) in enumerate(zip(pool.rings, before)):
-        g = pool.store.group_of(layer)
-        assert not ring[:, freed[g]].any(), layer
-        assert torch.equal(ring[:, kept[g]], old[:, kept[g]]) and bool(ring[:, kept[g]].any()), layer
-
-
-class _DeviceOnlyIds(torch.Tensor):
-    """Ids as they sit on a CUDA device: reading them back would wait for every queued step."""
-
-    def tolist(self):
-        raise AssertionError("the pool read slot ids back from the device")
-
-
-@pytest.mark.parametrize("paged", [True, False])
-def test_release_never_reads_ids_back_from_the_device(paged, ring_decoder, monkeypatch):
-    # A reset works from the host's copy of the ids (the session waits for the device once per call).
-    compact, pool = _pools(ring_decoder)
-    pool = pool if paged else compact
-    _step(pool, random_codes(ring_decoder, 2, 7, seed=6), [7, 5], [0, 1])
-    to_device = pool._ids_to_device
-    monkeypatch.setattr(pool, "_ids_to_device", lambda ids: to_device(ids).as_subclass(_DeviceOnlyIds))
-    pool.release([1, 0])
-    assert all(not ring.any() for ring in pool.rings)
-
-
 def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
     pool = make_state_pool(ring_decoder, "paged", page_fraction=0.2)  # one slot's worth of pages per group
     pool.initialize(CAPACITY)
@@ -158,23 +420,85 @@ def test_a_step_short_of_pages_fails_before_anything_changes(ring_decoder):
     assert pool.slot_state(1)["layer_offsets"].eq(0).all()
 
 
-def test_a_state_budget_buys_whole_pages_and_refuses_less_than_one_stream(ring_decoder):
-    """Ring codec, fp32, 3 layers of 2 heads x 64 per group (moss_codecs.ring_codec_raw): a page of 5
-    tokens is 2 x 5 x 128 x 4 bytes x 3 layers = 15,360 bytes in either group; one stream's full rings
-    are 1 + 2 pages, plus one null page per group."""
-    page = 2 * 5 * 128 * 4 * 3
-    assert [(g.num_heads * g.head_dim, g.num_layers) for g in ring_decoder.config.groups] == [(128, 3), (128, 3)]
-    pool = make_state_pool(ring_decoder, "paged", state_budget_bytes=2 * page + 5 * page)
-    pool.initialize(CAPACITY)
-    assert pool.page_fraction == pytest.approx(5 / 9)  # (budget - null pages) / (3 slots x 3 pages)
-    assert pool.free_page_counts() == [1, 3]  # floor(5/9 x 3 x 1), floor(5/9 x 3 x 2)
-    assert sum(r.numel() * r.element_size() for r in pool.rings) == (2 + 4) * page
-    with pytest.raises(
-        ValueError,
-        match=r"a state budget of 76799 bytes holds no stream: one stream's full rings plus the null pages need "
-        r"76800 bytes \(0.07 MiB\)",
-    ):
-        make_state_pool(ring_decoder, "paged", state_budget_bytes=5 * page - 1).initialize(CAPACITY)
+def test_paged_restore_and_page_calls_check_slots_in_use_and_pages_first(ring_decoder):
+    pool = make_state_pool(ring_decoder, "paged", page_fraction=0.5)  # 1 and 3 pages: one full stream and a bit
+    pool.initialize(2)
+    x, y = pool.acquire(), pool.acquire()
+    _step(pool, random_codes(ring_decoder, 1, 6, seed=1), [6], [x])  # x takes every page of group 0
+    saved = pool.save_slot(x)
+    _step(pool, random_codes(ring_decoder, 1, 1, seed=2), [0], [y])
+    before = (pool.slot_state(y), pool.free_page_counts())
+    with pytest.raises(PagesExhausted, match=r"restore_slot: the state's 6 frames need more pages than group 0"):
+        pool.restore_slot(y, saved)
+    after = pool.slot_state(y)
+    assert torch.equal(after["layer_offsets"], before[0]["layer_offsets"]) and pool.free_page_counts() == before[1]
+    pool.release([y])
+    with pytest.raises(ValueError, match=r"restore_slot: slot 1 is not in use"):
+        pool.restore_slot(y, saved)
+    before = pool.free_page_counts()
+    with pytest.raises(ValueError, match=rf"decode_batch: slot {y} is not in use"):
+        _step(pool, random_codes(ring_decoder, 1, 1, seed=3), [1], [y])
+    for bad in (2, -1, 99):
+        with pytest.raises(ValueError, match=rf"slot id {bad} of a valid row is outside the live slots 0..1"):
+            _step(pool, random_codes(ring_decoder, 1, 1, seed=3), [1], [bad])
+    assert pool.acquire() == y
+    with pytest.raises(PagesExhausted, match=rf"group 0 needs 1 more pages of \d+ tokens for slots \[{y}\]; 0 are"):
+        pool.reserve({y: 1}, strict=True)
+    assert not pool.reserve({y: 1})
+    pool.release([y])
+    assert pool.free_page_counts() == before  # nothing allocated by a refused step or reservation
+    with pytest.raises(ValueError, match=r"reserve: slot 7 is not in use"):
+        pool.reserve({7: 3})
+    free = pool.free_page_counts()
+    for bad in ("3", -5, 1.5, True, None):
+        with pytest.raises(ValueError, match=rf"reserve: the frames of slot {x} must be an integer >= 0, got {bad!r}"):
+            pool.reserve({x: bad})
+    with pytest.raises(TypeError, match=r"reserve takes a dict of slot -> frames, got list"):
+        pool.reserve([(x, 3)])
+    assert pool.free_page_counts() == free  # nothing allocated by a refused reservation
+    compact = make_state_pool(ring_decoder, kind="compact")
+    compact.initialize(1)
+    z = compact.acquire()
+    assert compact.reserve({z: 40})
+    with pytest.raises(ValueError, match=rf"reserve: the frames of slot {z} must be an integer >= 0, got -1"):
+        compact.reserve({z: -1})
+
+
+def _random_steps(decoder, pools, steps, seed, device="cpu"):
+    """Random steps on every pool of ``pools`` (same slots acquired in each); yields each step's audio."""
+    rng = random.Random(seed)
+    for step in range(steps):
+        B = rng.randint(1, CAPACITY)
+        T = rng.randint(1, 7)
+        slots = rng.sample(range(CAPACITY), B)
+        lengths = [rng.randint(0, T) for _ in range(B)]
+        codes = random_codes(decoder, B, T, seed=step).to(device)
+        outs = [
+            decode_batch(
+                p,
+                codes,
+                torch.tensor(lengths, device=device),
+                torch.tensor(slots, device=device),
+                torch.ones(B, dtype=torch.bool, device=device),
+            )[0]
+            for p in pools
+        ]
+        yield step, outs
+
+
+@_cuda
+def test_cuda_paged_pool_equals_the_compact_pool(cuda_ring_decoder):
+    """On CUDA the Triton kernels read and write rings through page tables: audio, rings and offsets
+    bitwise the compact pool's over random steps whose rings fill and wrap, in fp32 and bf16."""
+    compact, pool = _pools(cuda_ring_decoder)
+    for step, (a, b) in _random_steps(cuda_ring_decoder, (compact, pool), 14, seed=9, device="cuda"):
+        assert torch.equal(a, b), step
+    for s in range(CAPACITY):
+        _assert_same_state(compact, pool, s)
+    assert all(bool((ring[:, 0] == 0).all()) for ring in pool.rings), "the null page was written"
+
+
+# ------------------------------------------- paged pool under a session: pages drive admission and preemption
 
 
 @pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
@@ -232,40 +556,6 @@ def test_streams_preempted_for_pages_resume_exactly(ring_decoder):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), r
     assert session.live_requests == {} and session.free_slots == 3
     assert pool.free_page_counts() == [3, 5]
-
-
-def _random_steps(decoder, pools, steps, seed, device="cpu"):
-    """Random steps on every pool of ``pools`` (same slots acquired in each); yields each step's audio."""
-    rng = random.Random(seed)
-    for step in range(steps):
-        B = rng.randint(1, CAPACITY)
-        T = rng.randint(1, 7)
-        slots = rng.sample(range(CAPACITY), B)
-        lengths = [rng.randint(0, T) for _ in range(B)]
-        codes = random_codes(decoder, B, T, seed=step).to(device)
-        outs = [
-            decode_batch(
-                p,
-                codes,
-                torch.tensor(lengths, device=device),
-                torch.tensor(slots, device=device),
-                torch.ones(B, dtype=torch.bool, device=device),
-            )[0]
-            for p in pools
-        ]
-        yield step, outs
-
-
-@_cuda
-def test_cuda_paged_pool_equals_the_compact_pool(cuda_ring_decoder):
-    """On CUDA the Triton kernels read and write rings through page tables: audio, rings and offsets
-    bitwise the compact pool's over random steps whose rings fill and wrap, in fp32 and bf16."""
-    compact, pool = _pools(cuda_ring_decoder)
-    for step, (a, b) in _random_steps(cuda_ring_decoder, (compact, pool), 14, seed=9, device="cuda"):
-        assert torch.equal(a, b), step
-    for s in range(CAPACITY):
-        _assert_same_state(compact, pool, s)
-    assert all(bool((ring[:, 0] == 0).all()) for ring in pool.rings), "the null page was written"
 
 
 @pytest.mark.slow  # long scenario: the main CPU lane runs it, the fork lane does not
@@ -413,71 +703,6 @@ def test_new_streams_wait_while_live_streams_need_the_pages(ring_decoder, caplog
     assert "request 'b' ended while waiting for a slot; its 3 buffered frames are dropped undecoded" in caplog.text
 
 
-def test_paged_restore_and_page_calls_check_slots_in_use_and_pages_first(ring_decoder):
-    pool = make_state_pool(ring_decoder, "paged", page_fraction=0.5)  # 1 and 3 pages: one full stream and a bit
-    pool.initialize(2)
-    x, y = pool.acquire(), pool.acquire()
-    _step(pool, random_codes(ring_decoder, 1, 6, seed=1), [6], [x])  # x takes every page of group 0
-    saved = pool.save_slot(x)
-    _step(pool, random_codes(ring_decoder, 1, 1, seed=2), [0], [y])
-    before = (pool.slot_state(y), pool.free_page_counts())
-    with pytest.raises(PagesExhausted, match=r"restore_slot: the state's 6 frames need more pages than group 0"):
-        pool.restore_slot(y, saved)
-    after = pool.slot_state(y)
-    assert torch.equal(after["layer_offsets"], before[0]["layer_offsets"]) and pool.free_page_counts() == before[1]
-    pool.release([y])
-    with pytest.raises(ValueError, match=r"restore_slot: slot 1 is not in use"):
-        pool.restore_slot(y, saved)
-    before = pool.free_page_counts()
-    with pytest.raises(ValueError, match=rf"decode_batch: slot {y} is not in use"):
-        _step(pool, random_codes(ring_decoder, 1, 1, seed=3), [1], [y])
-    for bad in (2, -1, 99):
-        with pytest.raises(ValueError, match=rf"slot id {bad} of a valid row is outside the live slots 0..1"):
-            _step(pool, random_codes(ring_decoder, 1, 1, seed=3), [1], [bad])
-    assert pool.acquire() == y
-    with pytest.raises(PagesExhausted, match=rf"group 0 needs 1 more pages of \d+ tokens for slots \[{y}\]; 0 are"):
-        pool.reserve({y: 1}, strict=True)
-    assert not pool.reserve({y: 1})
-    pool.release([y])
-    assert pool.free_page_counts() == before  # nothing allocated by a refused step or reservation
-    with pytest.raises(ValueError, match=r"reserve: slot 7 is not in use"):
-        pool.reserve({7: 3})
-    free = pool.free_page_counts()
-    for bad in ("3", -5, 1.5, True, None):
-        with pytest.raises(ValueError, match=rf"reserve: the frames of slot {x} must be an integer >= 0, got {bad!r}"):
-            pool.reserve({x: bad})
-    with pytest.raises(TypeError, match=r"reserve takes a dict of slot -> frames, got list"):
-        pool.reserve([(x, 3)])
-    assert pool.free_page_counts() == free  # nothing allocated by a refused reservation
-    compact = make_state_pool(ring_decoder, kind="compact")
-    compact.initialize(1)
-    z = compact.acquire()
-    assert compact.reserve({z: 40})
-    with pytest.raises(ValueError, match=rf"reserve: the frames of slot {z} must be an integer >= 0, got -1"):
-        compact.reserve({z: -1})
-
-
-def test_a_budget_split_by_fill_gives_fast_groups_more_pages(ring_decoder):
-    """Ring codec: 5-token pages of 15,360 bytes in both groups; rings of 1 and 2 pages (tokens per
-    frame 1 and 2). Over a 4-frame stream a live stream holds on average 1 page of group 0 and
-    (1 + 1 + 2 + 2) / 4 = 1.5 of group 1. A budget of 20 pages pays the null pages (2) and one full
-    stream (3), and the other 15 pages buy 15 / 2.5 = 6 average streams: 1 + 6 and 2 + 9 pages."""
-    page = 2 * 5 * 128 * 4 * 3
-    pool = make_state_pool(ring_decoder, "paged", state_budget_bytes=20 * page, expected_stream_frames=4)
-    assert pool.average_pages(4) == [1.0, 1.5]
-    pool.initialize(8)
-    assert pool.free_page_counts() == [7, 11]
-    assert sum(r.numel() * r.element_size() for r in pool.rings) == 20 * page
-    assert pool.page_fraction == pytest.approx(18 / (8 * 3))
-    small = make_state_pool(ring_decoder, "paged", state_budget_bytes=20 * page, expected_stream_frames=4)
-    small.initialize(3)
-    assert small.free_page_counts() == [3, 6]  # never more than full rings for every slot
-    with pytest.raises(ValueError, match="expected_stream_frames splits a state budget: give state_budget_bytes too"):
-        make_state_pool(ring_decoder, "paged", expected_stream_frames=4)
-    with pytest.raises(ValueError, match="expected_stream_frames must be an integer >= 1, got 0"):
-        make_state_pool(ring_decoder, "paged", state_budget_bytes=20 * page, expected_stream_frames=0)
-
-
 def test_a_stream_is_admitted_for_all_it_brings_not_just_one_piece(ring_decoder):
     """A new stream whose first chunk needs more pages than are free waits (it used to be admitted for
     its first piece, then preempted in the same call and again on every call after)."""
@@ -491,30 +716,6 @@ def test_a_stream_is_admitted_for_all_it_brings_not_just_one_piece(ring_decoder)
         got = session.decode([ChunkRequest("a", random_codes(ring_decoder, 1, 1, seed=10 + i)[:, 0])])
         assert got["a"].frames == 1
     assert session.stats()["preemptions"] == 0
-
-
-def test_reserve_writes_the_host_tables_and_a_commit_writes_the_device_once(ring_decoder, monkeypatch):
-    """reserve() allocates on the host only; the device page tables get every pending entry at the next
-    commit, in one host-to-device copy, and equal the host tables then. A slot released before the commit
-    ends with a null row (the commit that release makes first cannot leave its entries behind)."""
-    _, pool = _pools(ring_decoder)
-    copies = []
-    to_device = pool._ids_to_device
-    monkeypatch.setattr(pool, "_ids_to_device", lambda ids: copies.append(ids.shape) or to_device(ids))
-    assert pool.reserve({0: 7, 1: 3, 2: 1})
-    assert copies == [] and all(not table.any() for table in pool.store.page_tables)  # nothing on the device
-    pool.commit_page_tables()
-    assert len(copies) == 1 and copies[0][0] == 3  # one (rows, cols, pages) copy for every group
-    for g, table in enumerate(pool.store.page_tables):
-        for slot in range(CAPACITY):
-            held = pool.store.host_tables[g][slot]
-            assert table[slot, : len(held)].tolist() == held and not table[slot, len(held) :].any()
-    pool.commit_page_tables()
-    assert len(copies) == 1  # nothing pending: no copy
-    assert pool.reserve({1: 12})
-    pool.release([1])
-    assert all(not table[1].any() for table in pool.store.page_tables)
-    assert all(tables[1] == [] for tables in pool.store.host_tables)
 
 
 def test_a_session_call_writes_the_page_tables_once_however_many_streams_it_admits(ring_decoder):
