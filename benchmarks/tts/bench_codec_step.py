@@ -7,7 +7,7 @@ every frame real, or with ``--mixed`` the frames past each row's length as dummi
 
 * ``legacy``   - our legacy pool (``initialize(maxB, maxB)``), per-layer metadata, whole-ring write-back.
 * ``v2``       - our V2 pool (``initialize(maxB, maxB)`` = maxB live + 1 null slot) with its default attention
-  backend: ``triton`` on CUDA, ``sdpa`` on CPU (``attention.default_attention_backend``).
+  backend: ``triton`` on CUDA, ``sdpa`` on CPU (``backends.default_attention_backend``).
 * ``upstream`` - upstream 0.30.0's v2 codec model with ``initialize_decoder_state_pool(maxB, maxB)``, its
   own ``decode_streaming_tensors``; skipped (reason in the JSON) when its files are not available.
 * ``v2-sdpa``  - the V2 pool with ``attention_backend="sdpa"``: the reference path (gathered rings, SDPA).

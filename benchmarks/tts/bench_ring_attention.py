@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sweep the launch configuration of the ring attention kernel over a codec's group shapes (CUDA only).
 
-For every batch size ``B``, frames per step ``T`` and resolution group of the preset, one layer's
-``ring_attention`` runs on random bf16 rings that are full (offsets far past the ring capacity), with the
-group's RoPE tables, for the default configuration (``ops.ring_attention.attention_launch_config``) and for
-every point of the grid below. Each timing is the median of 5 replays of a CUDA graph holding 10 launches.
-Each configuration's error is the relative RMS of its output against the same kernel on float32 copies of
-the inputs. This is how the default configuration was chosen (``benchmarks/history/46cae21.md``, "Ring
+For every batch size ``B``, frames per step ``T`` and resolution group of the preset, one layer's ring attention
+(``ops.ring_attention.launch_ring_attention_triton``, the launch of ``ring_attention_write_packed``, the op a
+decoder step runs) runs on ``B`` packed rows of ``T`` frames each, every row full, over random bf16 rings that are
+full (offsets far past the ring capacity), with the group's RoPE tables, for the default configuration
+(``ops.ring_attention.attention_launch_config``) and for every point of the grid below. Each timing is the median
+of 5 replays of a CUDA graph holding 10 launches. Each configuration's error is the relative RMS of its output
+against the same kernel on float32 copies of the inputs. This is how the default configuration was chosen (``benchmarks/history/46cae21.md``, "Ring
 attention launch sweep")::
 
     python benchmarks/tts/bench_ring_attention.py --preset v2 --batch 64,128 --frames 15,1 --json sweep.json
@@ -26,9 +27,10 @@ written too) and the rate that gives,
 command (``step_floor.copy_bandwidth_gb_s``, bytes read plus written), the rate the step table's floor
 assumes for reading ring state.
 
-``--write`` times ``ring_attention_write`` (attention and ring write, the op a decoder step runs) instead of
-``ring_attention``; every launch then stores the same chunk into the same cells, which no query of a launch
-reads under the v2 codec's "upstream" semantics. ``--prerotated`` passes no RoPE tables, so the kernels
+``--write`` times the attention and the ring write (the launch ``ring_attention_write_packed`` makes: the write
+fused into the attention kernel for rows of at most 32 tokens, else the write kernel after it) instead of the
+attention alone; every launch then stores the same chunk into the same cells, which no query of a launch reads
+under the v2 codec's "upstream" semantics. ``--prerotated`` passes no RoPE tables, so the kernels
 rotate nothing (as the decoder launches them since RoPE became a pass of its own, ``ops/rope.py``): the
 difference to a run with tables is what rotating queries and keys inside the kernels
 costs (``benchmarks/history/2983f94.md``, Run AE).
@@ -87,8 +89,9 @@ def moved_bytes(
 
 
 def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=GRID, write=False, rope=True) -> dict:
-    """One group shape: the default configuration and every point of ``grid`` that applies, timed and
-    compared (``write``: time ``ring_attention_write``; ``rope``: pass the group's RoPE tables)."""
+    """One group shape, ``batch`` packed rows of ``frames`` frames each: the default configuration and every point
+    of ``grid`` that applies, timed and compared (``write``: time the attention and the ring write; ``rope``: pass
+    the group's RoPE tables)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     heads, capacity, head_dim = group.num_heads, group.ring_capacity, group.head_dim
     num_tokens = frames * group.tokens_per_frame
@@ -97,12 +100,16 @@ def sweep_shape(group, batch: int, frames: int, semantics: str, seed: int, grid=
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
     cache = randn(2, batch, heads, capacity, head_dim)
-    q, k, v = (randn(batch, heads, num_tokens, head_dim) for _ in range(3))
+    total = batch * num_tokens  # every row full: row b's tokens from b x T
+    q, k, v = (randn(1, heads, total, head_dim) for _ in range(3))
     slots = torch.randperm(batch, generator=gen, device="cuda")
     offsets = torch.full((batch,), 123457 * group.tokens_per_frame, dtype=torch.long, device="cuda")
     written = torch.full((batch,), num_tokens, dtype=torch.long, device="cuda")
-    cos, sin = rope_tables(offsets, num_tokens, head_dim, group.max_period) if rope else (None, None)
-    args = (slots, offsets, written, semantics, cos, sin)
+    starts = torch.arange(batch, device="cuda") * num_tokens
+    cos, sin = (None, None)
+    if rope:  # the rows' (B, 1, T, Dh/2) tables, packed as the rows are
+        cos, sin = (t.reshape(1, 1, total, -1) for t in rope_tables(offsets, num_tokens, head_dim, group.max_period))
+    args = (slots, offsets, written, starts, num_tokens, semantics, cos, sin)
     ref = ring_ops.launch_ring_attention_triton(q.float(), k.float(), v.float(), cache.float(), *args).float()
 
     def run(tuning):
@@ -155,7 +162,9 @@ def main(argv=None) -> int:
         default="launch",
         help="launch (the default): the launch grid; deep: the grid for bandwidth-bound steps; default: the default only",
     )
-    p.add_argument("--write", action="store_true", help="time ring_attention_write instead of ring_attention")
+    p.add_argument(
+        "--write", action="store_true", help="time the attention and the ring write, not the attention alone"
+    )
     p.add_argument("--prerotated", action="store_true", help="no RoPE tables: the kernels rotate nothing")
     p.add_argument("--json", type=Path, help='write {"run": ..., "records": [...]} here (rewritten after each shape)')
     args = p.parse_args(argv)

@@ -3,7 +3,7 @@
 stage's hf_overrides, the CLI, the ``exact`` semantics against offline decode, compile, and the H200
 gates of the ``triton`` backend (determinism, bf16 accuracy, CUDA graphs, Inductor).
 
-The kernels themselves are tested in ``test_ops_ring_attention.py``; on CPU without Triton's interpreter
+The kernels themselves are tested in ``test_ops_ring_attention_packed.py``; on CPU without Triton's interpreter
 the ``triton`` backend runs the ops' PyTorch references, so here it must equal ``sdpa`` bit for bit.
 """
 

@@ -225,7 +225,7 @@ class CompactTritonRingAttention:
         packing: the step's :class:`~.token_packing.TokenPacking`; every layer takes ``(3, 1, H, N, Dh)``
             packed projections and answers ``(1, H, N, Dh)``.
         page_tables: for a paged pool, each group's ``(S, pages per ring)`` page table keyed by the
-            group's first layer (``ops.ring_attention``'s ``page_table``); rings are then pages.
+            group's first layer (``ops.ring_attention_packed``'s ``page_table``); rings are then pages.
     """
 
     def __init__(

@@ -1,20 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """Custom ops of the codec decoder: one file per op family, each holding its Triton kernels, their
 launch, the ``torch.library.custom_op`` with ``register_fake``, and the PyTorch reference it is tested
-against. No module imports another's private name.
+against; the ring op's kernels have a file each (``ring_attention``, ``ring_write``). No module imports
+another's private name.
 
 * :mod:`.commit` - ``commit_ring`` / ``commit_offsets``: masked write-back of a step's ring cells
   and offsets into the state pool.
-* :mod:`.ring_write` - ``ring_write``: the write of each row's last ``min(tokens, C)`` chunk tokens
-  into its ring; and what both ring ops build on: the jit helpers of the ring kernels, their RoPE and
-  paging arguments, the argument checks.
-* :mod:`.ring_attention` - ``ring_attention``: one layer's streaming attention reading the pool's
-  rings in place; it can rotate queries and keys by RoPE as it loads them. ``ring_attention_write``
-  is it and ``ring_write`` in turn as one op (the attention kernel stores the chunk itself for rows
-  of at most 32 tokens). With its launch table (``attention_launch_config``: block sizes, warps,
-  stages, fused write per step shape).
-* :mod:`.ring_attention_packed` - ``ring_attention_write_packed``: the same kernels on a ragged step's packed
-  rows (row ``b`` from token ``token_start[b]``), so its projections need no copy into the grid and back.
+* :mod:`.ring_attention_packed` - ``ring_attention_write_packed``: one layer's streaming attention over a ragged
+  step's packed rows (row ``b`` from token ``token_start[b]``), reading the pool's rings in place, and the write
+  of each row's last ``min(tokens, C)`` tokens into its ring, as one op.
+* :mod:`.ring_attention` - the attention kernel that op launches (it stores the chunk itself for rows of at most
+  32 tokens), its launch and launch table (``attention_launch_config``: block sizes, warps, stages, fused write
+  per step shape), and the grid reference the op's reference builds on. The kernel can rotate queries and keys
+  by RoPE as it loads them (``bench_ring_attention.py`` times that; the decoder rotates first, with ``rope``).
+* :mod:`.ring_write` - the write kernel (for longer rows, after the attention kernel) and its launch, its grid
+  reference, and what both ring kernels build on: their jit helpers, RoPE and paging arguments, the page
+  table's check.
 * :mod:`.ring_reference` - ``attend_gathered_rows``, the SDPA computation over gathered ring rows
   that the ``"sdpa"`` backend runs and the ring ops' references build on, and the logical view of a
   paged ring those references read and write.

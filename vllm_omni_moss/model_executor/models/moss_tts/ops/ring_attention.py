@@ -1,21 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Streaming attention that reads the state pool's rings in place, alone or followed by the ring write.
+"""Streaming attention that reads the state pool's rings in place: the kernel, its launch and launch table, and
+the PyTorch reference on the ``(B, H, T, Dh)`` grid.
 
-One attention layer of a streaming step (docs/ring_semantics.md) has two inputs besides the queries:
-the keys and values of past tokens, kept per slot in the layer's ring ``(2, S, H, C, Dh)`` of the state
-pool, and the keys and values of the chunk itself. The reference path (``attention.py``) gathers each
-row's whole ring, concatenates the chunk, builds a dense mask and runs SDPA. The operations here
-never gather:
-
-* ``ring_attention`` - for each (row, head, block of queries), walk the key positions the block may see,
-  reading old positions from the slot's ring (cell ``position mod C``) and new ones from the chunk, with
-  an online softmax in float32. Both ring semantics (``"upstream"``, ``"exact"``) are one kernel: they
-  differ only in the oldest visible position. Output ``(B, T, H, Dh)``, the layout the out-projection
-  reads after ``transpose(1, 2)`` without a copy.
-* ``ring_attention_write`` - ``ring_attention``, then ``ring_write`` (``ops/ring_write.py``: each row's
-  last ``min(valid tokens, C)`` chunk tokens into its ring), as one op: for short rows the attention
-  kernel stores the chunk itself, one program per (row, head) walking its query blocks in order (a
-  block's tokens only overwrite cells that block and earlier ones read).
+One attention layer of a streaming step (docs/ring_semantics.md) has two inputs besides the queries: the keys and
+values of past tokens, kept per slot in the layer's ring ``(2, S, H, C, Dh)`` of the state pool, and the keys and
+values of the chunk itself. The reference path (``attention.py``'s ``"sdpa"`` backend) gathers each row's whole
+ring, concatenates the chunk, builds a dense mask and runs SDPA. The kernel here never gathers: for each (row,
+head, block of queries) it walks the key positions the block may see, reading old positions from the slot's ring
+(cell ``position mod C``) and new ones from the chunk, with an online softmax in float32. Both ring semantics
+(``"upstream"``, ``"exact"``) are one kernel: they differ only in the oldest visible position. Rows are packed
+(``token_packing.py``): row ``b``'s tokens start at token ``token_start[b]`` of ``(1, H, N, Dh)`` queries, keys
+and values, and its output at the same tokens of ``(1, N, H, Dh)``, the layout the out-projection reads. With
+``write`` the launch also stores each row's last ``min(valid tokens, C)`` chunk tokens into its ring
+(``ops/ring_write.py``): for short rows the attention kernel stores the chunk itself, one program per (row, head)
+walking its query blocks in order (a block's tokens only overwrite cells that block and earlier ones read), else
+the write kernel runs after it. ``ops/ring_attention_packed.py``'s ``ring_attention_write_packed`` is the op that
+launches it.
 
 Key positions a query may see (query at position ``q``, row offset ``o``, ``n`` valid tokens, ``C`` =
 ring capacity = attention window): always ``0 <= p <= q`` and ``q - p < C``; under ``"upstream"`` also
@@ -25,20 +25,14 @@ positions, the later position owning a shared cell). Positions ``p < o`` are rea
 write runs after the attention of the same layer. A query that sees no key (under ``"upstream"``, the
 first ``n - C`` tokens of a chunk longer than the ring) outputs zeros, as PyTorch's SDPA does for a
 fully masked row. Padding rows (``n = 0``) and padding queries (token ``>= n``) read nothing (not even
-their slot id) and output zeros; padding tokens are never read as keys and never written.
+their slot id); padding tokens are never read as keys and never written, and no output is stored for them.
 
-Each operation comes with a Triton kernel, a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``)
-with ``register_fake``, a PyTorch reference, and a public function that validates shapes. Dispatch is
-``ops/dispatch.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel; CPU tensors run the reference
-unless the Triton interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernel runs
-interpreted, except for bfloat16 rings (the interpreter's bfloat16 arithmetic is not the GPU's). Both are
-safe in ``torch.compile(fullgraph=True)`` (opaque ops, fake impls) and in CUDA-graph capture (no host
-syncs). Keys and queries arrive either already rotated, or unrotated with the chunk's RoPE tables
-(``cos``, ``sin``): the kernels then rotate them as they load them, with float32 roundings equal to
-``step_metadata.apply_rope``'s (kernels launched with ``enable_fp_fusion=False``, so no multiply-add
-is fused); either way ring contents are bitwise those of the reference path. The decoder passes rotated
-inputs (``ops/rope.py``): on some H200s this kernel rotating as it loads ran many times slower than on
-rotated inputs (``benchmarks/RESULTS.md``).
+The launch is safe in CUDA-graph capture (no host syncs). Keys and queries arrive either already rotated, or
+unrotated with the chunk's packed RoPE tables (``cos``, ``sin``): the kernels then rotate them as they load them,
+with float32 roundings equal to ``step_metadata.apply_rope``'s (kernels launched with ``enable_fp_fusion=False``,
+so no multiply-add is fused); either way ring contents are bitwise those of the reference path. The decoder
+passes rotated inputs (``ops/rope.py``): on some H200s this kernel rotating as it loads ran many times slower than
+on rotated inputs (``benchmarks/RESULTS.md``); ``bench_ring_attention.py`` times both.
 
 Precision: scores ``q . k`` accumulate in float32 (16-bit inputs multiply exactly); the softmax is
 float32 with base-2 exponentials; for 16-bit rings the probabilities are rounded to the ring dtype
@@ -49,9 +43,10 @@ a fixed key order per program.
 
 The kernel walks one block of queries with ``_attend_query_block`` (its online softmax is
 ``_online_softmax_block``); the fused write stores chunk tokens with ``ring_write.py``'s
-``store_tokens``, which also holds the jit helpers, RoPE and paging arguments and argument checks both
-ring ops share. The launch table (:func:`attention_launch_config`) is plain Python: it answers where
-Triton is not installed.
+``store_tokens``, which also holds the jit helpers, RoPE and paging arguments both ring kernels share. The
+launch table (:func:`attention_launch_config`) is plain Python: it answers where Triton is not installed. The
+reference (:func:`ring_attention_write_reference`, the attention alone :func:`ring_attention_reference`) runs on
+the grid of the rows: ``attend_gathered_rows`` over the gathered rings, then ``ring_write_reference``.
 """
 
 from __future__ import annotations
@@ -61,22 +56,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import RING_SEMANTICS
 from ..step_metadata import apply_rope, build_ring_metadata
-from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
+from .dispatch import HAS_TRITON, device_guard, tl, triton
 from .ring_reference import attend_gathered_rows, logical_rings
-from .ring_write import (
-    check_page_table,
-    check_rope,
-    check_step,
-    launch_ring_write_triton,
-    paging_arguments,
-    ring_write_reference,
-    rope_arguments,
-)
+from .ring_write import launch_ring_write_triton, paging_arguments, ring_write_reference, rope_arguments
 
 if HAS_TRITON:
-    from .ring_write import cell_pointers, first_token, load_rotated, row_offset, store_tokens
+    from .ring_write import cell_pointers, load_rotated, store_tokens
 
 __all__ = [
     "FUSED_WRITE_MAX_TOKENS",
@@ -84,9 +70,7 @@ __all__ = [
     "MIN_ATTENTION_PROGRAMS",
     "attention_launch_config",
     "launch_ring_attention_triton",
-    "ring_attention",
     "ring_attention_reference",
-    "ring_attention_write",
     "ring_attention_write_reference",
 ]
 
@@ -100,7 +84,7 @@ _BLOCK_KEYS = 64
 #: Largest block of queries per program for float32 rings (smaller steps use the next power of two >= T,
 #: at least 16); 16-bit rings go up to 128 (``attention_launch_config``).
 _MAX_BLOCK_QUERIES = 64
-#: Most tokens per row for which ``ring_attention_write`` fuses the write (``attention_launch_config``).
+#: Most tokens per row for which the attention kernel fuses the write (``attention_launch_config``).
 FUSED_WRITE_MAX_TOKENS = 32
 #: Fewest programs of 128 queries a 16-bit step needs before it uses 128-query blocks (about two per SM
 #: of an H200's 132; ``attention_launch_config``).
@@ -121,7 +105,7 @@ def attention_launch_config(num_tokens: int, ring_dtype: torch.dtype, row_heads:
         ``num_warps``, ``num_stages`` (software pipelining depth of the key loops), ``pv`` (how
         probabilities meet values: ``"low"`` rounds them to the 16-bit ring dtype and multiplies on
         16-bit tensor cores, ``"ieee"`` keeps float32) and ``fused_write`` (whether
-        ``ring_attention_write`` stores the chunk from the attention kernel, one program per
+        a launch with ``write`` stores the chunk from the attention kernel, one program per
         (row, head) walking its query blocks in order, rather than with the write kernel after it).
 
     Chosen on an H200 from the launch sweeps of ``benchmarks/RESULTS.md`` (block sizes, stages and
@@ -170,28 +154,7 @@ def _next_power_of_2(n: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation (shape/dtype/device only; the checks both ring ops share are ring_write.py's)
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_semantics(op: str, ring_semantics) -> None:
-    if ring_semantics not in RING_SEMANTICS:
-        raise ValueError(f"{op}: unknown ring semantics {ring_semantics!r}; expected one of {RING_SEMANTICS}")
-
-
-def _check_attention(op, q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table) -> None:
-    """The argument checks of both attention ops (:func:`ring_attention`, :func:`ring_attention_write`)."""
-    _check_semantics(op, ring_semantics)
-    shape = check_step(op, k, v, ring, slot_ids, offsets, valid_tokens)
-    check_tensor(op, "q", q, "(B, H, T, Dh)", shape, None, ring.device)
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"{op}: `q` must have a floating-point dtype, got {q.dtype}")
-    check_rope(op, cos, sin, shape, ring.device)
-    check_page_table(op, page_table, ring)
-
-
-# --------------------------------------------------------------------------------------------------
-# ring_attention: the kernel (one block of queries, its online softmax, the program), launch, op
+# The kernel (one block of queries, its online softmax, the program), its launch, the reference
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
@@ -233,7 +196,6 @@ if HAS_TRITON:
     @triton.jit
     def _attend_query_block(
         first,  # the block's first query (chunk token index)
-        row,
         head,
         written,
         slot,
@@ -249,18 +211,14 @@ if HAS_TRITON:
         capacity,
         head_dim,
         scale_log2,
-        rope_stride_b,
         rope_stride_t,
         rope_stride_d,
-        q_stride_b,
         q_stride_h,
         q_stride_t,
         q_stride_d,
-        k_stride_b,
         k_stride_h,
         k_stride_t,
         k_stride_d,
-        v_stride_b,
         v_stride_h,
         v_stride_t,
         v_stride_d,
@@ -269,7 +227,6 @@ if HAS_TRITON:
         ring_stride_h,
         ring_stride_c,
         ring_stride_d,
-        out_stride_b,
         out_stride_t,
         out_stride_h,
         out_stride_d,
@@ -285,16 +242,16 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
-        PACKED: tl.constexpr,
     ):
-        # Queries t in [first, first + BLOCK_Q) of one (row, head): attend, then store the output block.
+        # Queries t in [first, first + BLOCK_Q) of one (row, head): attend, then store the output block. The
+        # pointers of q, k, v, out and the tables point at the row's first token.
         t = first + tl.arange(0, BLOCK_Q)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
         i = tl.arange(0, BLOCK_D // 2)  # RoPE pair index
         i_ok = i < head_dim // 2
-        cos_row = cos_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
-        sin_row = sin_ptr + row * rope_stride_b + i[None, :] * rope_stride_d
+        cos_row = cos_ptr + i[None, :] * rope_stride_d
+        sin_row = sin_ptr + i[None, :] * rope_stride_d
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
@@ -302,7 +259,7 @@ if HAS_TRITON:
         if first < written:
             q_ok = t < written
             q = load_rotated(
-                q_ptr + row * q_stride_b + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
+                q_ptr + head * q_stride_h + t[:, None] * q_stride_t + d[None, :] * q_stride_d,
                 cos_row + t[:, None] * rope_stride_t,
                 sin_row + t[:, None] * rope_stride_t,
                 q_ok[:, None] & d_ok[None, :],
@@ -355,8 +312,8 @@ if HAS_TRITON:
             # New positions from the chunk: tokens [max(lowest - offset, 0), min(written, first + BLOCK_Q)).
             chunk_lo = tl.maximum(lowest - offset, 0).to(tl.int32)
             chunk_hi = tl.minimum(written, first + BLOCK_Q)
-            k_row = k_ptr + row * k_stride_b + head * k_stride_h
-            v_row = v_ptr + row * v_stride_b + head * v_stride_h
+            k_row = k_ptr + head * k_stride_h
+            v_row = v_ptr + head * v_stride_h
             for start in range(chunk_lo, chunk_hi, BLOCK_K):
                 s = start + tl.arange(0, BLOCK_K)
                 key_ok = s < chunk_hi
@@ -385,13 +342,10 @@ if HAS_TRITON:
         has_keys = (t < written) & (l_i != 0.0)
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         out = tl.where(has_keys[:, None], out, 0.0)
-        # Packed rows are followed by the next row's tokens: only their valid queries are stored.
-        if PACKED:
-            store_ok = t < written
-        else:
-            store_ok = t < num_tokens
+        # A row is followed by the next row's tokens: only its valid queries are stored.
+        store_ok = t < written
         tl.store(
-            out_ptr + row * out_stride_b + head * out_stride_h + t[:, None] * out_stride_t + d[None, :] * out_stride_d,
+            out_ptr + head * out_stride_h + t[:, None] * out_stride_t + d[None, :] * out_stride_d,
             out.to(out_ptr.dtype.element_ty),
             mask=store_ok[:, None] & d_ok[None, :],
         )
@@ -408,23 +362,19 @@ if HAS_TRITON:
         slot_ids_ptr,
         offsets_ptr,
         valid_tokens_ptr,
-        token_start_ptr,  # PACKED: (B,) first token of each row in q, k, v and out
-        num_tokens,  # T
+        token_start_ptr,  # (B,) first token of each row in q, k, v and out
+        num_tokens,  # T, the most tokens of a row
         capacity,  # C, also the attention window
         head_dim,  # Dh
         scale_log2,  # log2(e) / sqrt(Dh)
-        rope_stride_b,  # of cos and sin (B, 1, T, Dh/2)
-        rope_stride_t,
+        rope_stride_t,  # of cos and sin (1, 1, N, Dh/2)
         rope_stride_d,
-        q_stride_b,
-        q_stride_h,
+        q_stride_h,  # of q, k, v (1, H, N, Dh)
         q_stride_t,
         q_stride_d,
-        k_stride_b,
         k_stride_h,
         k_stride_t,
         k_stride_d,
-        v_stride_b,
         v_stride_h,
         v_stride_t,
         v_stride_d,
@@ -433,8 +383,7 @@ if HAS_TRITON:
         ring_stride_h,
         ring_stride_c,
         ring_stride_d,
-        out_stride_b,
-        out_stride_t,
+        out_stride_t,  # of out (1, N, H, Dh)
         out_stride_h,
         out_stride_d,
         slot_ids_stride,
@@ -453,12 +402,11 @@ if HAS_TRITON:
         QK_PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr,
         WRITE: tl.constexpr,
-        PACKED: tl.constexpr,
     ):
         # Without WRITE, program (row, head, block) attends queries [block * BLOCK_Q, + BLOCK_Q) of one
         # (row, head) and reads the ring only. With WRITE, program (row, head, 0) walks the row's query
         # blocks in order and stores each block's kept tokens into the ring after attending it (the
-        # write of ring_write, fused). That order is what makes the fused write safe under "exact":
+        # write kernel's store, fused). That order is what makes the fused write safe under "exact":
         # token t overwrites the cell of position offset + t - C, which only queries t - C <= t' < t
         # read, all in this block or earlier ones; later blocks read no cell written so far. Under
         # "upstream" no query reads a cell this step overwrites at all.
@@ -470,56 +418,56 @@ if HAS_TRITON:
         has_work = written > 0
         slot = tl.load(slot_ids_ptr + row * slot_ids_stride, mask=has_work, other=0).to(tl.int64)
         offset = tl.load(offsets_ptr + row * offsets_stride, mask=has_work, other=0).to(tl.int64)
-        # Where the row's tokens start: row b of the (B, ., T, .) grid, or (PACKED) token token_start[b] of the
-        # packed (1, ., N, .) tensors. The helpers then address the row from these bases with a row stride of 0.
-        start = first_token(row, token_start_ptr, PACKED)
-        q_ptr += row_offset(row, start, q_stride_b, q_stride_t, PACKED)
-        k_ptr += row_offset(row, start, k_stride_b, k_stride_t, PACKED)
-        v_ptr += row_offset(row, start, v_stride_b, v_stride_t, PACKED)
-        out_ptr += row_offset(row, start, out_stride_b, out_stride_t, PACKED)
-        cos_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
-        sin_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
+        # Where the row's tokens start: token token_start[b] of the packed (1, ., N, .) tensors. The helpers then
+        # address the row from these bases.
+        start = tl.load(token_start_ptr + row).to(tl.int64)
+        q_ptr += start * q_stride_t
+        k_ptr += start * k_stride_t
+        v_ptr += start * v_stride_t
+        out_ptr += start * out_stride_t
+        cos_ptr += start * rope_stride_t
+        sin_ptr += start * rope_stride_t
         if WRITE:
-            kept_lo = written - tl.minimum(written, capacity)  # first token ring_write keeps
+            kept_lo = written - tl.minimum(written, capacity)  # first token the write keeps
             for first in range(0, num_tokens, BLOCK_Q):
                 _attend_query_block(
-                    first, row, head, written, slot, offset,
+                    first, head, written, slot, offset,
                     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, out_ptr,
                     num_tokens, capacity, head_dim, scale_log2,
-                    0, rope_stride_t, rope_stride_d,
-                    0, q_stride_h, q_stride_t, q_stride_d,
-                    0, k_stride_h, k_stride_t, k_stride_d,
-                    0, v_stride_h, v_stride_t, v_stride_d,
+                    rope_stride_t, rope_stride_d,
+                    q_stride_h, q_stride_t, q_stride_d,
+                    k_stride_h, k_stride_t, k_stride_d,
+                    v_stride_h, v_stride_t, v_stride_d,
                     ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
-                    0, out_stride_t, out_stride_h, out_stride_d,
+                    out_stride_t, out_stride_h, out_stride_d,
                     page_table_ptr, page_table_stride_s, page_table_stride_p,
-                    UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION, PACKED,
+                    UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
                 )  # fmt: skip
                 token = first + tl.arange(0, BLOCK_Q)
                 if first + BLOCK_Q > kept_lo and first < written:
                     store_tokens(
-                        token, (token >= kept_lo) & (token < written), row, head, slot, offset,
+                        token, (token >= kept_lo) & (token < written), head, slot, offset,
                         k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
-                        0, rope_stride_t, rope_stride_d,
-                        0, k_stride_h, k_stride_t, k_stride_d,
-                        0, v_stride_h, v_stride_t, v_stride_d,
+                        rope_stride_t, rope_stride_d,
+                        k_stride_h, k_stride_t, k_stride_d,
+                        v_stride_h, v_stride_t, v_stride_d,
                         ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                         page_table_ptr, page_table_stride_s, page_table_stride_p,
                         ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_D,
                     )  # fmt: skip
         else:
             _attend_query_block(
-                tl.program_id(2) * BLOCK_Q, row, head, written, slot, offset,
+                tl.program_id(2) * BLOCK_Q, head, written, slot, offset,
                 q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, out_ptr,
                 num_tokens, capacity, head_dim, scale_log2,
-                0, rope_stride_t, rope_stride_d,
-                0, q_stride_h, q_stride_t, q_stride_d,
-                0, k_stride_h, k_stride_t, k_stride_d,
-                0, v_stride_h, v_stride_t, v_stride_d,
+                rope_stride_t, rope_stride_d,
+                q_stride_h, q_stride_t, q_stride_d,
+                k_stride_h, k_stride_t, k_stride_d,
+                v_stride_h, v_stride_t, v_stride_d,
                 ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
-                0, out_stride_t, out_stride_h, out_stride_d,
+                out_stride_t, out_stride_h, out_stride_d,
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
-                UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION, PACKED,
+                UPSTREAM, ROPE, PAGED, PAGE_SIZE, BLOCK_Q, BLOCK_K, BLOCK_D, QK_PRECISION, PV_PRECISION,
             )  # fmt: skip
 
 
@@ -531,6 +479,8 @@ def launch_ring_attention_triton(
     slot_ids,
     offsets,
     valid_tokens,
+    token_start,
+    num_tokens,
     ring_semantics,
     cos=None,
     sin=None,
@@ -538,37 +488,43 @@ def launch_ring_attention_triton(
     *,
     write=False,
     tuning=None,
-    token_start=None,
-    num_tokens=None,
 ) -> torch.Tensor:
-    """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+    """Launch the attention kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1); not validated.
 
-    Arguments as in :func:`ring_attention`; not validated here. With ``write``, the chunk is also
-    stored into the rings as :func:`ring_write` stores it (:func:`ring_attention_write`): fused into
-    the attention kernel when the launch configuration's ``fused_write`` says so, else by the write
-    kernel after it. ``tuning`` overrides entries of :func:`attention_launch_config` (benchmarks
-    sweep it). With ``token_start`` the rows are packed (:func:`ring_attention_write_packed`: ``q``, ``k``,
-    ``v`` ``(1, H, N, Dh)``, ``num_tokens`` the most tokens of a row). Returns ``(B, T, H, Dh)`` in the ring
-    dtype (packed: ``(1, N, H, Dh)``, positions that are no row's valid token left as allocated). Raises
-    RuntimeError without Triton.
+    Args:
+        q, k, v: packed ``(1, H, N, Dh)`` queries (any float dtype; cast to the ring dtype), keys and values (in the
+            ring dtype), after RoPE or, with ``cos``/``sin``, before it; row ``b``'s tokens start at
+            ``token_start[b]``.
+        ring, slot_ids, offsets, valid_tokens, token_start, ring_semantics, page_table: as
+            ``ring_attention_write_packed`` takes them.
+        num_tokens: ``T``, the most tokens of a row.
+        cos, sin: optional packed ``(1, 1, N, Dh/2)`` float32 RoPE tables of the tokens' positions: the kernels
+            then rotate ``q`` and ``k`` as they load them, bitwise ``step_metadata.apply_rope``.
+        write: also store the chunk into the rings (``ops/ring_write.py``): fused into the attention kernel when
+            the launch configuration's ``fused_write`` says so, else by the write kernel after it.
+        tuning: entries that override :func:`attention_launch_config`'s (benchmarks sweep them).
+    Returns:
+        ``(1, N, H, Dh)`` in the ring dtype: each row's valid queries at their packed positions (zeros for
+        queries that see no key), other positions as allocated.
+    Raises:
+        RuntimeError: without Triton. ValueError: ``tuning`` names an unknown key.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_attention: the Triton kernel needs the `triton` package")
-    _, num_heads, num_tokens_q, head_dim = q.shape
-    num_rows = q.shape[0] if token_start is None else token_start.shape[0]
-    num_tokens = num_tokens_q if token_start is None else num_tokens
-    out = torch.empty((q.shape[0], num_tokens_q, num_heads, head_dim), dtype=ring.dtype, device=q.device)
+    num_heads, head_dim = q.shape[1], q.shape[3]
+    num_rows = token_start.shape[0]
+    out = torch.empty((1, q.shape[2], num_heads, head_dim), dtype=ring.dtype, device=q.device)
     if out.numel() == 0 or num_rows == 0:
         return out
     config = _launch_config(num_tokens, ring.dtype, tuning, num_rows * num_heads)
     fused = write and config["fused_write"]
     _run_attention_kernel(
         q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused,
-        (num_rows, num_tokens, token_start),
+        (token_start, num_tokens),
     )  # fmt: skip
     if write and not fused:
         launch_ring_write_triton(
-            k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table, token_start, num_tokens
+            k, v, ring, slot_ids, offsets, valid_tokens, token_start, num_tokens, cos, sin, page_table
         )
     return out
 
@@ -576,11 +532,12 @@ def launch_ring_attention_triton(
 def _run_attention_kernel(
     q, k, v, ring, out, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table, config, fused, rows
 ) -> None:
-    """One launch of the attention kernel, into ``out`` ``(B, T, H, Dh)`` (packed ``(1, N, H, Dh)``), with
-    ``config`` (an :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk; ``rows``:
-    ``(B, T, token_start or None)``. Grid ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one
-    program walks a row's blocks)."""
-    num_rows, num_tokens, token_start = rows
+    """One launch of the attention kernel, into ``out`` ``(1, N, H, Dh)``, with ``config`` (an
+    :func:`attention_launch_config` dict); ``fused``: the kernel also stores the chunk; ``rows``:
+    ``(token_start, T)``. Grid ``(B, H, ceil(T / block_q))``, or ``(B, H, 1)`` when fused (one program walks a
+    row's blocks)."""
+    token_start, num_tokens = rows
+    num_rows = token_start.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[3]
     capacity, paging, paged, page_size = paging_arguments(ring, page_table, slot_ids)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -599,17 +556,17 @@ def _run_attention_kernel(
             slot_ids,
             offsets,
             valid_tokens,
-            valid_tokens if token_start is None else token_start,
+            token_start,
             num_tokens,
             capacity,
             head_dim,
             math.log2(math.e) / math.sqrt(head_dim),
             *rope_strides,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
+            *q.stride()[1:],
+            *k.stride()[1:],
+            *v.stride()[1:],
             *ring.stride(),
-            *out.stride(),
+            *out.stride()[1:],
             slot_ids.stride(0),
             offsets.stride(0),
             valid_tokens.stride(0),
@@ -624,7 +581,6 @@ def _run_attention_kernel(
             QK_PRECISION="ieee",
             PV_PRECISION=config["pv"],
             WRITE=fused,
-            PACKED=token_start is not None,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
             enable_fp_fusion=False,
@@ -647,7 +603,9 @@ class _Window:
 def ring_attention_reference(
     q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
-    """PyTorch oracle for :func:`ring_attention`; same arguments and result.
+    """The attention of :func:`launch_ring_attention_triton` on the rows' ``(B, H, T, Dh)`` grid: ``q``, ``k``, ``v``
+    ``(B, H, T, Dh)``, tables ``(B, 1, T, Dh/2)``, the other arguments as the launch takes them; returns
+    ``(B, T, H, Dh)``, zeros for padding queries, padding rows and queries that see no key.
 
     Rotates ``q`` and ``k`` with ``step_metadata.apply_rope`` when tables are given, gathers the
     rows' rings, builds the step's ring metadata (``step_metadata.build_ring_metadata``) and runs
@@ -669,149 +627,12 @@ def ring_attention_reference(
     return out.transpose(1, 2).contiguous()
 
 
-@torch.library.custom_op("vllm_omni_moss::ring_attention", mutates_args=())
-def _ring_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    ring_semantics: str,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    args = (q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
-    if runs_triton_kernel(ring):
-        return launch_ring_attention_triton(*args)
-    return ring_attention_reference(*args)
-
-
-def _attention_fake(
-    q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos=None, sin=None, page_table=None
-) -> torch.Tensor:
-    # The fake impl of both attention ops: an empty (B, T, H, Dh) output in the ring dtype.
-    num_rows, num_heads, num_tokens, head_dim = q.shape
-    return q.new_empty((num_rows, num_tokens, num_heads, head_dim), dtype=ring.dtype)
-
-
-_ring_attention_op.register_fake(_attention_fake)
-
-
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    ring_semantics: str,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One layer's streaming attention for ``B`` rows, reading the rings in place (module docstring).
-
-    Args:
-        q: ``(B, H, T, Dh)`` floating queries (any float dtype; cast to the ring dtype), after
-            RoPE, or before it when ``cos``/``sin`` are given.
-        k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
-            are given) and values, in the ring dtype.
-        ring: ``(2, S, H, C, Dh)`` the layer's rings (plane 0 keys, plane 1 values), read only. ``C``
-            is both the ring capacity and the attention window (``GroupSpec.ring_capacity``).
-        slot_ids: ``(B,)`` int64 slot of each row; read only for rows with ``valid_tokens > 0``.
-        offsets: ``(B,)`` int64 tokens each row wrote before this chunk (not reduced mod ``C``).
-        valid_tokens: ``(B,)`` int64 valid tokens of each row, in ``[0, T]``; tokens at or beyond it
-            are padding.
-        ring_semantics: ``"upstream"`` or ``"exact"`` (``config.RING_SEMANTICS``).
-        cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables of the chunk's positions
-            (``step_metadata.rope_tables``): the kernel then rotates ``q`` and ``k`` as it loads
-            them, bitwise ``step_metadata.apply_rope``, saving one pass over them.
-        page_table: optional ``(S, n)`` int32/int64 table of a paged ring: ``ring`` is then
-            ``(2, P, H, page_size, Dh)``, pages rather than slots on its second axis, each slot's ring
-            has ``C = n x page_size`` cells and cell ``c`` of slot ``s`` is row ``c mod page_size`` of
-            page ``page_table[s, c // page_size]``. Entries a step reads must be in ``[0, P)``.
-    Returns:
-        ``(B, T, H, Dh)`` in the ring dtype; zeros for padding queries, padding rows and queries
-        that see no key. Call :func:`ring_write` (with the same tables) afterwards to store the chunk.
-    Raises:
-        TypeError: an argument is not a tensor.
-        ValueError: a shape, dtype or device is inconsistent (the message names the argument), or
-            unknown ``ring_semantics``. Data (slot ranges, counts) is not checked: that would need a sync.
-        RuntimeError: CUDA tensors without Triton installed.
-    """
-    _check_attention(
-        "ring_attention", q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
-    )
-    return torch.ops.vllm_omni_moss.ring_attention(
-        q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
-    )
-
-
 def ring_attention_write_reference(
     q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos=None, sin=None, page_table=None
 ) -> torch.Tensor:
-    """PyTorch oracle for :func:`ring_attention_write`: :func:`ring_attention_reference`, then
-    :func:`ring_write_reference`; same arguments, result and effect."""
+    """The attention and write of :func:`launch_ring_attention_triton` (``write=True``) on the rows' grid:
+    :func:`ring_attention_reference`, then ``ring_write_reference``; arguments and result as
+    :func:`ring_attention_reference`'s, ``ring`` mutated as the launch mutates it."""
     out = ring_attention_reference(q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
     ring_write_reference(k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
     return out
-
-
-@torch.library.custom_op("vllm_omni_moss::ring_attention_write", mutates_args=("ring",))
-def _ring_attention_write_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    ring_semantics: str,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    args = (q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table)
-    if runs_triton_kernel(ring):
-        return launch_ring_attention_triton(*args, write=True)
-    return ring_attention_write_reference(*args)
-
-
-_ring_attention_write_op.register_fake(_attention_fake)
-
-
-def ring_attention_write(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    ring_semantics: str,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One layer's streaming attention and ring write: :func:`ring_attention` then :func:`ring_write`.
-
-    Arguments and result as in :func:`ring_attention`; ``ring`` is mutated as :func:`ring_write`
-    mutates it (same arguments), so the output and the ring contents are bitwise those of the two
-    calls in order. On CUDA, for rows of at most ``FUSED_WRITE_MAX_TOKENS`` tokens, the write runs
-    inside the attention kernel (``attention_launch_config``'s ``fused_write``), which saves reading
-    the chunk's keys and values a second time and one launch per layer; longer rows run the two
-    kernels in turn.
-
-    Raises:
-        TypeError, ValueError, RuntimeError: as :func:`ring_attention` and :func:`ring_write`.
-    """
-    _check_attention(
-        "ring_attention_write", q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
-    )
-    return torch.ops.vllm_omni_moss.ring_attention_write(
-        q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, cos, sin, page_table
-    )

@@ -6,10 +6,16 @@ row ``b``'s ``valid_tokens[b]`` tokens, then row ``b + 1``'s, with dummy tokens 
 reads queries, keys and values in that layout, ``(1, H, N, Dh)``, row ``b`` starting at token
 ``token_start[b]`` (as vLLM's attention takes ``query_start_loc`` for a batch of mixed prefills and decodes), and
 writes its output in it, so a ragged step needs no copy of its projections into the ``(B, T)`` grid and back:
-the kernels of ``ring_attention.py`` and ``ring_write.py`` address each row from its start
-(their ``PACKED`` mode) and store only its valid queries. Semantics are :func:`~.ring_attention.ring_attention_write`'s,
-bitwise: the same kernels on the same values. Keys and queries arrive rotated (``ops/rope.py`` rotates the
-packed tokens with the packed RoPE tables).
+the kernels of ``ring_attention.py`` and ``ring_write.py`` address each row from its start and store only its
+valid queries (:func:`~.ring_attention.launch_ring_attention_triton` with ``write``: the attention of each row over
+its ring and its chunk, then each row's last ``min(valid tokens, C)`` tokens written into its ring). Keys and
+queries arrive rotated (``ops/rope.py`` rotates the packed tokens with the packed RoPE tables).
+
+The op is a ``torch.library.custom_op`` (namespace ``vllm_omni_moss``) with ``register_fake``; dispatch is
+``ops/dispatch.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernels, CPU tensors run the reference
+unless the Triton interpreter is active (``TRITON_INTERPRET=1`` at import), then the kernels run interpreted,
+except for bfloat16 rings (the interpreter's bfloat16 arithmetic is not the GPU's). It is safe in
+``torch.compile(fullgraph=True)`` (an opaque op, a fake impl) and in CUDA-graph capture (no host syncs).
 
 Output positions that are no row's valid token (the dummies) are left as allocated: no real token reads them.
 The reference (:func:`ring_attention_write_packed_reference`) gathers the rows into the grid, runs
@@ -75,8 +81,8 @@ def _ring_attention_write_packed_op(
 ) -> torch.Tensor:
     if runs_triton_kernel(ring):
         return launch_ring_attention_triton(
-            q, k, v, ring, slot_ids, offsets, valid_tokens, ring_semantics, page_table=page_table, write=True,
-            token_start=token_start, num_tokens=num_tokens,
+            q, k, v, ring, slot_ids, offsets, valid_tokens, token_start, num_tokens, ring_semantics,
+            page_table=page_table, write=True,
         )  # fmt: skip
     return ring_attention_write_packed_reference(
         q, k, v, ring, slot_ids, offsets, valid_tokens, token_start, num_tokens, ring_semantics, page_table
@@ -108,8 +114,12 @@ def ring_attention_write_packed(
     Args:
         q: ``(1, H, N, Dh)`` floating queries after RoPE (cast to the ring dtype).
         k, v: ``(1, H, N, Dh)`` keys after RoPE and values, in the ring dtype.
-        ring, slot_ids, offsets, ring_semantics, page_table: as :func:`~.ring_attention.ring_attention_write`'s,
-            ``B`` rows.
+        ring: ``(2, S, H, C, Dh)`` the layer's rings (keys, values); mutated. ``C``: capacity and window.
+        slot_ids: ``(B,)`` int64 slot of each row, read only for rows with tokens (distinct, in ``[0, S)``).
+        offsets: ``(B,)`` int64 tokens each row wrote before this chunk (not reduced mod ``C``; not advanced).
+        ring_semantics: ``"upstream"`` or ``"exact"`` (``config.RING_SEMANTICS``).
+        page_table: optional ``(S, n)`` int32/int64 table of a paged ring ``(2, P, H, page_size, Dh)``: cell
+            ``c`` of slot ``s`` is row ``c mod page_size`` of page ``page_table[s, c // page_size]``.
         valid_tokens: ``(B,)`` int64 tokens of each row, in ``[0, num_tokens]``.
         token_start: ``(B,)`` int64 first packed token of each row: rows ``b`` and ``b + 1`` do not overlap and
             ``token_start[b] + valid_tokens[b] <= N`` (data is not checked: that would need a host sync).
@@ -120,6 +130,7 @@ def ring_attention_write_packed(
     Raises:
         TypeError: an argument is not a tensor. ValueError: a shape, dtype or device is inconsistent (the
         message names the argument), ``num_tokens`` is not an integer >= 1, or unknown ``ring_semantics``.
+        RuntimeError: CUDA tensors without Triton installed.
     """
     op = "ring_attention_write_packed"
     check_tensor(op, "ring", ring, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)

@@ -1,73 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ring write: each row's last ``min(valid tokens, C)`` chunk tokens, stored into its slot's ring.
+"""The ring write of packed rows: each row's last ``min(valid tokens, C)`` chunk tokens, stored into its slot's ring.
 
-After the attention of one layer of a streaming step (docs/ring_semantics.md) the chunk's keys and
-values join the layer's ring ``(2, S, H, C, Dh)`` of the state pool: chunk token ``t`` of a row at
-offset ``o`` goes to cell ``(o + t) mod C``. Only the last ``min(n, C)`` of the row's ``n`` valid tokens
-are stored: they are the latest of their cells and map to distinct cells, so every destination cell is
-written exactly once and the result never depends on the order of writes. Padding rows (``n = 0``) do
-not even read their slot id, and padding tokens are never written. Keys may arrive unrotated with the
-chunk's RoPE tables; the kernel then rotates them as it loads them, bitwise ``step_metadata.apply_rope``
-(launched with ``enable_fp_fusion=False``).
+After the attention of one layer of a streaming step (docs/ring_semantics.md) the chunk's keys and values join
+the layer's ring ``(2, S, H, C, Dh)`` of the state pool: chunk token ``t`` of a row at offset ``o`` goes to cell
+``(o + t) mod C``. Only the last ``min(n, C)`` of the row's ``n`` valid tokens are stored: they are the latest of
+their cells and map to distinct cells, so every destination cell is written exactly once and the result never
+depends on the order of writes. Padding rows (``n = 0``) do not even read their slot id, and padding tokens are
+never written. Rows are packed (``token_packing.py``): row ``b``'s tokens start at token ``token_start[b]`` of
+``(1, H, N, Dh)`` keys and values. Keys may arrive unrotated with the chunk's RoPE tables; the kernel then
+rotates them as it loads them, bitwise ``step_metadata.apply_rope`` (launched with ``enable_fp_fusion=False``).
 
-Beside the kernel, its ``torch.library.custom_op`` (``vllm_omni_moss::ring_write``) with
-``register_fake``, the PyTorch reference and the public :func:`ring_write`, this module holds what the
-attention ops of ``ops/ring_attention.py`` build on: the jit helpers of both ring kernels (rotated
-loads, the addresses of ring cells, and the store of a block of chunk tokens that the attention kernel's
-fused write runs too), their RoPE and paging arguments, the write's launch, and the argument checks of
-the ring ops. Dispatch is ``ops/dispatch.py``'s ``runs_triton_kernel``: CUDA tensors launch the kernel,
-CPU tensors run the reference unless the Triton interpreter is active at import (bfloat16 excepted).
+This module holds the write kernel and its launch (:func:`launch_ring_write_triton`), which
+``ring_attention_write_packed`` runs after the attention kernel for rows too long for the fused write; what the
+attention kernel of ``ops/ring_attention.py`` builds on: the jit helpers of both ring kernels (rotated loads, the
+addresses of ring cells, and the store of a block of chunk tokens that the attention kernel's fused write runs
+too), their RoPE and paging arguments and the page table's check; and the PyTorch reference of the write on the
+``(B, H, T, Dh)`` grid (:func:`ring_write_reference`), which the ops' references build on.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backends import RING_DTYPES
 from ..step_metadata import apply_rope
-from .dispatch import HAS_TRITON, check_tensor, device_guard, runs_triton_kernel, tl, triton
+from .dispatch import HAS_TRITON, device_guard, tl, triton
 from .ring_reference import logical_rings, store_logical_rings
 
 __all__ = [
     "check_page_table",
-    "check_rope",
-    "check_step",
     "launch_ring_write_triton",
     "paging_arguments",
-    "ring_write",
     "ring_write_reference",
     "rope_arguments",
 ]
 
-#: Elements per (token x head_dim) tile of ring_write.
+#: Elements per (token x head_dim) tile of the write kernel.
 _WRITE_TILE_ELEMENTS = 2048
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation of the ring ops (shape/dtype/device only: no data reads, so no device sync and no graph break)
+# The page table's check (shape/dtype/device only: no data reads, so no device sync and no graph break)
 # --------------------------------------------------------------------------------------------------
-
-
-def check_rope(op: str, cos, sin, shape, device) -> None:
-    """Check the optional RoPE tables ``cos``, ``sin`` (float32 ``(B, 1, T, Dh/2)``, equal strides, on
-    ``device``) against the step's ``shape`` ``(B, H, T, Dh)``; ``op`` names the op in the message.
-
-    Raises:
-        TypeError: a table is not a tensor. ValueError: one table without the other, an odd ``Dh``, or a
-            shape, dtype, device or stride mismatch.
-    """
-    if (cos is None) != (sin is None):
-        raise ValueError(f"{op}: `cos` and `sin` must be given together")
-    if cos is None:
-        return
-    num_rows, _, num_tokens, head_dim = shape
-    if head_dim % 2:
-        raise ValueError(f"{op}: RoPE needs an even head dim, got Dh = {head_dim}")
-    table = (num_rows, 1, num_tokens, head_dim // 2)
-    check_tensor(op, "cos", cos, "(B, 1, T, Dh/2)", table, torch.float32, device)
-    check_tensor(op, "sin", sin, "(B, 1, T, Dh/2)", table, torch.float32, device)
-    if cos.stride() != sin.stride():
-        raise ValueError(f"{op}: `cos` and `sin` must have the same strides, got {cos.stride()} and {sin.stride()}")
 
 
 def check_page_table(op: str, page_table, ring) -> None:
@@ -90,28 +63,6 @@ def check_page_table(op: str, page_table, ring) -> None:
         raise ValueError(f"{op}: `page_table` must be int32 or int64, got {page_table.dtype}")
     if page_table.device != ring.device:
         raise ValueError(f"{op}: `page_table` is on {page_table.device}, the ring on {ring.device}")
-
-
-def check_step(op: str, k, v, ring, slot_ids, offsets, valid_tokens):
-    """Check the arguments every ring op shares and return the step's ``(B, H, T, Dh)``: ``ring``
-    ``(2, S, H, C, Dh)`` of a :data:`RING_DTYPES` dtype; ``k``, ``v`` ``(B, H, T, Dh)`` in its dtype and on
-    its device; ``slot_ids``, ``offsets``, ``valid_tokens`` ``(B,)`` int64. ``op`` names the op in the message.
-
-    Raises:
-        TypeError: an argument is not a tensor. ValueError: a shape, dtype or device mismatch.
-    """
-    check_tensor(op, "ring", ring, "(2, S, H, C, Dh)", (2, None, None, None, None), None, None)
-    if ring.dtype not in RING_DTYPES:
-        raise ValueError(f"{op}: `ring` must have one of the dtypes {RING_DTYPES}, got {ring.dtype}")
-    _, _, num_heads, _, head_dim = ring.shape
-    check_tensor(op, "k", k, "(B, H, T, Dh)", (None, num_heads, None, head_dim), ring.dtype, ring.device)
-    num_rows, _, num_tokens, _ = k.shape
-    shape = (num_rows, num_heads, num_tokens, head_dim)
-    check_tensor(op, "v", v, "(B, H, T, Dh)", shape, ring.dtype, ring.device)
-    check_tensor(op, "slot_ids", slot_ids, "(B,)", (num_rows,), torch.int64, ring.device)
-    check_tensor(op, "offsets", offsets, "(B,)", (num_rows,), torch.int64, ring.device)
-    check_tensor(op, "valid_tokens", valid_tokens, "(B,)", (num_rows,), torch.int64, ring.device)
-    return shape
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,28 +127,9 @@ if HAS_TRITON:
             return ring_ptr + slot * ring_stride_s + head * ring_stride_h + cell * ring_stride_c
 
     @triton.jit
-    def first_token(row, token_start_ptr, PACKED: tl.constexpr):
-        # The token where row `row` starts: token_start[row] of packed (1, ., N, .) tensors (PACKED), else the
-        # row itself (its offset is then taken along the row axis of the (B, ., T, .) grid: row_offset).
-        if PACKED:
-            return tl.load(token_start_ptr + row).to(tl.int64)
-        else:
-            return row
-
-    @triton.jit
-    def row_offset(row, start, stride_b, stride_t, PACKED: tl.constexpr):
-        # Elements from a tensor's start to row `row`'s first token (`start`, from first_token): along its token
-        # axis when PACKED, along its row axis otherwise.
-        if PACKED:
-            return start * stride_t
-        else:
-            return row * stride_b
-
-    @triton.jit
     def store_tokens(
         token,
         ok,
-        row,
         head,
         slot,
         offset,
@@ -208,14 +140,11 @@ if HAS_TRITON:
         ring_ptr,
         capacity,
         head_dim,
-        rope_stride_b,
         rope_stride_t,
         rope_stride_d,
-        k_stride_b,
         k_stride_h,
         k_stride_t,
         k_stride_d,
-        v_stride_b,
         v_stride_h,
         v_stride_t,
         v_stride_d,
@@ -234,13 +163,14 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
     ):
         # Store chunk tokens `token` (a BLOCK_T vector, only where `ok`) of one (row, head) into cells
-        # (offset + token) mod C of the slot's ring: keys rotated as load_rotated rotates them.
+        # (offset + token) mod C of the slot's ring: keys rotated as load_rotated rotates them. The pointers
+        # and the tables' pointers point at the row's first token.
         d = tl.arange(0, BLOCK_D)
         load_ok = ok[:, None] & (d < head_dim)[None, :]
         pair = tl.arange(0, BLOCK_D // 2)
-        rope = row * rope_stride_b + token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
+        rope = token[:, None] * rope_stride_t + pair[None, :] * rope_stride_d
         keys = load_rotated(
-            k_ptr + row * k_stride_b + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
+            k_ptr + head * k_stride_h + token[:, None] * k_stride_t + d[None, :] * k_stride_d,
             cos_ptr + rope,
             sin_ptr + rope,
             load_ok,
@@ -250,7 +180,7 @@ if HAS_TRITON:
             ROPE,
         )
         values = tl.load(
-            v_ptr + row * v_stride_b + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
+            v_ptr + head * v_stride_h + token[:, None] * v_stride_t + d[None, :] * v_stride_d,
             mask=load_ok,
         )
         cells = cell_pointers(
@@ -287,16 +217,16 @@ def paging_arguments(ring, page_table, fallback):
 
 
 def rope_arguments(cos, sin, fallback):
-    """The ring kernels' RoPE arguments: ``((cos, sin, stride_b, stride_t, stride_d), ROPE)`` for
-    ``(B, 1, T, Dh/2)`` tables, or ``((fallback, fallback, 0, 0, 0), False)`` without them (``fallback``
-    is a tensor the kernel never reads)."""
+    """The ring kernels' RoPE arguments: ``((cos, sin, stride_t, stride_d), ROPE)`` for the packed
+    ``(1, 1, N, Dh/2)`` tables of packed rows, or ``((fallback, fallback, 0, 0), False)`` without them
+    (``fallback`` is a tensor the kernel never reads)."""
     if cos is None:
-        return (fallback, fallback, 0, 0, 0), False
-    return (cos, sin, cos.stride(0), cos.stride(2), cos.stride(3)), True
+        return (fallback, fallback, 0, 0), False
+    return (cos, sin, cos.stride(2), cos.stride(3)), True
 
 
 # --------------------------------------------------------------------------------------------------
-# ring_write
+# The write kernel, its launch, and the reference
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
@@ -313,14 +243,11 @@ if HAS_TRITON:
         valid_tokens_ptr,
         capacity,
         head_dim,
-        rope_stride_b,
         rope_stride_t,
         rope_stride_d,
-        k_stride_b,
         k_stride_h,
         k_stride_t,
         k_stride_d,
-        v_stride_b,
         v_stride_h,
         v_stride_t,
         v_stride_d,
@@ -335,13 +262,12 @@ if HAS_TRITON:
         page_table_ptr,
         page_table_stride_s,
         page_table_stride_p,
-        token_start_ptr,  # PACKED: (B,) first token of each row in k and v
+        token_start_ptr,  # (B,) first token of each row in k and v
         ROPE: tl.constexpr,
         PAGED: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        PACKED: tl.constexpr,
     ):
         # Program (row, head, tile) stores kept tokens i in [tile * BLOCK_T, tile * BLOCK_T + BLOCK_T).
         row = tl.program_id(0).to(tl.int64)
@@ -356,19 +282,18 @@ if HAS_TRITON:
             # earlier tokens would be overwritten within the step, so they are skipped.
             kept = tl.minimum(written, capacity)
             i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-            # The row's first token: row b of the (B, H, T, Dh) grid, or (PACKED) token token_start[b] of the
-            # packed (1, H, N, Dh) keys and values (tables likewise); store_tokens then sees a row stride of 0.
-            start = first_token(row, token_start_ptr, PACKED)
-            k_ptr += row_offset(row, start, k_stride_b, k_stride_t, PACKED)
-            v_ptr += row_offset(row, start, v_stride_b, v_stride_t, PACKED)
-            cos_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
-            sin_ptr += row_offset(row, start, rope_stride_b, rope_stride_t, PACKED)
+            # The row's first token, token_start[b] of the packed (1, H, N, Dh) keys and values (tables likewise).
+            start = tl.load(token_start_ptr + row).to(tl.int64)
+            k_ptr += start * k_stride_t
+            v_ptr += start * v_stride_t
+            cos_ptr += start * rope_stride_t
+            sin_ptr += start * rope_stride_t
             store_tokens(
-                written - kept + i, i < kept, row, head, slot, offset,
+                written - kept + i, i < kept, head, slot, offset,
                 k_ptr, v_ptr, cos_ptr, sin_ptr, ring_ptr, capacity, head_dim,
-                0, rope_stride_t, rope_stride_d,
-                0, k_stride_h, k_stride_t, k_stride_d,
-                0, v_stride_h, v_stride_t, v_stride_d,
+                rope_stride_t, rope_stride_d,
+                k_stride_h, k_stride_t, k_stride_d,
+                v_stride_h, v_stride_t, v_stride_d,
                 ring_stride_p, ring_stride_s, ring_stride_h, ring_stride_c, ring_stride_d,
                 page_table_ptr, page_table_stride_s, page_table_stride_p,
                 ROPE, PAGED, PAGE_SIZE, BLOCK_T, BLOCK_D,
@@ -376,21 +301,27 @@ if HAS_TRITON:
 
 
 def launch_ring_write_triton(
-    k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None, token_start=None, num_tokens=None
+    k, v, ring, slot_ids, offsets, valid_tokens, token_start, num_tokens, cos=None, sin=None, page_table=None
 ) -> None:
-    """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1).
+    """Launch the write kernel (compiled on CUDA; interpreted on CPU under TRITON_INTERPRET=1); not validated here.
 
-    Arguments as in :func:`ring_write`; not validated here. With ``token_start`` (``(B,)`` int64) ``k`` and ``v``
-    are packed ``(1, H, N, Dh)``, row ``b``'s tokens starting at ``token_start[b]``, and ``num_tokens`` is ``T``,
-    the most tokens of a row. Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``. Raises RuntimeError without Triton.
+    Args:
+        k, v: packed ``(1, H, N, Dh)`` keys (after RoPE, or before it when ``cos``/``sin`` are given) and values,
+            in the ring dtype; row ``b``'s tokens start at ``token_start[b]``.
+        ring: ``(2, S, H, C, Dh)`` the layer's rings (or pages, with ``page_table``); mutated.
+        slot_ids, offsets, valid_tokens, token_start: ``(B,)`` int64, as ``ring_attention_write_packed`` takes them.
+        num_tokens: ``T``, the most tokens of a row.
+        cos, sin: optional packed ``(1, 1, N, Dh/2)`` float32 RoPE tables: keys are rotated as they are stored.
+        page_table: optional ``(S, n)`` table of a paged ring.
+
+    Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell ``(offsets[b] + t) mod C`` of slot
+    ``slot_ids[b]`` iff ``valid_tokens[b] - C <= t < valid_tokens[b]`` (:func:`ring_write_reference` on the grid).
+    Grid ``(B, H, ceil(min(T, C) / BLOCK_T))``. Raises RuntimeError without Triton.
     """
     if not HAS_TRITON:
         raise RuntimeError("ring_write: the Triton kernel needs the `triton` package")
-    num_rows, num_heads, num_tokens_k, head_dim = k.shape
-    if token_start is None:
-        num_tokens = num_tokens_k
-    else:
-        num_rows = token_start.shape[0]
+    num_heads, head_dim = k.shape[1], k.shape[3]
+    num_rows = token_start.shape[0]
     capacity, paging, paged, page_size = paging_arguments(ring, page_table, slot_ids)
     kept = min(num_tokens, capacity)
     if num_rows == 0 or num_heads == 0 or head_dim == 0 or kept == 0:
@@ -412,26 +343,26 @@ def launch_ring_write_triton(
             capacity,
             head_dim,
             *rope_strides,
-            *k.stride(),
-            *v.stride(),
+            *k.stride()[1:],
+            *v.stride()[1:],
             *ring.stride(),
             slot_ids.stride(0),
             offsets.stride(0),
             valid_tokens.stride(0),
             *paging,
-            slot_ids if token_start is None else token_start,
+            token_start,
             ROPE=rope,
             PAGED=paged,
             PAGE_SIZE=page_size,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
-            PACKED=token_start is not None,
             enable_fp_fusion=False,
         )
 
 
 def ring_write_reference(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None) -> None:
-    """PyTorch oracle for :func:`ring_write`; same arguments and effect.
+    """The write on the ``(B, H, T, Dh)`` grid: :func:`launch_ring_write_triton`'s effect on the rows' grid, with
+    ``(B, 1, T, Dh/2)`` tables (``ring_attention_write_packed_reference`` gathers the packed rows into it).
 
     Uses ``nonzero`` (a host sync on CUDA), so it serves CPU execution and tests, not graph capture.
     A paged ring is written through a gathered copy of the rows' rings, stored back page by page.
@@ -453,69 +384,3 @@ def ring_write_reference(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, 
     # Advanced indices split by a slice move to the front: both sides are (N, H, Dh).
     ring[0, slot, :, cell] = k[row_idx, :, token_idx]
     ring[1, slot, :, cell] = v[row_idx, :, token_idx]
-
-
-@torch.library.custom_op("vllm_omni_moss::ring_write", mutates_args=("ring",))
-def _ring_write_op(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> None:
-    args = (k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
-    if runs_triton_kernel(ring):
-        launch_ring_write_triton(*args)
-    else:
-        ring_write_reference(*args)
-
-
-@_ring_write_op.register_fake
-def _ring_write_fake(k, v, ring, slot_ids, offsets, valid_tokens, cos=None, sin=None, page_table=None) -> None:
-    return None
-
-
-def ring_write(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring: torch.Tensor,
-    slot_ids: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-) -> None:
-    """Store each row's last ``min(valid_tokens, C)`` chunk tokens into its slot's ring.
-
-    Args:
-        k, v: ``(B, H, T, Dh)`` the chunk's keys (after RoPE, or before it when ``cos``/``sin``
-            are given) and values, in the ring dtype.
-        ring: ``(2, S, H, C, Dh)`` the layer's rings; mutated.
-        slot_ids: ``(B,)`` int64; among rows with ``valid_tokens > 0`` distinct and in ``[0, S)``;
-            other rows' ids are never read.
-        offsets: ``(B,)`` int64 tokens each row wrote before this chunk.
-        valid_tokens: ``(B,)`` int64 valid tokens per row, in ``[0, T]``; 0 writes nothing.
-        cos, sin: optional ``(B, 1, T, Dh/2)`` float32 RoPE tables: keys are rotated as they are
-            stored, bitwise ``step_metadata.apply_rope``.
-        page_table: optional ``(S, n)`` table of a paged ring, as in :func:`ring_attention`; the
-            pages a row writes must be in ``[0, P)`` and distinct within the row's slot.
-
-    Chunk token ``t`` of row ``b`` is stored, both planes and all heads, at cell
-    ``(offsets[b] + t) mod C`` of slot ``slot_ids[b]`` iff ``valid_tokens[b] - C <= t < valid_tokens[b]``:
-    every destination once, the later position owning a cell (docs/ring_semantics.md). Offsets are
-    not advanced here (``ops/commit.py``'s ``commit_offsets`` does that once per step).
-
-    Raises:
-        TypeError: an argument is not a tensor.
-        ValueError: a shape, dtype or device is inconsistent (the message names the argument).
-        RuntimeError: CUDA tensors without Triton installed.
-    """
-    shape = check_step("ring_write", k, v, ring, slot_ids, offsets, valid_tokens)
-    check_rope("ring_write", cos, sin, shape, ring.device)
-    check_page_table("ring_write", page_table, ring)
-    torch.ops.vllm_omni_moss.ring_write(k, v, ring, slot_ids, offsets, valid_tokens, cos, sin, page_table)
