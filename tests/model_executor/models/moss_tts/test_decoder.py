@@ -218,3 +218,19 @@ def test_fixed_width_streaming_keeps_independent_per_layer_state(monkeypatch, ri
         assert len(state.offsets) == 6 and len({id(t) for t in state.offsets}) == 6
         assert [int(t) for t in state.offsets] == [2, 2, 2, 4, 4, 4]
     assert calls == [2, 2, 2, 4, 4, 4]
+
+
+def test_check_served_refuses_either_unfolded_scale_and_float64_folds_in_float64(tiny_decoder):
+    """A layer whose second LayerScale alone is left is refused too; folding float64 weights multiplies in
+    float64 (bitwise ``s[:, None] * W``), not through float32."""
+    from vllm_omni_moss.model_executor.models.moss_tts import decoder as decoder_mod
+
+    served = _served_on_cpu(tiny_decoder)
+    served.groups[0].layers[0].layer_scale_2 = torch.nn.Parameter(torch.ones(tiny_decoder.config.groups[0].d_model))
+    with pytest.raises(RuntimeError, match=r"^a bf16 decoder on CUDA runs the fused layer ops"):
+        decoder_mod.check_served(served)
+    wide = copy.deepcopy(tiny_decoder).double()
+    layer = wide.groups[0].layers[0]
+    expected = layer.layer_scale_1.detach()[:, None] * layer.out_proj.weight.detach()
+    wide.fold_layer_scale()
+    assert torch.equal(wide.groups[0].layers[0].out_proj.weight, expected)

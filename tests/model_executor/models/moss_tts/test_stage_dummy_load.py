@@ -154,3 +154,23 @@ def test_dummy_load_format_on_cuda_captures_graphs_and_decodes_like_the_checkpoi
     reference = build_stage(tmp_path, preset, seed=0, n_vq=11, device="cuda", enforce_eager=False)
     codes = torch.randint(0, 1024, (11, 7), generator=torch.Generator().manual_seed(5))
     assert torch.equal(_stream(stage, codes, [1, 3, 3]), _stream(reference, codes, [1, 3, 3]))
+
+
+def test_both_loaders_serve_a_bf16_codec_on_its_device(monkeypatch):
+    """``staging_device``: a bf16 codec is served where it runs (``to_serving`` then folds LayerScale and makes
+    the fused layers' zero bias on CUDA), a float32 one on the CPU (``to_serving`` would cast it to bf16 on
+    CUDA); the dummy load format's random codec goes through it as the checkpoint loader does."""
+    from vllm_omni_moss.model_executor.models.moss_tts import stage as stage_mod
+
+    cuda = torch.device("cuda")
+    assert stage_mod.staging_device(torch.bfloat16, cuda) == cuda
+    assert stage_mod.staging_device(torch.float32, cuda) == torch.device("cpu")
+    asked = []
+    real = stage_mod.staging_device
+    monkeypatch.setattr(
+        stage_mod, "staging_device", lambda dtype, device: asked.append((dtype, device)) or real(dtype, device)
+    )
+    options = type("Options", (), {"dummy_preset": "tiny-v2", "codec_dtype": "bfloat16", "codec_path": None})()
+    codec, dtype = stage_mod._random_codec(options, 4, torch.device("cpu"))
+    assert asked == [(torch.bfloat16, torch.device("cpu"))] and dtype == torch.bfloat16
+    assert codec.state_dtype == torch.bfloat16

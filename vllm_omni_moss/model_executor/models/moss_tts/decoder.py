@@ -151,7 +151,7 @@ class CodecDecoder(nn.Module):
     @torch.no_grad()
     def fold_layer_scale(self) -> None:
         """``W <- diag(layer_scale) W`` for each layer's ``out_proj`` (``layer_scale_1``) and ``linear2``
-        (``layer_scale_2``), the product in float32 and rounded once to the weight's dtype; the LayerScale
+        (``layer_scale_2``), the product in float32 (float64 for float64 weights) and rounded once to the weight's dtype; the LayerScale
         parameters are then dropped (``None``). The layer computes the same function: ``x + s * (h W^T)`` is
         ``x + h (diag(s) W)^T``."""
         for group in self.groups:
@@ -160,7 +160,8 @@ class CodecDecoder(nn.Module):
                     scale = getattr(layer, name)
                     if scale is not None:
                         w = linear.weight
-                        w.copy_((scale.float()[:, None] * w.float()).to(w.dtype))
+                        wide = torch.promote_types(w.dtype, torch.float32)
+                        w.copy_((scale.to(wide)[:, None] * w.to(wide)).to(w.dtype))
                         setattr(layer, name, None)
 
     def validate_codes(self, codes: torch.Tensor, n_vq: int | None = None) -> None:
@@ -447,7 +448,10 @@ def check_served(decoder: CodecDecoder) -> None:
         RuntimeError: a layer whose LayerScale is not folded, or a group without its FFN zero bias (the
             message says what to call).
     """
-    unfolded = any(layer.layer_scale_1 is not None for group in decoder.groups for layer in group.layers)
+    unfolded = any(
+        scale is not None for group in decoder.groups for layer in group.layers
+        for scale in (layer.layer_scale_1, layer.layer_scale_2)
+    )  # fmt: skip
     if unfolded or any(group.ffn_zero_bias is None for group in decoder.groups):
         raise RuntimeError(
             "a bf16 decoder on CUDA runs the fused layer ops, which read weights CodecDecoder.to_serving('cuda') "

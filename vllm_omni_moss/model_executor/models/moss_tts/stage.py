@@ -58,7 +58,7 @@ from .state import StateSpec
 from .talker_chunker import chunk_schedule_of
 from .vllm_compile import vllm_compile_factory
 
-__all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames"]
+__all__ = ["CODEC_DTYPES", "MossTTSCodecDecoder", "codec_dtype_for", "connector_chunk_frames", "staging_device"]
 
 logger = init_logger(__name__)
 
@@ -506,12 +506,17 @@ def _checkpoint_codec(options: StageOptions, n_vq: int, directory: Path, device:
     """``(decoder, dtype)``: the checkpoint's decoder on ``device`` in the precision :func:`codec_dtype_for`
     picks. ValueError when ``n_vq`` exceeds its quantizers."""
     dtype = codec_dtype_for(options.codec_dtype, load_config(directory).version, device)
-    # load_checkpoint casts to bfloat16 on CUDA: a float32 codec is read on the CPU and moved, so no precision
-    # is lost on the way.
-    staging = torch.device("cpu") if dtype == torch.float32 else device
-    codec = load_checkpoint(directory, device=staging)
+    codec = load_checkpoint(directory, device=staging_device(dtype, device))
     _check_codebooks(n_vq, codec.config, str(directory))
     return codec.to(device=device, dtype=dtype).eval(), dtype
+
+
+def staging_device(dtype: torch.dtype, device: torch.device) -> torch.device:
+    """Where a loader serves the codec before it moves to ``device`` in ``dtype``: ``device`` itself for a bf16
+    codec, so that ``CodecDecoder.to_serving`` prepares the CUDA decoder's fused layers (LayerScale folded, the
+    FFN's zero bias); the CPU for a float32 one, because ``to_serving`` casts to bf16 on CUDA and the codec would
+    lose its precision on the way."""
+    return torch.device("cpu") if dtype == torch.float32 else torch.device(device)
 
 
 def _random_codec(options: StageOptions, n_vq: int, device: torch.device) -> tuple[CodecDecoder, torch.dtype]:
@@ -527,7 +532,8 @@ def _random_codec(options: StageOptions, n_vq: int, device: torch.device) -> tup
     _check_codebooks(n_vq, config, f"random {preset} weights")
     dtype = codec_dtype_for(options.codec_dtype, config.version, device)
     with torch.device("cpu"):  # vLLM builds the model under its target device; the draws are on the host
-        codec = random_decoder(preset, DUMMY_SEED).to(device=device, dtype=dtype).eval()
+        codec = random_decoder(preset, DUMMY_SEED, staging_device(dtype, device)).to(device=device, dtype=dtype)
+        codec.eval()
         codes = torch.randint(0, config.codebook_size, (n_vq, 1, 8), generator=torch.Generator().manual_seed(0))
         peak = float(codec.decode(codes.to(device))[0].abs().max())
     logger.warning(

@@ -628,3 +628,46 @@ def test_a_terminal_chunk_left_without_a_slot_fails_its_stream_in_its_call(ring_
     assert fresh.error is None
     _close(fresh.audio, ring_decoder.decode(y[:, None], [3])[0], "y afresh")
     assert s.free_slots == 1
+
+
+def test_an_interrupt_in_a_step_ends_the_calls_streams(ring_decoder, monkeypatch):
+    """A ``KeyboardInterrupt`` (not an ``Exception``) raised in a step propagates, and the streams of its call end
+    as after any failure of the call: the stream whose frames were taken and never decoded does not go on with
+    ``error=None``; its next chunk is refused naming the interrupt, and a new request decodes as one alone."""
+    session = make_session(ring_decoder, 2)
+    codes = _codes(ring_decoder, 12, seed=31)
+    session.decode([ChunkRequest("a", codes[:, 0:4])])
+    real_step = session.step_runner.eager_step
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session.step_runner, "eager_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.decode([ChunkRequest("a", codes[:, 4:8])])
+    assert isinstance(session.last_call_error, RuntimeError)
+    assert str(session.last_call_error) == "interrupted by KeyboardInterrupt"
+    monkeypatch.setattr(session.step_runner, "eager_step", real_step)
+    after = session.decode([ChunkRequest("a", codes[:, 8:12], True), ChunkRequest("b", codes[:, 0:4], True)])
+    assert after["a"].error is not None and "interrupted by KeyboardInterrupt" in after["a"].error
+    assert after["a"].audio.numel() == 0
+    alone = make_session(ring_decoder, 2).decode([ChunkRequest("b", codes[:, 0:4], True)])
+    assert after["b"].error is None and torch.equal(after["b"].audio, alone["b"].audio)
+
+
+def test_the_session_takes_its_records_only(ring_decoder):
+    """``(decoder, spec, options, *, compile)``: a wrong type names the argument and what it must be."""
+    from vllm_omni_moss.model_executor.models.moss_tts.serving import CodecStreamSession, SessionOptions
+    from vllm_omni_moss.model_executor.models.moss_tts.state import StateSpec
+
+    spec, options = StateSpec.from_options(ring_decoder), SessionOptions(2)
+    with pytest.raises(TypeError, match=r"^CodecStreamSession: spec must be a StateSpec, got int$"):
+        CodecStreamSession(ring_decoder, 4, options)
+    with pytest.raises(TypeError, match=r"^CodecStreamSession: spec must be a StateSpec, got SessionOptions$"):
+        CodecStreamSession(ring_decoder, options, spec)
+    with pytest.raises(TypeError, match=r"^CodecStreamSession: options must be a SessionOptions, got dict$"):
+        CodecStreamSession(ring_decoder, spec, {"state_capacity": 2})
+    with pytest.raises(TypeError, match=r"^CodecStreamSession: compile must be a bool or a callable, got 'yes'$"):
+        CodecStreamSession(ring_decoder, spec, options, compile="yes")
+    with pytest.raises(TypeError):
+        CodecStreamSession(ring_decoder, spec, options, pool_kind="compact")  # the loose keywords are gone

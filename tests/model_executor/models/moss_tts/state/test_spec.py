@@ -108,3 +108,28 @@ def test_v1_codec_keeps_the_legacy_pool(ring_decoder_v1):
         make_state_pool(ring_decoder_v1, "compact")
     with pytest.raises(ValueError, match="unknown state pool kind 'shared'"):
         make_state_pool(ring_decoder_v1, "shared")
+
+
+def test_a_pool_checks_its_spec_against_the_decoder(ring_decoder, ring_decoder_v1):
+    """A spec made by hand, or resolved for another decoder, is refused when a pool is built from it, with
+    ``resolve``'s own errors; ``build_pool`` takes nothing but a ``StateSpec``."""
+    from vllm_omni_moss.model_executor.models.moss_tts.state import CompactDecoderStatePool, build_pool
+
+    good = StateSpec.from_options(ring_decoder)
+    assert build_pool(ring_decoder, good).spec == good
+    with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'"):
+        build_pool(ring_decoder, StateSpec("compact", torch.float32, "exact", "flash"))
+    with pytest.raises(ValueError, match=r"^the compact pool serves v2 codecs; this codec is v1"):
+        build_pool(ring_decoder_v1, good)
+    with pytest.raises(ValueError, match=r"^unknown ring semantics 'bogus'"):
+        build_pool(ring_decoder, StateSpec("compact", torch.float32, "bogus", "sdpa"))
+    with pytest.raises(TypeError, match=r"^ring dtype must be a torch.dtype, got 'float32'$"):
+        build_pool(ring_decoder, StateSpec("compact", "float32", "exact", "sdpa"))
+    with pytest.raises(
+        ValueError, match=r"does not resolve for this decoder; resolve\(\) gives StateSpec\(kind='paged'"
+    ):
+        build_pool(ring_decoder, StateSpec("paged", torch.float32, "upstream", "triton", None))
+    with pytest.raises(TypeError, match=r"^build_pool needs a StateSpec, got str$"):
+        build_pool(ring_decoder, "compact")
+    with pytest.raises(TypeError, match=r"^CompactDecoderStatePool needs a StateSpec, got dict$"):
+        CompactDecoderStatePool(ring_decoder, {"kind": "compact"})

@@ -132,6 +132,8 @@ class CodecStreamSession:
     runs raises ``RuntimeError`` naming both.
 
     Raises:
+        TypeError: ``spec`` not a ``StateSpec``, ``options`` not a ``SessionOptions``, ``compile`` neither a bool
+            nor a callable.
         ValueError: ``options.n_vq`` outside ``1..num_quantizers`` of the codec; a ``page_fraction`` or
             ``state_budget_bytes`` of ``spec`` refused by the paged pool, e.g. a budget too small for one stream
             (the message names the minimum).
@@ -146,6 +148,12 @@ class CodecStreamSession:
         *,
         compile: bool | Callable[[DecoderStatePool], Callable] = False,
     ):
+        if not isinstance(spec, StateSpec):
+            raise TypeError(f"CodecStreamSession: spec must be a StateSpec, got {type(spec).__name__}")
+        if not isinstance(options, SessionOptions):
+            raise TypeError(f"CodecStreamSession: options must be a SessionOptions, got {type(options).__name__}")
+        if not (isinstance(compile, bool) or callable(compile)):
+            raise TypeError(f"CodecStreamSession: compile must be a bool or a callable, got {compile!r}")
         cfg = decoder.config
         quantizers = cfg.num_quantizers
         if options.n_vq is not None and not 1 <= options.n_vq <= quantizers:
@@ -318,7 +326,8 @@ class CodecStreamSession:
             Exception: whatever raised past those checks outside a pool step (an asynchronous device fault at the
                 call's wait, say): every stream of the call's chunks, and every stream it admitted or scheduled,
                 is ended as a failed step's are (refused until its request ends), and :attr:`last_call_error`
-                holds the exception.
+                holds the exception. Any other ``BaseException`` (``KeyboardInterrupt``) ends them the same
+                way, :attr:`last_call_error` a ``RuntimeError`` naming it, and propagates.
         """
         if self._closed:
             raise RuntimeError("this CodecStreamSession is closed")
@@ -337,9 +346,11 @@ class CodecStreamSession:
             return self._decode_batch(batch)
         except BaseException as exc:
             self._tracer.fail()
-            if isinstance(exc, Exception):  # the call's streams are in an unknown state: they end (docs/serving.md)
-                self._call_error = exc
-                self.scheduler.abandon(list(batch.accepted), exc)
+            # The call's streams are in an unknown state: they end (docs/serving.md), whatever left the call (an
+            # interrupt too: a stream that lost frames must not go on as if it had them).
+            error = exc if isinstance(exc, Exception) else RuntimeError(f"interrupted by {type(exc).__name__}")
+            self._call_error = error
+            self.scheduler.abandon(list(batch.accepted), error)
             raise
         finally:
             self.step_runner.await_host_copies()  # after a failure too: no copy into a returned row outlives the call

@@ -76,8 +76,11 @@ class DecoderStatePool:
     kind: ClassVar[str] = ""
 
     def __init__(self, decoder, spec: StateSpec):
+        if not isinstance(spec, StateSpec):
+            raise TypeError(f"{type(self).__name__} needs a StateSpec, got {type(spec).__name__}")
         if spec.kind != self.kind:
             raise ValueError(f"{type(self).__name__} holds {self.kind!r} pools, the spec is for {spec.kind!r}")
+        spec.check_for(decoder)
         self.decoder, self.config, self.device, self.spec = decoder, decoder.config, decoder.device, spec
         self.slots = SlotAllocator()
         self.state_capacity = self.scratch_capacity = self.num_slots = 0

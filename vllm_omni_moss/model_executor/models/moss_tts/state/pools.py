@@ -316,5 +316,12 @@ POOL_CLASSES: dict[str, type[DecoderStatePool]] = {
 
 
 def build_pool(decoder, spec: StateSpec) -> DecoderStatePool:
-    """The pool of ``spec`` for ``decoder`` (not yet initialised): the one way a pool is built."""
+    """The pool of ``spec`` for ``decoder`` (not yet initialised): the one way a pool is built.
+
+    Raises:
+        TypeError: ``spec`` is not a :class:`~.spec.StateSpec`. ValueError, RuntimeError: as
+            :meth:`~.spec.StateSpec.check_for`.
+    """
+    if not isinstance(spec, StateSpec):
+        raise TypeError(f"build_pool needs a StateSpec, got {type(spec).__name__}")
     return POOL_CLASSES[spec.kind](decoder, spec)

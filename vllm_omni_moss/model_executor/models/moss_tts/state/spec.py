@@ -11,7 +11,7 @@ the codec version's ring semantics, Triton attention on CUDA when it is installe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -124,6 +124,8 @@ class StateSpec:
         """
         record = _record(kind)
         config = decoder.config
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"ring dtype must be a torch.dtype, got {dtype!r}")
         if record.needs_compact_codec and not config.abilities.compact_pool:
             raise ValueError(
                 f"the compact pool serves v2 codecs; this codec is {config.version} and keeps the legacy pool"
@@ -143,6 +145,21 @@ class StateSpec:
             raise record.refuse_backend(backend)
         pages = PagingSpec.checked(config, **(paging or {})) if record.paged else None
         return cls(kind, dtype, ring_semantics, backend, pages)
+
+    def check_for(self, decoder) -> None:
+        """Refuse this spec for ``decoder`` where :meth:`resolve` would, and a spec it would not give (one built
+        by hand, or resolved for another decoder): every pool checks its spec so, once, when it is built.
+
+        Raises:
+            ValueError, RuntimeError, TypeError: as :meth:`resolve`; ValueError naming both specs when
+                :meth:`resolve` gives another one for these values.
+        """
+        paging = None if self.paging is None else asdict(self.paging)
+        resolved = StateSpec.resolve(
+            decoder, self.kind, self.dtype, self.ring_semantics, self.attention_backend, paging
+        )
+        if resolved != self:
+            raise ValueError(f"the state spec {self} does not resolve for this decoder; resolve() gives {resolved}")
 
     @classmethod
     def from_options(
