@@ -5,7 +5,7 @@ view of a paged ring with its inverse."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,17 +20,9 @@ from vllm_omni_moss.model_executor.models.moss_tts.step_metadata import build_ri
 cpu = pytest.mark.cpu
 
 
-@dataclass(frozen=True)
-class Window:
-    """The fields of a group that ``build_ring_metadata`` reads: the ring (the window) and the head dim."""
-
-    ring_capacity: int
-    head_dim: int
-    max_period: float = 10000.0
-
-    @property
-    def window(self) -> int:
-        return self.ring_capacity
+def _window(capacity: int, head_dim: int) -> SimpleNamespace:
+    """The fields of a group that ``build_ring_metadata`` reads: the ring (the window), the head dim, the RoPE base."""
+    return SimpleNamespace(ring_capacity=capacity, window=capacity, head_dim=head_dim, max_period=10000.0)
 
 
 def _by_hand(ring_row, offset, n, q, k, v, ring_semantics):
@@ -65,7 +57,7 @@ def test_attend_gathered_rows_is_attention_over_each_query_window(ring_semantics
     offsets, written = torch.tensor([0, 3, 11]), torch.tensor([8, 2, 6])  # a chunk longer than the ring, wraps
     rows = torch.randn(2, 3, heads, capacity, Dh, generator=gen, dtype=torch.float64)
     q, k, v = (torch.randn(3, heads, T, Dh, generator=gen, dtype=torch.float64) for _ in range(3))
-    meta = build_ring_metadata(Window(capacity, Dh), ring_semantics, offsets, written, T)
+    meta = build_ring_metadata(_window(capacity, Dh), ring_semantics, offsets, written, T)
     before = rows.clone()
     out = attend_gathered_rows(ring_semantics, rows, meta, q, k, v)
     assert out.shape == (3, heads, T, Dh)
@@ -91,7 +83,7 @@ def test_keep_empty_rows_leaves_a_row_that_writes_nothing():
     offsets, written = torch.tensor([2, 5]), torch.tensor([3, 0])
     rows = torch.randn(2, 2, 1, capacity, Dh, generator=gen)
     q, k, v = (torch.randn(2, 1, T, Dh, generator=gen) for _ in range(3))
-    meta = build_ring_metadata(Window(capacity, Dh), "exact", offsets, written, T)
+    meta = build_ring_metadata(_window(capacity, Dh), "exact", offsets, written, T)
     before = rows.clone()
     attend_gathered_rows("exact", rows, meta, q, k, v, keep_empty_rows=True)
     assert torch.equal(rows[:, 1], before[:, 1])
