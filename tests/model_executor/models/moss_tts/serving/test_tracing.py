@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -41,3 +42,18 @@ def test_a_traced_call_adds_its_phases_up_to_its_total():
 def test_enable_refuses_a_bad_max_calls(bad):
     with pytest.raises(ValueError, match=rf"^max_calls must be None or an integer in 1\.\.{sys.maxsize}, got "):
         CallTracer().enable(bad)
+
+
+def test_a_tracer_hears_collections_only_while_it_is_on():
+    """The collector hook hands a collection inside a traced call to its trace; once the tracer is off, a
+    collection reaches it no more (the next traced call after enable again starts from zero)."""
+    tracer = CallTracer()
+    traces = tracer.enable(max_calls=None)
+    tracer.begin(1, time.perf_counter())
+    gc.collect()
+    tracer.end()
+    assert traces[-1].gc_collections >= 1 and traces[-1].gc_ms > 0
+    tracer.begin(1, time.perf_counter())
+    tracer.disable()
+    gc.collect()  # off: the hook no longer calls this tracer, so its open trace sees nothing
+    assert tracer.trace is not None and tracer.trace.gc_collections == 0
