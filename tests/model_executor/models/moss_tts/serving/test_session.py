@@ -424,6 +424,8 @@ def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
     s.decode([ChunkRequest("req-1", c), ChunkRequest("r", c)])
     with pytest.raises(TypeError, match="request_ids must be a collection of request ids, got the single id 'req-1'"):
         s.on_requests_finished("req-1")
+    with pytest.raises(TypeError, match=r"^request_ids must be a collection of request ids, got None$"):
+        s.on_requests_finished(None)
     assert set(s.live_requests) == {"req-1", "r"}
     s.on_requests_finished(["req-1"])
     assert set(s.live_requests) == {"r"}

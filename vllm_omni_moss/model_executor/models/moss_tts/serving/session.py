@@ -264,11 +264,13 @@ class CodecStreamSession:
         Ids that are not live or waiting are ignored.
 
         Raises:
-            TypeError: ``request_ids`` is a single ``str`` (or bytes), not a collection of ids.
+            TypeError: ``request_ids`` is a single ``str`` (or bytes), or not a collection at all (``None``).
             RuntimeError: another of the session's methods runs (one caller at a time; so do the methods below).
         """
         if isinstance(request_ids, (str, bytes)):
             raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
+        if not isinstance(request_ids, Iterable):
+            raise TypeError(f"request_ids must be a collection of request ids, got {request_ids!r}")
         if not self._closed:
             self.scheduler.finish_requests(request_ids)
 
