@@ -128,13 +128,11 @@ def test_sliced_ffn_keeps_autograd_and_writes_in_place_without_it(tiny_decoder, 
 
 
 def _served_on_cpu(decoder):
-    """A copy of ``decoder`` laid out as ``to_serving`` lays out a CUDA decoder, on the CPU: LayerScale folded
-    into the projections and each group's FFN zero bias (CPU decoding never asks for this layout; the tests
-    run the fused path's Python on it, with the CPU's kernels)."""
+    """A copy of ``decoder`` laid out as ``to_serving`` lays out a CUDA decoder (``prepare_fused_layers``), on the
+    CPU (CPU decoding never asks for this layout; the tests run the fused path's Python on it, with the CPU's
+    kernels)."""
     served = copy.deepcopy(decoder)
-    served.fold_layer_scale()
-    for group, spec in zip(served.groups, served.config.groups):
-        group.ffn_zero_bias = torch.zeros(spec.dim_feedforward)
+    served.prepare_fused_layers()
     return served
 
 

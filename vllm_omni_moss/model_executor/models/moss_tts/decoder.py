@@ -78,7 +78,7 @@ class DecoderGroup(nn.Module):
         self.output_proj = nn.Linear(spec.d_model, spec.output_dim, bias=False) if spec.output_proj else None
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         # ``(dim_feedforward,)`` zeros, the bias of the FFN's first GEMM on the fused path (its GELU epilogue
-        # takes one); made by CodecDecoder.to_serving on CUDA, not part of the checkpoint.
+        # takes one); made by CodecDecoder.prepare_fused_layers (to_serving on CUDA), not part of the checkpoint.
         self.register_buffer("ffn_zero_bias", None, persistent=False)
 
 
@@ -142,11 +142,18 @@ class CodecDecoder(nn.Module):
         device = torch.device(device)
         self.to(device)
         if device.type == "cuda":
-            self.fold_layer_scale()
+            self.prepare_fused_layers()  # before the cast: the fold multiplies in the checkpoint's precision
             self.to(torch.bfloat16)
-            for group, spec in zip(self.groups, self.config.groups):
-                group.ffn_zero_bias = torch.zeros(spec.dim_feedforward, dtype=torch.bfloat16, device=device)
         return self.eval()
+
+    def prepare_fused_layers(self) -> None:
+        """Lay the weights out as the fused layer ops read them (:func:`run_decoder` with :func:`runs_fused_ops`),
+        on the decoder's device and in its weight dtype: LayerScale folded into the projections
+        (:meth:`fold_layer_scale`) and each group's ``(dim_feedforward,)`` zero bias of the FFN's first GEMM
+        (a buffer, cast and moved with the module). :meth:`to_serving` calls it on CUDA before the bf16 cast."""
+        self.fold_layer_scale()
+        for group, spec in zip(self.groups, self.config.groups):
+            group.ffn_zero_bias = torch.zeros(spec.dim_feedforward, dtype=self.state_dtype, device=self.device)
 
     @torch.no_grad()
     def fold_layer_scale(self) -> None:
