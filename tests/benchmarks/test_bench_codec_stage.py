@@ -247,6 +247,35 @@ def test_staggered_arrivals_spread_the_first_streams_over_one_steady_chunk():
     assert max(n for _, n in run.live_trace) == 4
 
 
+def test_a_request_arriving_during_a_decode_call_starts_its_talker_at_its_arrival(monkeypatch):
+    # Every call of this arm takes 0.3 s. Request 1 arrives at 0.1 s, inside the first call (0.04-0.34 s): its
+    # talker is a stage of its own, so it starts then and its first chunk (ready at 0.14 s) rides the next call
+    # (0.34-0.64 s). Request 2 arrives at 0.2 s with both places taken: it starts when two streams end, at the end
+    # of the third call (0.94 s), and its first chunk rides the call of 0.98-1.28 s.
+    clock = [0.0]
+    monkeypatch.setattr(codec_stage.simulate, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+
+    class SlowArm(codec_stage.arms.IdealArm):
+        timed = True
+
+        def decode(self, chunks):
+            clock[0] += 0.3
+            return super().decode(chunks)
+
+    trace = codec_stage.trace.Trace(np.array([13, 13, 13]), np.array([0.0, 0.1, 0.2]), np.ones(3, bool), 2, None, 0)
+    arm = SlowArm(2, channels=2, samples_per_frame=3840, max_frames=15)
+    kw = {"talker_rtf": 0.5, "give_up_s": 5.0, "channels": 2, "samples_per_frame": 3840, "sync": lambda: None}
+    driver = codec_stage.simulate.Driver(arm, trace, codec_stage.trace.CodeSource(trace, 12, 1024), [1, 15], **kw)
+    run = driver.simulate()
+    assert [s.start for s in driver.streams.values()] == []  # every stream ended
+    assert run.queue_wait == pytest.approx([0.0, 0.0, 0.74])
+    assert run.ttfp == pytest.approx([0.34, 0.54, 1.08]) and run.first_latency == pytest.approx([0.34, 0.54, 0.34])
+    assert run.step_chunks == [1, 1, 2, 1, 1] and run.serving_s == pytest.approx(1.76)
+    # Live streams over time, in time order although request 1's start dates back into the first call.
+    assert [n for _, n in run.live_trace] == [0, 1, 2, 1, 0, 1, 0, 0]
+    assert [t for t, _ in run.live_trace] == pytest.approx([0.0, 0.0, 0.1, 0.94, 0.94, 0.94, 1.76, 1.76])
+
+
 def test_staggered_run_of_our_arm(tmp_path):
     flags = "--arrival staggered --arms v2 --concurrency 2 --requests-per-stream 1 --give-up-ms 600000"
     result = _bench().main(_cpu(flags, out=tmp_path))

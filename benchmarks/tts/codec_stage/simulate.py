@@ -4,11 +4,13 @@
 The clock (s) jumps to the next event (a chunk's last frame generated, or an open-loop arrival while a stream
 may start) when the arm is idle, and advances by the measured wall time of each decode call otherwise (by 0
 for an untimed arm: ``ideal``). A decode call is one stage batch: every chunk ready at that moment. A request
-starts when it has arrived and fewer than ``trace.limit`` streams are live (FIFO); its talker generates frames
-at ``12.5 / talker_rtf`` frames/s from its start, so chunk ``[a, b)`` is ready at ``start + b * talker_rtf /
-12.5``; a chunk enters the stage only after the request's previous chunk was sent. A stream ends when its
-last chunk's audio comes back, and the next request in line may then start. Host work per decode call is
-O(chunks of the call) (heaps and per-request lists, no scan over the live streams).
+starts when it has arrived and fewer than ``trace.limit`` streams are live (FIFO, first come first served): at
+its arrival, or when the stream it waits for ends. The talker is a stage of its own (vLLM-Omni runs each stage in
+its own engine loop), so a request that arrives while a decode call runs starts at its arrival, not when the
+call returns; a stream ends when its last chunk's audio comes back, at the end of a call. Its talker generates
+frames at ``12.5 / talker_rtf`` frames/s from its start, so chunk ``[a, b)`` is ready at ``start + b *
+talker_rtf / 12.5``; a chunk enters the stage only after the request's previous chunk was sent. Host work per
+decode call is O(chunks of the call) (heaps and per-request lists, no scan over the live streams).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Run:
     ttfp: list[float] = field(default_factory=list)  # first audio - the request's arrival
     worst_stall: list[float] = field(default_factory=list)  # per request with audio (playback.py)
     queue_wait: list[float] = field(default_factory=list)  # start (or the end, if still queued) - arrival
-    live_trace: list[tuple[float, int]] = field(default_factory=list)  # (clock, live streams) at each change
+    live_trace: list[tuple[float, int]] = field(default_factory=list)  # (time, live streams from then), in order
     window: tuple[float, float] = (0.0, 0.0)  # measurement window of live streams and audio (s)
     step_wall: list[float] = field(default_factory=list)
     step_chunks: list[int] = field(default_factory=list)  # chunks decoded by each step
@@ -123,6 +125,10 @@ class Driver:
         self.give_up_s, self.sync, self.bar = give_up_s, sync, bar
         self.channels, self.spf = channels, samples_per_frame
         self.clock, self.next_r, self.live = 0.0, 0, 0
+        # Stream places under trace.limit: never used yet (free since 0), and the times streams' ends freed the
+        # others, oldest first; a starting request takes the one free longest (unused + len(freed) = limit - live).
+        self.unused, self.freed = trace.limit, deque()
+        self.live_changes: list[tuple[float, int]] = []  # (time, +1 or -1): a start may date back into a call
         self.streams: dict[int, _Stream] = {}
         self.ready: list[tuple[float, int, int]] = []  # (ready time, request, chunk index)
         self.sent: list[tuple[float, int, int]] = []  # heap of chunks sent, stale once their audio is back
@@ -131,7 +137,6 @@ class Driver:
         self.run = Run(requests=trace.measured_count)
         self.collector = CollectorTime()
         self.run.window = trace.window or (0.0, math.inf)
-        self.run.live_trace.append((0.0, 0))
 
     # ------------------------------------------------------------------ requests
     def _next_arrival(self) -> float | None:
@@ -146,19 +151,27 @@ class Driver:
             r, arrival = self.next_r, float(self.trace.arrivals[self.next_r])
             if arrival > now:  # NaN (closed loop) compares False: it starts now
                 break
+            if self.unused:
+                self.unused, free_since = self.unused - 1, 0.0
+            else:
+                free_since = self.freed.popleft()
+            # Its talker starts at its arrival (during a decode call too) or when its place freed, whichever is
+            # later; a closed-loop request arrives when it starts.
+            start = free_since if math.isnan(arrival) else max(arrival, free_since)
             schedule = ramp_schedule(int(self.trace.lengths[r]), self.sizes)
-            self.streams[r] = _Stream(now, schedule)
+            self.streams[r] = _Stream(start, schedule)
             self.next_r, self.live = r + 1, self.live + 1
-            self.run.live_trace.append((now, self.live))
+            self.live_changes.append((start, 1))
             if self.trace.measured[r]:
-                self.run.queue_wait.append(0.0 if math.isnan(arrival) else now - arrival)
-            heapq.heappush(self.ready, (now + schedule[0][1] * self.seconds_per_frame, r, 0))
+                self.run.queue_wait.append(0.0 if math.isnan(arrival) else start - arrival)
+            heapq.heappush(self.ready, (start + schedule[0][1] * self.seconds_per_frame, r, 0))
 
     def _end(self, r: int) -> None:
         del self.streams[r]
         self.codes.drop(r)
         self.live -= 1
-        self.run.live_trace.append((self.clock, self.live))
+        self.freed.append(self.clock)
+        self.live_changes.append((self.clock, -1))
         if self.trace.measured[r]:
             self.run.finished_requests += 1
             if self.bar is not None:
@@ -316,6 +329,10 @@ class Driver:
             run.window = (run.window[0], self.clock)
         elif run.stopped_early:
             run.window = (run.window[0], max(run.window[0], min(run.window[1], self.clock)))
+        live, run.live_trace = 0, [(0.0, 0)]
+        for when, change in sorted(self.live_changes, key=lambda c: c[0]):  # stable: equal times keep their order
+            live += change
+            run.live_trace.append((when, live))
         run.live_trace.append((self.clock, self.live))
         for r in list(self.streams):
             self.playback.cut_off(r, self.clock)
