@@ -35,7 +35,8 @@ def test_committed_results_match_their_json():
 
 def test_results_md_stays_short_and_labels_older_commits():
     text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= 310  # 300 before the serving tables' per-sweep line (issue 51)
+    # A page of current tables, not a log (the reasoning between runs is in history/): 340 lines at most.
+    assert len(text.splitlines()) <= 340
     manifest = yaml.safe_load((ROOT / "benchmarks" / "results" / "current.yaml").read_text(encoding="utf-8"))
     current = str(manifest["current_commit"])
     for heading in re.findall(r"^## (.+)$", text, re.M):
