@@ -39,3 +39,36 @@ def test_codes_in_range_count_nothing():
     codes = torch.full((1, 3), -1, dtype=torch.long)
     inputs.fill_codes(codes, batch)
     assert codes.tolist() == [[7, 0, 3]] and inputs.clamped_codes == 0
+
+
+def test_a_large_host_step_is_packed_and_clamped_without_an_aten_kernel():
+    # 512 rows of 6 frames: 36,864 codes, past ATen's 32,768-element grain, where a CPU op would wake the intra-op
+    # thread pool. Host codes are packed, counted and clamped with NumPy: no ATen op runs but the detach that .numpy()
+    # makes (metadata, no kernel), and the result is the concatenation clamped into [0, 1024).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    pieces = tuple(
+        torch.randint(-2, 1027, (12, 6), generator=g, dtype=torch.int32 if b % 2 else torch.long) for b in range(512)
+    )
+    pieces = pieces[:-1] + (torch.randint(0, 1024, (12, 9), generator=g)[:, 2:5],)  # a strided view, 3 frames
+    frames = tuple(p.shape[1] for p in pieces)
+    batch = StepBatch(tuple(map(str, range(512))), tuple(range(512)), pieces, frames, StepShape(512, 6, 3072))
+    counters = SessionCounters()
+    inputs = StepInputs(torch.device("cpu"), 12, 1024, counters)
+    codes = torch.full((12, 3072), 5, dtype=torch.long)
+    with Ops() as ops:
+        inputs.fill_codes(codes, batch)
+    assert set(ops.seen) == {"aten.detach.default"}
+    expected = torch.cat([p.long() for p in pieces], dim=1)
+    assert torch.equal(codes[:, : sum(frames)], expected.clamp(0, 1023)) and not codes[:, sum(frames) :].any()
+    assert counters.clamped_codes == int(((expected < 0) | (expected > 1023)).sum()) > 0

@@ -6,10 +6,16 @@ A graph step's inputs go from those buffers straight into the input tensors of t
 copy each; an eager step's become tensors of their own on the pool's device. The buffers are overwritten only once
 the device has read the previous step's copies from them (a CUDA event), since a call waits for the device once,
 at its end.
+
+Codes from the host (as Stage 0 sends them) are packed, checked and clamped with NumPy, on the caller's thread:
+an ATen CPU op on a step's codes (36,864 of them at 512 rows of 6 frames, past ATen's 32,768-element grain)
+would run on the intra-op thread pool, whose wake-up, on a host shared with other work, cost tens of milliseconds
+before a step could launch (``benchmarks/history/12edb83.md``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .counters import SessionCounters
@@ -121,25 +127,28 @@ class StepInputs:
 
     def fill_codes(self, codes: torch.Tensor, batch: StepBatch) -> None:
         """Pack ``batch``'s pieces into ``codes`` ``(n_vq, F)`` int64 (code 0 after the last row's frames), count the
-        codes out of ``[0, codebook_size)`` and clamp them."""
-        _pack(codes, batch.pieces, sum(batch.valid_frames))
-        self._count_clamped(codes)
-        codes.clamp_(0, self.codebook_size - 1)
-
-    def _count_clamped(self, codes: torch.Tensor) -> None:
-        """Count the codes of a step's gathered ``(n_vq, B, T)`` int64 ``codes`` that its clamp will change
-        (padding is 0, in range). Host codes (as Stage 0 sends them) take one min/max pass and a count only
-        when one is out of range; device codes are counted on the device without a sync (read lazily by
-        :attr:`clamped_codes`). Stage 0 pads with ``codebook_size``; upstream clamps every chunk."""
-        hi = self.codebook_size - 1
-        c = self.counters
-        if codes.is_cuda:
-            outside = ((codes < 0) | (codes > hi)).sum()
-            c.clamped_on_device = outside if c.clamped_on_device is None else c.clamped_on_device + outside
+        codes out of ``[0, codebook_size)`` and clamp them. Host ``codes`` and pieces: NumPy on this thread
+        (module docstring), one min/max pass and a count only when a code is out of range. Otherwise on the
+        device, counted without a sync (read lazily by :attr:`clamped_codes`). Stage 0 pads with
+        ``codebook_size``; upstream clamps every chunk."""
+        real, hi = sum(batch.valid_frames), self.codebook_size - 1
+        if codes.device.type == "cpu" and all(p.device.type == "cpu" for p in batch.pieces):
+            self._fill_host(codes.numpy(), batch.pieces, real)
             return
-        low, high = torch.aminmax(codes)
-        if int(low) < 0 or int(high) > hi:
-            c.clamped_codes += int(((codes < 0) | (codes > hi)).sum())
+        _pack(codes, batch.pieces, real)
+        c = self.counters
+        outside = ((codes < 0) | (codes > hi)).sum()
+        c.clamped_on_device = outside if c.clamped_on_device is None else c.clamped_on_device + outside
+        codes.clamp_(0, hi)
+
+    def _fill_host(self, codes: np.ndarray, pieces: tuple[torch.Tensor, ...], real: int) -> None:
+        # The pieces one after another (cast as copy_ casts), code 0 after them; then count and clamp.
+        hi = self.codebook_size - 1
+        np.concatenate([p.numpy() for p in pieces], axis=1, out=codes[:, :real], casting="unsafe")
+        codes[:, real:] = 0
+        if codes.min() < 0 or codes.max() > hi:
+            self.counters.clamped_codes += int(np.count_nonzero((codes < 0) | (codes > hi)))
+            np.clip(codes, 0, hi, out=codes)
 
     @property
     def clamped_codes(self) -> int:
@@ -153,7 +162,7 @@ class StepInputs:
 
 def _pack(codes: torch.Tensor, pieces: tuple[torch.Tensor, ...], real: int) -> None:
     """Pack a step's ``pieces`` (``(n_vq, valid_frames[b])`` integer codes) one after another into ``codes``
-    ``(n_vq, F)``, zero after the ``real`` frames they hold."""
+    ``(n_vq, F)`` on the device, zero after the ``real`` frames they hold."""
     # Pieces of the buffer's dtype and device are packed by one concatenation, others piece by piece.
     if {(p.dtype, p.device) for p in pieces} == {(codes.dtype, codes.device)}:
         codes[:, :real].copy_(torch.cat(pieces, dim=1))
