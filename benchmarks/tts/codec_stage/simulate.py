@@ -5,9 +5,10 @@ The clock (s) jumps to the next event (a chunk's last frame generated, or an ope
 may start) when the arm is idle, and advances by the measured wall time of each decode call otherwise (by 0
 for an untimed arm: ``ideal``). A decode call is one stage batch: every chunk ready at that moment. A request
 starts when it has arrived and fewer than ``trace.limit`` streams are live (FIFO, first come first served): at
-its arrival, or when the stream it waits for ends. The talker is a stage of its own (vLLM-Omni runs each stage in
-its own engine loop), so a request that arrives while a decode call runs starts at its arrival, not when the
-call returns; a stream ends when its last chunk's audio comes back, at the end of a call. Its talker generates
+its arrival, or when the stream it waits for ends. The talker is a stage of its own (vLLM-Omni processes each
+stage with an engine of its own, on devices of its own: its stage-config documentation, and ``docs/serving.md``,
+"Placing the codec stage apart"), so a request that arrives while a decode call runs starts at its arrival, not
+when the call returns; a stream ends when its last chunk's audio comes back, at the end of a call. Its talker generates
 frames at ``12.5 / talker_rtf`` frames/s from its start, so chunk ``[a, b)`` is ready at ``start + b *
 talker_rtf / 12.5``; a chunk enters the stage only after the request's previous chunk was sent. Host work per
 decode call is O(chunks of the call) (heaps and per-request lists, no scan over the live streams).
