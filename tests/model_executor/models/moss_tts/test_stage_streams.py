@@ -200,6 +200,10 @@ def test_finishing_a_single_string_id_is_refused(stage):
     run(stage, [_codes(stage, 1, 43), _codes(stage, 1, 44)], [raw_info("ab", 1, n), raw_info("a", 1, n)], ["ab", "a"])
     with pytest.raises(TypeError, match="got the single id 'ab'"):
         stage.on_requests_finished("ab")
+    with pytest.raises(TypeError, match=r"^finished_req_ids must be a collection of request ids, got None$"):
+        stage.on_requests_finished(None)
+    with pytest.raises(TypeError, match=r"^finished_req_ids must hold str request ids, got b'a'$"):
+        stage.on_requests_finished(["ab", b"a"])  # nothing is finished: the ids are checked first
     assert set(stage._session.live_requests) == {"ab", "a"}
 
 
@@ -418,6 +422,29 @@ def test_codes_outside_the_codebook_fail_their_chunk_alone_and_the_stream_goes_o
         f"MOSS codec request s (batch row 1): code {v} is outside 0..{K} (codebook_size {K}, the last the "
         "talker's padding); the chunk is refused; returning empty audio"
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_codes_wider_than_a_byte_fail_each_row_with_an_error_naming_the_dtype(stage, caplog, dtype):
+    # The engine's input_ids is one tensor: every row of such a batch has its dtype. The batch's range check takes
+    # the session's code dtypes only (aminmax takes no uint16-64), so each row gets the session's error and the
+    # stage goes on: the next batch decodes.
+    n = stage.n_vq
+    good, bad = _codes(stage, 2, seed=46), _codes(stage, 2, seed=47)
+    ids = torch.cat([good.reshape(-1), bad.reshape(-1)]).to(dtype)
+    with caplog.at_level(logging.WARNING, logger=STAGE_LOGGER):
+        out = stage(
+            input_ids=ids, positions=None, runtime_additional_information=[raw_info("g", 2, n), raw_info("u", 2, n)],
+            seq_token_counts=[2 * n, 2 * n], request_ids=["g", "u"],
+        ).multimodal_outputs["model_outputs"]  # fmt: skip
+    assert [o.numel() for o in out] == [0, 0] and stage._session.live_requests == {}
+    assert _warnings(caplog) == [
+        f"MOSS codec request {rid} (batch row {i}): request {rid!r}: codes must be signed integers (or uint8), got "
+        f"{dtype}; returning empty audio"
+        for i, rid in enumerate(("g", "u"))
+    ]
+    got = run(stage, [good], [raw_info("g2", 2, n)], ["g2"])[0]
+    _assert_audio(got, fresh_decode(stage, good, [2]), "next batch")
 
 
 def test_a_terminal_chunk_with_codes_outside_the_codebook_still_ends_its_stream(stage, caplog):

@@ -46,13 +46,13 @@ from vllm_omni.model_executor.models.output_templates import OmniOutput
 from vllm_omni.model_executor.stage_input_processors.chunk_size_utils import parse_chunk_ramp
 
 from .checkpoint import load_checkpoint, resolve_checkpoint_dir
-from .checks import is_integer_dtype
 from .config import load_config, preset_config
 from .decoder import CodecDecoder
 from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
 from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, meta_of, payload_id, same_request
 from .random_codec import random_decoder
 from .serving import ChunkRequest, ChunkResult, CodecStreamSession, collector_paused
+from .serving.requests import CODE_DTYPES
 from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for
 from .state import StateSpec
 from .talker_chunker import chunk_schedule_of
@@ -310,8 +310,9 @@ class MossTTSCodecDecoder(nn.Module):
         first such value and the range. ``codebook_size`` itself is the talker's padding code, which upstream's
         decode clamps to ``codebook_size - 1``, as this stage's steps do; anything else out of range is not a
         code. One ``aminmax`` over the batch and one device sync; each row only when the batch fails."""
-        # Rows of another dtype are refused by the payload checks.
-        rows = [(i, seg) for i, (seg, _) in enumerate(batch) if seg.numel() and is_integer_dtype(seg.dtype)]
+        # Rows of another dtype are refused alone: by the payload checks (not integer) or by the session (an integer
+        # dtype outside CODE_DTYPES, such as uint16, which aminmax does not take either).
+        rows = [(i, seg) for i, (seg, _) in enumerate(batch) if seg.numel() and seg.dtype in CODE_DTYPES]
         if not rows:
             return {}
         K = self._codec.config.codebook_size
@@ -432,7 +433,8 @@ class MossTTSCodecDecoder(nn.Module):
         undelivered audio).
 
         Raises:
-            TypeError: ``finished_req_ids`` is a single ``str`` (or bytes), not a collection of ids.
+            TypeError: ``finished_req_ids`` is a single ``str`` (or bytes) or not a collection of ids (``None``), or
+                holds an id that is not a ``str`` (nothing is finished then).
 
         Undelivered audio is logged as an error naming the request and its frames: audio the session decoded
         from its admission queue after the request's last batch row (``docs/serving_stage.md``, "Admission
@@ -442,7 +444,12 @@ class MossTTSCodecDecoder(nn.Module):
             raise TypeError(
                 f"finished_req_ids must be a collection of request ids, got the single id {finished_req_ids!r}"
             )
-        ids = [str(rid) for rid in finished_req_ids]
+        if not isinstance(finished_req_ids, Iterable):
+            raise TypeError(f"finished_req_ids must be a collection of request ids, got {finished_req_ids!r}")
+        ids = list(finished_req_ids)
+        for rid in ids:
+            if not isinstance(rid, str):  # str() of it could end another request's stream ("None", "1")
+                raise TypeError(f"finished_req_ids must hold str request ids, got {rid!r}")
         for rid in ids:
             self._payloads.drop(rid)
             if self._held.pop(rid, None):
@@ -479,6 +486,7 @@ def _stream_keys(batch: list[tuple[torch.Tensor, dict]], runner_ids: Any, warned
     if runner_ids is not None and len(runner_ids) != len(batch):
         raise RuntimeError(f"{len(runner_ids)} request_ids for {len(batch)} requests (seq_token_counts)")
     keys: list[str | tuple] = []
+    seen: set[str] = set()
     for i, (_, info) in enumerate(batch):
         meta = info.get("meta")
         own = payload_id(info, meta if isinstance(meta, dict) else {})
@@ -493,7 +501,8 @@ def _stream_keys(batch: list[tuple[torch.Tensor, dict]], runner_ids: Any, warned
         if own is not None and not same_request(key, own) and key not in warned:
             warned.add(key)
             logger.warning("MOSS codec request %s: its payload names request %s; keyed by the runner's id", key, own)
-        keys.append(("request id appears twice in one batch", key) if key in keys else key)
+        keys.append(("request id appears twice in one batch", key) if key in seen else key)
+        seen.add(key)
     return keys
 
 

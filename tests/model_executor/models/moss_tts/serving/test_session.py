@@ -9,6 +9,7 @@ Every request's audio is compared with its solo fixed-width reference decode
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import pytest
@@ -419,7 +420,7 @@ def test_codes_that_are_not_dense_fail_their_request_alone(ring_decoder):
 
 
 def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
-    s = make_session(ring_decoder, 2)
+    s = make_session(ring_decoder, 3)
     c = _codes(ring_decoder, 1, 1)
     s.decode([ChunkRequest("req-1", c), ChunkRequest("r", c)])
     with pytest.raises(TypeError, match="request_ids must be a collection of request ids, got the single id 'req-1'"):
@@ -429,6 +430,16 @@ def test_finishing_takes_a_collection_of_ids_not_one_string(ring_decoder):
     assert set(s.live_requests) == {"req-1", "r"}
     s.on_requests_finished(["req-1"])
     assert set(s.live_requests) == {"r"}
+    # An id that is not a str ends nothing of its own (str() of it could name another stream): the ids before it
+    # are finished all the same, as when an iterable fails part-way.
+    s.decode([ChunkRequest("None", c), ChunkRequest("1", c)])
+    for bad in (None, 1, b"r"):
+        with pytest.raises(TypeError, match=rf"^request ids must be str, got {re.escape(repr(bad))}$"):
+            s.on_requests_finished([bad])
+    assert set(s.live_requests) == {"r", "None", "1"}
+    with pytest.raises(TypeError, match=r"^request ids must be str, got None$"):
+        s.on_requests_finished(["r", None, "1"])
+    assert set(s.live_requests) == {"None", "1"} and s.free_slots == 1
 
 
 @pytest.mark.parametrize(

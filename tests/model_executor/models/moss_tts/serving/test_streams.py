@@ -48,6 +48,30 @@ def test_the_queue_refuses_past_its_bounds_with_exact_messages():
     assert len(queue) == 0 and queue.request_ids == []
 
 
+def test_the_queue_counts_the_frames_it_was_given_whatever_a_stream_does_later():
+    # The count is kept as streams enter, gain chunks (add_chunk) and leave; a stream that empties its chunks
+    # before it leaves (a failed stream) still takes its counted frames out.
+    queue = AdmissionQueue(max_streams=4, max_frames=100)
+    a, b = Stream("a", chunks=[torch.zeros(1, 2)]), Stream("b")
+    queue.push(a)
+    queue.push(b)
+    queue.add_chunk(b, torch.zeros(1, 5))
+    queue.add_chunk(a, torch.zeros(1, 1))
+    assert queue.buffered_frames == 8 == a.buffered_frames + b.buffered_frames and a.buffered_frames == 3
+    queue.push_preempted(Stream("p", chunks=[torch.zeros(1, 4)]))
+    assert queue.buffered_frames == 12
+    assert queue.refusal(89, new_stream=False, capacity=1) == (
+        "all 1 decoder slots are busy and waiting streams would buffer 101 frames, over max_waiting_frames=100"
+    )
+    assert queue.pop_oldest().request_id == "p" and queue.buffered_frames == 8
+    b.chunks = []  # as a failing stream's chunks are dropped before it leaves the queue
+    queue.drop("b")
+    queue.drop("b")  # a second drop changes nothing
+    assert queue.buffered_frames == 3 and queue.request_ids == ["a"]
+    queue.clear()
+    assert queue.buffered_frames == 0
+
+
 def test_scheduled_chunks_and_step_batches_are_frozen():
     chunk = torch.zeros(2, 3, dtype=torch.long)
     work = ScheduledChunks("a", 1, (chunk,))

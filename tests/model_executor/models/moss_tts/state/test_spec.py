@@ -131,5 +131,7 @@ def test_a_pool_checks_its_spec_against_the_decoder(ring_decoder, ring_decoder_v
         build_pool(ring_decoder, StateSpec("paged", torch.float32, "upstream", "triton", None))
     with pytest.raises(TypeError, match=r"^build_pool needs a StateSpec, got str$"):
         build_pool(ring_decoder, "compact")
+    with pytest.raises(ValueError, match=r"^unknown state pool kind 'compactt'; expected one of \('compact', "):
+        build_pool(ring_decoder, StateSpec("compactt", torch.float32, "exact", "sdpa"))
     with pytest.raises(TypeError, match=r"^CompactDecoderStatePool needs a StateSpec, got dict$"):
         CompactDecoderStatePool(ring_decoder, {"kind": "compact"})

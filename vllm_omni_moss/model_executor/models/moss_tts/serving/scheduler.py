@@ -200,11 +200,16 @@ class StreamTable:
     # ------------------------------------------------------------------ lifecycle
     def finish_requests(self, request_ids) -> None:
         """Abort, disconnect or completion: release every slot these ids hold and drop their buffered chunks.
-        Ids that are neither live nor waiting are ignored."""
+        Ids that are neither live nor waiting are ignored.
+
+        Raises:
+            TypeError: an id that is not a ``str`` (the ids before it are finished all the same).
+        """
         released = []
         try:
             for rid in request_ids:
-                rid = str(rid)
+                if not isinstance(rid, str):  # str() of it could end another request's stream ("None", "1")
+                    raise TypeError(f"request ids must be str, got {rid!r}")
                 waiting = self.waiting.get(rid)
                 if waiting is not None and waiting.buffered_frames:
                     logger.error(
@@ -439,7 +444,10 @@ class Scheduler(StreamTable):
         if frames:
             # Chunks stay as they arrived (dtype, device) until a step gathers them: host chunks then travel in
             # one pinned copy and every step clamps its codes once (the step runner); no per-chunk op here.
-            stream.chunks.append(req.codes)
+            if rid in self.waiting:
+                self.waiting.add_chunk(stream, req.codes)
+            else:
+                stream.chunks.append(req.codes)
         stream.finished = stream.finished or req.finished
         return None
 

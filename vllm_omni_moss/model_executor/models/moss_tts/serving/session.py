@@ -264,7 +264,8 @@ class CodecStreamSession:
         Ids that are not live or waiting are ignored.
 
         Raises:
-            TypeError: ``request_ids`` is a single ``str`` (or bytes), or not a collection at all (``None``).
+            TypeError: ``request_ids`` is a single ``str`` (or bytes), or not a collection at all (``None``); or an
+                id in it is not a ``str`` (the ids before it are finished all the same).
             RuntimeError: another of the session's methods runs (one caller at a time; so do the methods below).
         """
         if isinstance(request_ids, (str, bytes)):

@@ -114,6 +114,11 @@ class AdmissionQueue:
         self.max_frames = max_frames
         self._preempted: OrderedDict[str, Stream] = OrderedDict()
         self._new: OrderedDict[str, Stream] = OrderedDict()
+        # Frames each waiting stream buffers as the queue counted them, and their sum: a bound check costs O(1),
+        # not a pass over every waiting stream's chunks (a call routing one chunk to each of N waiting streams
+        # would otherwise take O(N^2)). Chunks reach a waiting stream only through add_chunk.
+        self._frames: dict[str, int] = {}
+        self._total = 0
 
     def __len__(self) -> int:
         return len(self._preempted) + len(self._new)
@@ -128,7 +133,22 @@ class AdmissionQueue:
 
     @property
     def buffered_frames(self) -> int:
-        return sum(s.buffered_frames for s in (*self._preempted.values(), *self._new.values()))
+        """Code frames the waiting streams buffer, in total."""
+        return self._total
+
+    def _enter(self, stream: Stream) -> None:
+        frames = stream.buffered_frames
+        self._frames[stream.request_id] = frames
+        self._total += frames
+
+    def _leave(self, request_id: str) -> None:
+        self._total -= self._frames.pop(request_id, 0)
+
+    def add_chunk(self, stream: Stream, codes) -> None:
+        """Buffer ``codes`` (``(n_vq, T)``) in waiting ``stream``, counted against the queue's frame bound."""
+        stream.chunks.append(codes)
+        self._frames[stream.request_id] += codes.shape[1]
+        self._total += codes.shape[1]
 
     def get(self, request_id: str) -> Stream | None:
         return self._preempted.get(request_id) or self._new.get(request_id)
@@ -152,12 +172,14 @@ class AdmissionQueue:
         """Queue a new stream behind every waiting one."""
         stream.waiting_since = time.monotonic()
         self._new[stream.request_id] = stream
+        self._enter(stream)
 
     def _head(self) -> OrderedDict[str, Stream]:
         return self._preempted if self._preempted else self._new
 
     def pop_oldest(self) -> Stream:
-        _, stream = self._head().popitem(last=False)
+        rid, stream = self._head().popitem(last=False)
+        self._leave(rid)
         return stream
 
     def peek_oldest(self) -> Stream:
@@ -168,11 +190,15 @@ class AdmissionQueue:
         the queue's bounds: it was live)."""
         stream.waiting_since = time.monotonic()
         self._preempted[stream.request_id] = stream
+        self._enter(stream)
 
     def drop(self, request_id: str) -> None:
         self._preempted.pop(request_id, None)
         self._new.pop(request_id, None)
+        self._leave(request_id)
 
     def clear(self) -> None:
         self._preempted.clear()
         self._new.clear()
+        self._frames.clear()
+        self._total = 0

@@ -324,4 +324,7 @@ def build_pool(decoder, spec: StateSpec) -> DecoderStatePool:
     """
     if not isinstance(spec, StateSpec):
         raise TypeError(f"build_pool needs a StateSpec, got {type(spec).__name__}")
-    return POOL_CLASSES[spec.kind](decoder, spec)
+    pool_class = POOL_CLASSES.get(spec.kind)
+    if pool_class is None:  # a spec built by hand: check_for names the kind and the known ones
+        spec.check_for(decoder)
+    return pool_class(decoder, spec)
