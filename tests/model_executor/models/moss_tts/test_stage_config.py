@@ -198,6 +198,10 @@ def test_bad_pool_fields_are_rejected_at_construction(tmp_path, fields, message)
         # So is another separator.
         ({"codec-dtype": "float32"}, "'codec-dtype' (the closest known one is 'codec_dtype')"),
         ({"Codec Pool-Kind": "paged"}, "'Codec Pool-Kind' (the closest known one is 'codec_pool_kind')"),
+        # A name starting with "codec" but not "codec_", and a one-letter slip of a known name.
+        (dict(codecs_dtype="float32"), "'codecs_dtype' (the closest known one is 'codec_dtype')"),
+        (dict(codecdtype="float32"), "'codecdtype' (the closest known one is 'codec_dtype')"),
+        (dict(kodec_pool_kind="paged"), "'kodec_pool_kind' (the closest known one is 'codec_pool_kind')"),
     ],
 )
 def test_unknown_codec_option_is_refused_naming_the_closest_known_one(tmp_path, fields, named):
@@ -434,6 +438,20 @@ def test_every_known_connector_key_is_accepted_and_outside_keys_are_not_checked(
     others = dict.fromkeys(set(KNOWN_CONNECTOR_KEYS) - {"codec_chunk_ramp", "initial_codec_chunk_frames"}, 1)
     outside = {"connector_get_sleep_s": 0.005, "video_codec_options": {}, "pretrained_codec_model": "x"}
     assert connector_chunk_frames({**others, **outside, "codec_chunk_frames": 6}) == [6]
+
+
+@pytest.mark.parametrize("key", ["initial_codec_frames", "initial_codec_chnk_frames", "initial_codec_chunck_frames"])
+def test_a_near_miss_of_a_known_connector_key_is_refused_naming_it(key):
+    """A key that names no chunk and does not start with ``codec_`` is still checked when it is a near miss of a
+    known key: left unread, the 1-frame first chunk it meant to set would silently go."""
+    from vllm_omni_moss.model_executor.models.moss_tts.connector_keys import check_connector_keys
+
+    with pytest.raises(ValueError) as err:
+        check_connector_keys({key: 1, "codec_chunk_frames": 6})
+    assert str(err.value).startswith(
+        f"connector extra names a key neither this package nor vLLM-Omni 0.30.0 reads: {key!r} "
+        "(did you mean 'initial_codec_chunk_frames'?)."
+    )
 
 
 @pytest.mark.parametrize(

@@ -78,10 +78,20 @@ def _plain_key(key: str) -> str:
     return re.sub(r"[\s\-.]+", "_", key.strip().lower())
 
 
+#: A key at least this like one of :data:`SCHEDULE_KEYS` (``difflib`` ratio) is taken for a misspelling of it:
+#: ``initial_codec_frames`` comes to 0.87 against ``initial_codec_chunk_frames``; every key of vLLM-Omni 0.30.0's
+#: deploy files outside the namespace's other rules stays below 0.7 (``audiocodec_token_offset``,
+#: ``ref_code_context_frames``), and so do keys of other connectors such as ``video_codec_options`` (0.44).
+NEAR_MISS_RATIO = 0.85
+
+
 def in_schedule_namespace(key: str) -> bool:
-    """Whether ``key`` (any case and separators) starts with ``codec_`` or contains ``chunk`` or ``ramp``."""
+    """Whether ``key`` (any case and separators) starts with ``codec_``, contains ``chunk`` or ``ramp``, or is at
+    least :data:`NEAR_MISS_RATIO` like a key of the chunk schedule."""
     plain = _plain_key(key)
-    return plain.startswith("codec_") or "chunk" in plain or "ramp" in plain
+    if plain.startswith("codec_") or "chunk" in plain or "ramp" in plain:
+        return True
+    return bool(difflib.get_close_matches(plain, SCHEDULE_KEYS, n=1, cutoff=NEAR_MISS_RATIO))
 
 
 def _words(key: str) -> str:

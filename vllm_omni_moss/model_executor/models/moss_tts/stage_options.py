@@ -102,9 +102,17 @@ REMOVED_CODEC_KEYS: dict[str, str] = {
 DEFAULT_DUMMY_PRESET = "v2"
 
 
+#: A field of the hf_config at least this like a codec option (``difflib`` ratio of the plain names) is taken
+#: for a misspelling of it. The fields of upstream's MOSS-TTS config class come to at most 0.70 (``_name_or_path``
+#: against ``codec_model_name_or_path``), a one-letter slip to 0.93 and more.
+NEAR_MISS_RATIO = 0.85
+
+
 def check_codec_keys(hf: Any) -> None:
-    """Refuse a ``codec_*`` field of ``hf`` (the stage's hf_config) that :data:`CODEC_KEYS` does not list: a
-    misspelt option would otherwise leave its default in force without a word.
+    """Refuse a field of ``hf`` (the stage's hf_config) that looks like a codec option but :data:`CODEC_KEYS` does
+    not list it: a name starting with ``codec`` (any case and separators: ``codecs_dtype``), or one at least
+    :data:`NEAR_MISS_RATIO` like a known option (``kodec_pool_kind``). A misspelt option would otherwise leave its
+    default in force without a word; the model's own fields are none of these.
 
     The fields are those of ``vars(hf)``: a transformers ``PretrainedConfig`` keeps every field, those set by
     ``hf_overrides`` included, as an instance attribute.
@@ -123,7 +131,7 @@ def check_codec_keys(hf: Any) -> None:
         )
     # Any case and separator: hf_config fields are exact names, so `Codec_dtype` or `codec-dtype` would be a
     # field of its own, unread.
-    unknown = sorted(k for k in fields if _plain_key(k).startswith("codec_") and k not in CODEC_KEYS)
+    unknown = sorted(k for k in fields if k not in CODEC_KEYS and _looks_like_a_codec_option(_plain_key(k)))
     if unknown:
         closest = {k: difflib.get_close_matches(_plain_key(k), CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
         named = [f"{k!r} (the closest known one is {near!r})" for k, near in closest.items()]
@@ -134,6 +142,10 @@ def _plain_key(key: str) -> str:
     """``key`` lower-cased, its runs of spaces, hyphens and dots as one underscore (what a misspelling check
     compares)."""
     return re.sub(r"[\s\-.]+", "_", key.strip().lower())
+
+
+def _looks_like_a_codec_option(plain: str) -> bool:
+    return plain.startswith("codec") or bool(difflib.get_close_matches(plain, CODEC_KEYS, n=1, cutoff=NEAR_MISS_RATIO))
 
 
 class _CodecFields:
