@@ -96,6 +96,28 @@ def test_a_step_error_ends_its_stream_and_keeps_its_id_refused(ring_decoder):
     assert last.refused == {"a": "request 'a': boom"} and scheduler.refused == {}
 
 
+def test_a_round_is_updated_once_and_none_is_scheduled_over_one_holding_chunks(ring_decoder):
+    """A round's chunks have left their streams: scheduling again before update() would lose them, and updating a
+    round twice would count its frames twice. Both are refused with nothing changed; its mappings are read-only."""
+    scheduler, pool, _ = _scheduler(ring_decoder, 2)
+    first = scheduler.schedule([ChunkRequest("a", _codes(ring_decoder, 2, 1), True)])
+    with pytest.raises(RuntimeError, match=r"^Scheduler.schedule: the round scheduled before holds chunks that "):
+        scheduler.schedule([ChunkRequest("b", _codes(ring_decoder, 1, 2))])
+    assert list(scheduler.live) == ["a"] and [w.request_id for w in first.chunks] == ["a"]  # b was not routed
+    with pytest.raises(TypeError):
+        first.refused["a"] = "x"  # read-only
+    scheduler.update(first, RunnerOutput(decoded_frames={"a": 2}))
+    with pytest.raises(RuntimeError, match=r"^Scheduler.update: this round is not the one last scheduled "):
+        scheduler.update(first, RunnerOutput(decoded_frames={"a": 2}))
+    assert scheduler.live == {} and pool.free_slot_count == 2
+    empty = scheduler.schedule([])  # a round with nothing to decode may be scheduled over
+    stale = scheduler.schedule([ChunkRequest("b", _codes(ring_decoder, 1, 2))])
+    with pytest.raises(RuntimeError, match=r"^Scheduler.update: this round is not the one last scheduled "):
+        scheduler.update(empty, RunnerOutput())
+    assert scheduler.update(stale, RunnerOutput(decoded_frames={"b": 1})).schedule_again is False
+    assert scheduler.live["b"].frames_decoded == 1
+
+
 def test_an_empty_output_is_frozen_and_holds_nothing():
     output = SchedulerOutput()
     assert (output.chunks, output.refused, output.admitted, output.resumed, output.preempted) == ((), {}, (), (), ())

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from .counters import SessionCounters
 from .requests import ChunkRequest
@@ -263,6 +264,9 @@ class Scheduler(StreamTable):
     def __init__(self, pool, capacity: int, max_waiting_streams: int, max_waiting_frames: int, counters):
         super().__init__(pool, max_waiting_streams, max_waiting_frames, counters)
         self.capacity = capacity
+        # The round last scheduled, until update() takes it back: its chunks left their streams, so a round is
+        # scheduled only once the one before it holding chunks was updated, and each round is updated once.
+        self._round: SchedulerOutput | None = None
         # Working state of the call being scheduled, set by its first round: frames of its chunks not yet routed
         # (per id), and whether the live streams' pending chunks hold their pages.
         self._incoming: dict[str, int] = {}
@@ -280,7 +284,16 @@ class Scheduler(StreamTable):
             The round, frozen: waiting streams admitted while they fit (those whose terminal chunk arrived first,
             preempting live streams for them), every ready stream's chunks (their state reserved, preempting
             live streams when a paged pool runs short), and what happened to streams on the way.
+        Raises:
+            RuntimeError: the round scheduled before holds chunks or ending streams that :meth:`update` has not
+                taken back (its chunks have left their streams: scheduling again would lose them).
         """
+        pending = self._round
+        if pending is not None and (pending.chunks or pending.ending):
+            raise RuntimeError(
+                "Scheduler.schedule: the round scheduled before holds chunks that update() has not taken back; "
+                "scheduling again would lose their frames"
+            )
         self._log = log = _RoundLog()
         refused: dict[str, str] = {}
         if chunks is not None:
@@ -296,17 +309,29 @@ class Scheduler(StreamTable):
         for s in ready:
             s.chunks = []
             self._touched.add(s.request_id)
-        return SchedulerOutput(
-            work, refused, tuple(log.admitted), tuple(log.resumed), tuple(log.preempted), dict(log.failures),
-            tuple(rid for rid, s in self.live.items() if s.finished),
+        self._round = SchedulerOutput(
+            work, MappingProxyType(refused), tuple(log.admitted), tuple(log.resumed), tuple(log.preempted),
+            MappingProxyType(dict(log.failures)), tuple(rid for rid, s in self.live.items() if s.finished),
         )  # fmt: skip
+        return self._round
 
     def update(self, output: SchedulerOutput, result) -> SchedulerUpdate:
         """Take back what the step runner decoded of ``output`` (``result``, a ``step_runner.RunnerOutput``):
         advance each stream's frames decoded (a stream whose step failed counts the pieces decoded before it), end
         the streams whose step raised (:meth:`_fail`) and the streams of ``output.ending`` (their slots released).
         When streams ended while others wait, the call goes on (another :meth:`schedule`); otherwise it is done and
-        a waiting stream whose terminal chunk got no slot fails (:meth:`_fail_stranded_endings`)."""
+        a waiting stream whose terminal chunk got no slot fails (:meth:`_fail_stranded_endings`).
+
+        Raises:
+            RuntimeError: ``output`` is not the round last scheduled (it was updated already, or another round was
+                scheduled after it): its frames would be counted twice.
+        """
+        if output is not self._round:
+            raise RuntimeError(
+                "Scheduler.update: this round is not the one last scheduled (updated already, or scheduled before "
+                "another); its frames would be counted twice"
+            )
+        self._round = None
         self._log = log = _RoundLog()
         for rid, frames in result.decoded_frames.items():
             self.live[rid].frames_decoded += frames
@@ -317,7 +342,16 @@ class Scheduler(StreamTable):
         again = bool(output.ending) and bool(self.waiting)
         if not again:
             self._fail_stranded_endings()
-        return SchedulerUpdate(step_errors, dict(log.failures), again)
+        return SchedulerUpdate(MappingProxyType(step_errors), MappingProxyType(dict(log.failures)), again)
+
+    def abandon(self, accepted: list[ChunkRequest], exc: Exception) -> None:
+        """:meth:`StreamTable.abandon`; the round in flight is dropped with the streams it held."""
+        self._round = None
+        super().abandon(accepted, exc)
+
+    def clear(self) -> None:
+        self._round = None
+        super().clear()
 
     def _begin_call(self, chunks: Sequence[ChunkRequest]) -> None:
         # The call's first round: admission accounts for its chunks' frames; slots freed since the last call go to
