@@ -25,6 +25,7 @@ __all__ = [
     "check_connector_keys",
     "in_schedule_namespace",
     "nearest_known_key",
+    "plain_key",
 ]
 
 #: The connector ``extra`` keys this package reads: the chunk schedule (vLLM-Omni 0.30.0's names;
@@ -73,8 +74,9 @@ REMOVED_KEYS: dict[str, str] = {
 }
 
 
-def _plain_key(key: str) -> str:
-    """``key`` lower-cased, its runs of spaces, hyphens and dots as one underscore."""
+def plain_key(key: str) -> str:
+    """``key`` lower-cased, its runs of spaces, hyphens and dots as one underscore: what the misspelling checks of
+    connector keys and of codec options (``stage_options.check_codec_keys``) compare."""
     return re.sub(r"[\s\-.]+", "_", key.strip().lower())
 
 
@@ -88,7 +90,7 @@ NEAR_MISS_RATIO = 0.85
 def in_schedule_namespace(key: str) -> bool:
     """Whether ``key`` (any case and separators) starts with ``codec_``, contains ``chunk`` or ``ramp``, or is at
     least :data:`NEAR_MISS_RATIO` like a key of the chunk schedule."""
-    plain = _plain_key(key)
+    plain = plain_key(key)
     if plain.startswith("codec_") or "chunk" in plain or "ramp" in plain:
         return True
     return bool(difflib.get_close_matches(plain, SCHEDULE_KEYS, n=1, cutoff=NEAR_MISS_RATIO))
@@ -102,7 +104,7 @@ def nearest_known_key(key: str) -> str:
     """The known key most like ``key``: the higher of two ``difflib`` ratios, of the names and of their words
     sorted (so ``codec_initial_chunk_frames`` finds ``initial_codec_chunk_frames``); a tie goes to the key listed
     first in :data:`KNOWN_CONNECTOR_KEYS`."""
-    plain = _plain_key(key)
+    plain = plain_key(key)
 
     def score(name: str) -> float:
         chars = difflib.SequenceMatcher(None, plain, name).ratio()
@@ -120,8 +122,8 @@ def check_connector_keys(extra: Mapping[str, Any]) -> None:
             to each.
     """
     for key in extra:
-        if isinstance(key, str) and _plain_key(key) in REMOVED_KEYS:
-            raise ValueError(f"connector extra {key!r}: {REMOVED_KEYS[_plain_key(key)]}")
+        if isinstance(key, str) and plain_key(key) in REMOVED_KEYS:
+            raise ValueError(f"connector extra {key!r}: {REMOVED_KEYS[plain_key(key)]}")
     unknown = sorted(
         k for k in extra if isinstance(k, str) and in_schedule_namespace(k) and k not in KNOWN_CONNECTOR_KEYS
     )

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import numbers
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from .backends import ATTENTION_BACKENDS
 from .config import CODEC_ABILITIES, PRESETS, RING_SEMANTICS
-from .connector_keys import check_connector_keys
+from .connector_keys import check_connector_keys, plain_key
 from .decoder import chunk_frames_at
 from .graph_ladder import frame_totals
 from .serving.options import SessionOptions
@@ -122,26 +121,20 @@ def check_codec_keys(hf: Any) -> None:
             field and the known one closest to it (``difflib``).
     """
     fields = getattr(hf, "__dict__", {})
-    removed = sorted(k for k in fields if _plain_key(k) in REMOVED_CODEC_KEYS)
+    removed = sorted(k for k in fields if plain_key(k) in REMOVED_CODEC_KEYS)
     if removed:
         key = removed[0]
         raise ValueError(
             f"codec option {key!r} in the stage's hf_config (hf_overrides) was removed: "
-            f"{REMOVED_CODEC_KEYS[_plain_key(key)]}; delete it from the deploy file"
+            f"{REMOVED_CODEC_KEYS[plain_key(key)]}; delete it from the deploy file"
         )
     # Any case and separator: hf_config fields are exact names, so `Codec_dtype` or `codec-dtype` would be a
     # field of its own, unread.
-    unknown = sorted(k for k in fields if k not in CODEC_KEYS and _looks_like_a_codec_option(_plain_key(k)))
+    unknown = sorted(k for k in fields if k not in CODEC_KEYS and _looks_like_a_codec_option(plain_key(k)))
     if unknown:
-        closest = {k: difflib.get_close_matches(_plain_key(k), CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
+        closest = {k: difflib.get_close_matches(plain_key(k), CODEC_KEYS, n=1, cutoff=0.0)[0] for k in unknown}
         named = [f"{k!r} (the closest known one is {near!r})" for k, near in closest.items()]
         raise ValueError(f"unknown codec option in the stage's hf_config (hf_overrides): {', '.join(named)}")
-
-
-def _plain_key(key: str) -> str:
-    """``key`` lower-cased, its runs of spaces, hyphens and dots as one underscore (what a misspelling check
-    compares)."""
-    return re.sub(r"[\s\-.]+", "_", key.strip().lower())
 
 
 def _looks_like_a_codec_option(plain: str) -> bool:
