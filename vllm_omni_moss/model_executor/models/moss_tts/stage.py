@@ -52,7 +52,7 @@ from .deploy_sizing import STEP_RESERVE_BYTES, MemoryShare, check_stage_state
 from .payload import PayloadAssembler, PayloadError, StreamChunk, meta_count, meta_of, payload_id, same_request
 from .random_codec import random_decoder
 from .serving import ChunkRequest, ChunkResult, CodecStreamSession, collector_paused
-from .serving.requests import CODE_DTYPES
+from .serving.requests import CODE_DTYPES, check_id_collection
 from .stage_options import CODEC_DTYPES, StageOptions, codec_dtype_for
 from .state import StateSpec
 from .talker_chunker import chunk_schedule_of
@@ -440,12 +440,7 @@ class MossTTSCodecDecoder(nn.Module):
         from its admission queue after the request's last batch row (``docs/serving_stage.md``, "Admission
         queue").
         """
-        if isinstance(finished_req_ids, (str, bytes)):
-            raise TypeError(
-                f"finished_req_ids must be a collection of request ids, got the single id {finished_req_ids!r}"
-            )
-        if not isinstance(finished_req_ids, Iterable):
-            raise TypeError(f"finished_req_ids must be a collection of request ids, got {finished_req_ids!r}")
+        check_id_collection(finished_req_ids, "finished_req_ids")
         ids = list(finished_req_ids)
         for rid in ids:
             if not isinstance(rid, str):  # str() of it could end another request's stream ("None", "1")

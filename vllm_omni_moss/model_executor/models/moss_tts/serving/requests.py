@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CODE_DTYPES", "CheckedBatch", "ChunkRequest", "ChunkResult", "InvalidRequestId", "check_batch"]
+__all__ = [
+    "CODE_DTYPES",
+    "CheckedBatch",
+    "ChunkRequest",
+    "ChunkResult",
+    "InvalidRequestId",
+    "check_batch",
+    "check_id_collection",
+]
 
 #: Integer dtypes a chunk's codes may have (they are gathered into int64 when a step stages them).
 CODE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -156,3 +164,16 @@ def _chunk_error(req: ChunkRequest, key: object, n_vq: int) -> str | None:
     if c.device.type == "meta":
         return f"request {rid!r}: codes are on the meta device"
     return None
+
+
+def check_id_collection(ids, name: str) -> None:
+    """Refuse ``ids`` (the argument ``name`` of an ``on_requests_finished``) unless it is a collection of ids: a
+    single ``str`` (or bytes) would be iterated as characters, and ``None`` is no collection at all.
+
+    Raises:
+        TypeError: naming ``name`` and the value.
+    """
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"{name} must be a collection of request ids, got the single id {ids!r}")
+    if not isinstance(ids, Iterable):
+        raise TypeError(f"{name} must be a collection of request ids, got {ids!r}")

@@ -60,7 +60,7 @@ from ..state import DecoderStatePool, build_pool
 from ..state.spec import StateSpec
 from .counters import SessionCounters
 from .options import SessionOptions
-from .requests import CheckedBatch, ChunkRequest, ChunkResult, check_batch
+from .requests import CheckedBatch, ChunkRequest, ChunkResult, check_batch, check_id_collection
 from .scheduler import Scheduler
 from .step_runner import StepRunner, capture_graphs, compiled_step
 from .tracing import CallTrace, CallTracer
@@ -268,10 +268,7 @@ class CodecStreamSession:
                 id in it is not a ``str`` (the ids before it are finished all the same).
             RuntimeError: another of the session's methods runs (one caller at a time; so do the methods below).
         """
-        if isinstance(request_ids, (str, bytes)):
-            raise TypeError(f"request_ids must be a collection of request ids, got the single id {request_ids!r}")
-        if not isinstance(request_ids, Iterable):
-            raise TypeError(f"request_ids must be a collection of request ids, got {request_ids!r}")
+        check_id_collection(request_ids, "request_ids")
         if not self._closed:
             self.scheduler.finish_requests(request_ids)
 
